@@ -1,0 +1,30 @@
+// CPU (OpenMP through at::parallel_for) per-row squared norms, accumulated in double for float inputs.
+#include "../ops.h"
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+
+namespace elasticlab {
+
+at::Tensor row_sq_norms_cpu(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
+  TORCH_CHECK(x_in.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x_in.scalar_type());
+  const int64_t B = x_in.size(0);
+  auto x = x_in.contiguous().view({B, -1});
+  const int64_t D = x.size(1);
+  auto out = at::empty({B}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_sq_norms_cpu", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const scalar_t* row = px + b * D;
+        double acc = 0.0;
+        for (int64_t j = 0; j < D; ++j) acc += static_cast<double>(row[j]) * row[j];
+        po[b] = static_cast<scalar_t>(acc);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace elasticlab

@@ -1,0 +1,7 @@
+// CUDA registrations of the elasticlab operators (compiled only when torch and nvcc support CUDA).
+#include <torch/library.h>
+#include "../ops.h"
+
+TORCH_LIBRARY_IMPL(elasticlab, CUDA, m) {
+  m.impl("row_sq_norms", &elasticlab::row_sq_norms_cuda);
+}

@@ -1,0 +1,27 @@
+import os
+import shutil
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    have_browser = shutil.which("chromium") is not None or os.path.exists("/usr/bin/chromium")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        have_browser = False
+    # CI sets ELASTICLAB_REQUIRE_BROWSER=1: there a missing browser is a failure, not a skip.
+    require_browser = os.environ.get("ELASTICLAB_REQUIRE_BROWSER") == "1"
+    no_browser = pytest.mark.skip(reason="needs /usr/bin/chromium and playwright")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "browser" in item.keywords and not have_browser and not require_browser:
+            item.add_marker(no_browser)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
