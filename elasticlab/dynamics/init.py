@@ -11,7 +11,8 @@ __all__ = ["random_init", "aligned_init"]
 
 def random_init(widths, scale: float, slope: float = 0.0, biases: bool = False, seed: int = 0,
                 fan_in: bool = False, bias_scale: float = 0.0) -> MLP:
-    """W_j with i.i.d. N(0, scale²) entries (N(0, scale²/fan_in) when ``fan_in``); biases N(0, bias_scale²)."""
+    """W_j with i.i.d. N(0, scale²) entries (N(0, scale²/fan_in) when ``fan_in``); biases
+    N(0, bias_scale²)."""
     scale = float(scale)
     if not np.isfinite(scale) or scale <= 0:
         raise ValueError(f"init scale must be a positive finite number, got {scale!r}")

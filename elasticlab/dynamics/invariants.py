@@ -49,7 +49,7 @@ def neuron_invariants(weights, biases=None) -> list:
 
 
 def layer_invariants(weights, biases=None) -> np.ndarray:
-    """‖W_j‖²_F + ‖b_j‖² − ‖W_{j+1}‖²_F for j = 1..L−1 (the sum of the neuron invariants), shape (..., L−1)."""
+    """‖W_j‖²_F + ‖b_j‖² − ‖W_{j+1}‖²_F for j = 1..L−1 (sum of the neuron invariants), shape (..., L−1)."""
     inv = neuron_invariants(weights, biases)
     return np.stack([v.sum(axis=-1) for v in inv], axis=-1)
 

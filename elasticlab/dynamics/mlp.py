@@ -150,7 +150,7 @@ class MLP:
     def end_to_end(self, params=None) -> np.ndarray:
         """W_e = W_L···W_1, the end-to-end matrix of a linear net (Saxe et al. 2014; Arora et al. 2018)."""
         if self.slope != 1.0:
-            raise ValueError(f"end_to_end is the map of a linear net (slope=1); this net has slope {self.slope}")
+            raise ValueError(f"end_to_end needs a linear net (slope=1); this net has slope {self.slope}")
         params = self.params if params is None else np.asarray(params)
         ws = self.weights_at(params)
         we = ws[0]

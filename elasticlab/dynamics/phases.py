@@ -54,7 +54,8 @@ def detect_phases(t, y, frac: float = 0.01, prominence: float = 0.01, grid: int 
     if np.any(np.diff(t) <= 0):
         raise ValueError("t must be strictly increasing")
     if not (0 < frac < 1) or prominence <= 0:
-        raise ValueError(f"need 0 < frac < 1 and prominence > 0, got frac={frac!r}, prominence={prominence!r}")
+        raise ValueError(f"need 0 < frac < 1 and prominence > 0, got frac={frac!r}, "
+                         f"prominence={prominence!r}")
     total = y[-1] - y[0]
     if not total > 0:
         raise ValueError(f"y does not grow (y[-1] - y[0] = {total!r}); nothing to segment")

@@ -47,7 +47,7 @@ class SaxeTask:
 
 
 def saxe_task(s, d_in: int | None = None, d_out: int | None = None, seed: int = 0) -> SaxeTask:
-    """Random orthogonal U, V (seeded) and singular values ``s`` (padded with zeros to m = min(d_in, d_out))."""
+    """Random orthogonal U, V (seeded); singular values ``s`` padded with zeros to m = min(d_in, d_out)."""
     s = np.asarray(s, dtype=np.float64).ravel()
     if s.size == 0 or np.any(s < 0) or not np.all(np.isfinite(s)):
         raise ValueError(f"singular values must be a non-empty list of finite numbers >= 0, got {s!r}")
