@@ -1,0 +1,29 @@
+"""Learning-rate rules for elastic batch sizes: linear, square-root, AdaScale (Johnson et al. 2020),
+Dynamic SGD ramps (Lin et al. 2019), scale-invariant progress, and :class:`ElasticLR`, the wrapper that
+composes them with any torch optimizer and its base schedule."""
+from .adascale import AdaScale, AdaScaleEstimator, adascale_moments, gain_from_noise_scale, gain_ratio
+from .base import RULES, ScalingRule, get_rule, register
+from .dynamic_sgd import MOMENTUM_MODES, DynamicSGD
+from .linear import IdentityScaling, LinearScaling
+from .progress import ScaleInvariantProgress
+from .sqrt import SqrtScaling
+from .wrapper import ElasticLR
+
+__all__ = [
+    "AdaScale",
+    "AdaScaleEstimator",
+    "DynamicSGD",
+    "ElasticLR",
+    "IdentityScaling",
+    "LinearScaling",
+    "MOMENTUM_MODES",
+    "RULES",
+    "ScaleInvariantProgress",
+    "ScalingRule",
+    "SqrtScaling",
+    "adascale_moments",
+    "gain_from_noise_scale",
+    "gain_ratio",
+    "get_rule",
+    "register",
+]
