@@ -1,0 +1,79 @@
+"""Benchmark of elasticlab.alloc.dp_allocate against a pure-Python DP measured in the same run.
+
+Sizes (jobs, GPUs) = (160, 64), (1000, 1024), (1000, 4096), at most 64 GPUs per job. Two utility kinds:
+concave (Amdahl-like speedups g / (1 + c (g-1)); the exact greedy path) and non-concave (a penalty for
+crossing a 4-GPU node; the DP path). Targets: (160, 64) < 0.2 ms, (1000, 4096) < 0.1 s, still exact.
+Last line: RESULT {json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from elasticlab.alloc import allocation_value, dp_allocate, dp_allocate_reference
+
+
+def utility_table(jobs, gpus, max_per_job=64, concave=True, seed=0):
+    rng = np.random.default_rng(seed)
+    g = np.arange(gpus + 1)
+    c = rng.uniform(0.01, 0.3, (jobs, 1))
+    w = rng.uniform(0.5, 2.0, (jobs, 1))
+    u = w * g / (1 + c * np.maximum(g - 1, 0))
+    if not concave:
+        u = u / (1 + 0.3 * (g > 4))
+    return np.where(g <= max_per_job, u, -np.inf)
+
+
+def best_time(fn, min_total=0.3, max_reps=10000):
+    fn()
+    times = []
+    t_end = time.perf_counter() + min_total
+    while len(times) < max_reps and (time.perf_counter() < t_end or len(times) < 3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), float(np.min(times))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="skip the pure-Python DP at 4096 GPUs (~4 min)")
+    args = ap.parse_args(argv)
+    sizes = [(160, 64), (1000, 1024), (1000, 4096)]
+    out = {}
+    py_time = {}
+    for jobs, gpus in sizes:
+        for concave in (True, False):
+            u = utility_table(jobs, gpus, concave=concave)
+            med, best = best_time(lambda u=u, gpus=gpus: dp_allocate(u, gpus))
+            med_dp, _ = best_time(lambda u=u, gpus=gpus: dp_allocate(u, gpus, method="dp"), min_total=0.5, max_reps=20)
+            v_auto = allocation_value(u, dp_allocate(u, gpus))
+            v_dp = allocation_value(u, dp_allocate(u, gpus, method="dp"))
+            exact = abs(v_auto - v_dp) <= 1e-9 * max(1.0, abs(v_dp))
+            t_py = float("nan")
+            if concave and not (args.quick and gpus > 1024):  # same O(J K G) loops for both kinds: run once
+                t0 = time.perf_counter()
+                ref = dp_allocate_reference(u, gpus)
+                t_py = time.perf_counter() - t0
+                exact = exact and abs(v_auto - allocation_value(u, ref)) <= 1e-9 * max(1.0, abs(v_auto))
+                py_time[(jobs, gpus)] = t_py
+            t_py = py_time.get((jobs, gpus), t_py)
+            key = f"{jobs}x{gpus}_{'concave' if concave else 'nonconcave'}"
+            out[key] = {"auto_s": med, "auto_best_s": best, "numba_dp_s": med_dp, "python_dp_s": t_py,
+                        "speedup_vs_python": t_py / med, "exact": bool(exact)}
+            print(f"{key:28s} auto {med * 1e3:9.3f} ms  numba-DP {med_dp * 1e3:9.2f} ms  "
+                  f"python-DP {t_py * 1e3:10.1f} ms  x{t_py / med:8.0f}  exact={exact}", flush=True)
+    targets = {
+        "160x64_under_0.2ms": out["160x64_concave"]["auto_s"] < 2e-4,
+        "1000x4096_under_0.1s": out["1000x4096_concave"]["auto_s"] < 0.1,
+        "all_exact": all(v["exact"] for v in out.values()),
+    }
+    print("targets:", targets)
+    print("RESULT " + json.dumps({"results": out, "targets": targets}))
+
+
+if __name__ == "__main__":
+    main()

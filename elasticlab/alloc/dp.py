@@ -1,0 +1,329 @@
+"""Exact allocation of GPUs to jobs by dynamic programming (Saxena et al., MASCOTS 2020, the DP of Sec. III).
+
+Maximise  sum_j utility[j, g_j]  subject to  sum_j g_j <= capacity  and  min_j <= g_j <= max_j.
+``utility[j, g]`` is job j's value at g GPUs (the best batch size for g GPUs is already folded in);
+``-inf`` marks a count that job j cannot run at.
+
+Two exact solvers, one compiled kernel:
+
+* rows that are concave on their feasible range (a contiguous run of finite values with non-increasing
+  marginal gains) are merged greedily: the optimum for a set of concave jobs takes the largest positive
+  marginal gains first (exact for concave utilities; O(J G log(J G))).
+* every other row goes through the knapsack-style DP  P_j(k) = max_g u_j(g) + P_{j-1}(k - g)
+  (O(J K G)), which is then combined with the greedy curve of the concave rows in one max-plus step.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["dp_allocate", "dp_allocate_reference", "allocation_value", "is_concave_row"]
+
+_NEG = -np.inf
+
+
+@numba.njit(cache=True)
+def _row_range(u, j, lo, hi):
+    """First and last feasible count of row j inside [lo, hi], and whether the feasible set is contiguous."""
+    a = -1
+    b = -1
+    for g in range(lo, hi + 1):
+        if u[j, g] > _NEG:
+            if a < 0:
+                a = g
+            b = g
+    if a < 0:
+        return -1, -1, False
+    for g in range(a, b + 1):
+        if not (u[j, g] > _NEG):
+            return a, b, False
+    return a, b, True
+
+
+@numba.njit(cache=True)
+def _concave(u, j, a, b, tol):
+    for g in range(a + 1, b):
+        d_prev = u[j, g] - u[j, g - 1]
+        d_next = u[j, g + 1] - u[j, g]
+        if d_next > d_prev + tol:
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def _heap_push(hv, hj, n, v, j):
+    i = n
+    hv[i] = v
+    hj[i] = j
+    while i > 0:
+        p = (i - 1) // 2
+        if hv[p] >= hv[i]:
+            break
+        hv[p], hv[i] = hv[i], hv[p]
+        hj[p], hj[i] = hj[i], hj[p]
+        i = p
+    return n + 1
+
+
+@numba.njit(cache=True)
+def _heap_pop(hv, hj, n):
+    n -= 1
+    hv[0] = hv[n]
+    hj[0] = hj[n]
+    i = 0
+    while True:
+        left = 2 * i + 1
+        m = i
+        if left < n and hv[left] > hv[m]:
+            m = left
+        if left + 1 < n and hv[left + 1] > hv[m]:
+            m = left + 1
+        if m == i:
+            break
+        hv[m], hv[i] = hv[i], hv[m]
+        hj[m], hj[i] = hj[i], hj[m]
+        i = m
+    return n
+
+
+@numba.njit(cache=True)
+def _solve(u, lo, hi, capacity, use_greedy, tol):
+    """Return (status, alloc); status 0 = ok, 1 = infeasible."""
+    J = u.shape[0]
+    alloc = np.zeros(J, dtype=np.int64)
+    first = np.empty(J, dtype=np.int64)
+    last = np.empty(J, dtype=np.int64)
+    conc = np.zeros(J, dtype=np.bool_)
+    min_total = 0
+    n_conc = 0
+    for j in range(J):
+        a, b, contiguous = _row_range(u, j, lo[j], hi[j])
+        if a < 0:
+            return 1, alloc
+        first[j] = a
+        last[j] = b
+        min_total += a
+        if use_greedy and contiguous and _concave(u, j, a, b, tol):
+            conc[j] = True
+            n_conc += 1
+    if min_total > capacity:
+        return 1, alloc
+
+    # --- greedy curve of the concave rows: prefix[t] = best gain from t extra GPUs beyond their minimum.
+    # Each concave row's marginal gains are non-increasing, so a J-way merge (max-heap) yields the
+    # globally largest gains in order.
+    base_c = 0.0
+    min_c = 0
+    for j in range(J):
+        if conc[j]:
+            base_c += u[j, first[j]]
+            min_c += first[j]
+    budget = capacity - min_total  # GPUs beyond every job's minimum
+    heap_v = np.empty(n_conc, dtype=np.float64)
+    heap_j = np.empty(n_conc, dtype=np.int64)
+    nxt = first.copy()
+    n_heap = 0
+    for j in range(J):
+        if conc[j] and first[j] < last[j]:
+            d = u[j, first[j] + 1] - u[j, first[j]]
+            if d > 0.0:
+                n_heap = _heap_push(heap_v, heap_j, n_heap, d, j)
+    prefix = np.zeros(budget + 1, dtype=np.float64)
+    taken = np.empty(budget, dtype=np.int64)
+    n_take_max = 0
+    while n_take_max < budget and n_heap > 0:
+        d = heap_v[0]
+        j = heap_j[0]
+        n_heap = _heap_pop(heap_v, heap_j, n_heap)
+        prefix[n_take_max + 1] = prefix[n_take_max] + d
+        taken[n_take_max] = j
+        n_take_max += 1
+        nxt[j] += 1
+        g = nxt[j]
+        if g < last[j]:
+            d2 = u[j, g + 1] - u[j, g]
+            if d2 > 0.0:
+                n_heap = _heap_push(heap_v, heap_j, n_heap, d2, j)
+
+    # --- DP over the other rows (exact count k).
+    n_dp = J - n_conc
+    K = capacity
+    choice = np.zeros((n_dp, K + 1), dtype=np.int32)
+    P = np.full(K + 1, _NEG)
+    Q = np.empty(K + 1, dtype=np.float64)
+    P[0] = 0.0
+    reach_lo = 0
+    reach_hi = 0
+    r = 0
+    dp_rows = np.empty(n_dp, dtype=np.int64)
+    for j in range(J):
+        if conc[j]:
+            continue
+        dp_rows[r] = j
+        a = first[j]
+        b = last[j]
+        new_lo = reach_lo + a
+        new_hi = min(K, reach_hi + b)
+        for k in range(K + 1):
+            Q[k] = _NEG
+        for g in range(a, b + 1):
+            v = u[j, g]
+            if not (v > _NEG):
+                continue
+            top = min(new_hi, reach_hi + g)
+            for k in range(reach_lo + g, top + 1):
+                s = v + P[k - g]
+                if s > Q[k]:
+                    Q[k] = s
+                    choice[r, k] = g
+        for k in range(K + 1):
+            P[k] = Q[k]
+        reach_lo = new_lo
+        reach_hi = new_hi
+        r += 1
+
+    # --- combine: k GPUs for the DP rows, the rest (at most) for the concave rows.
+    best = _NEG
+    best_k = -1
+    for k in range(reach_lo, reach_hi + 1):
+        if not (P[k] > _NEG):
+            continue
+        rest = capacity - k - min_c
+        if rest < 0:
+            continue
+        t = min(rest, n_take_max)
+        v = P[k] + base_c + prefix[t]
+        if v > best:
+            best = v
+            best_k = k
+    if best_k < 0:
+        return 1, alloc
+    # backtrack the DP rows
+    k = best_k
+    for rr in range(n_dp - 1, -1, -1):
+        g = choice[rr, k]
+        alloc[dp_rows[rr]] = g
+        k -= g
+    # greedy rows: their first feasible count plus the gains taken
+    for j in range(J):
+        if conc[j]:
+            alloc[j] = first[j]
+    t = min(capacity - best_k - min_c, n_take_max)
+    for q in range(t):
+        alloc[taken[q]] += 1
+    return 0, alloc
+
+
+def _validate(utility, capacity, min_gpus, max_gpus):
+    u = np.asarray(utility, dtype=np.float64)
+    if u.ndim != 2 or u.shape[1] < 1:
+        raise ValueError(f"utility must be a 2-D array of shape (jobs, capacity+1), got shape {u.shape}")
+    if isinstance(capacity, bool) or int(capacity) != capacity:
+        raise ValueError(f"capacity must be an integer, got {capacity!r}")
+    capacity = int(capacity)
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if np.isnan(u).any():
+        j, g = np.argwhere(np.isnan(u))[0]
+        raise ValueError(f"utility contains NaN (first at job {j}, {g} GPUs)")
+    if np.isposinf(u).any():
+        j, g = np.argwhere(np.isposinf(u))[0]
+        raise ValueError(f"utility contains +inf (first at job {j}, {g} GPUs); -inf marks infeasible counts")
+    J, W = u.shape
+    top = min(W - 1, capacity)
+
+    def bounds(x, name, default):
+        if x is None:
+            return np.full(J, default, dtype=np.int64)
+        arr = np.asarray(x)
+        if arr.ndim == 0:
+            arr = np.full(J, arr)
+        if arr.shape != (J,):
+            raise ValueError(f"{name} must be a scalar or have shape ({J},), got shape {arr.shape}")
+        if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+            raise ValueError(f"{name} must hold integers, got {arr!r}")
+        arr = arr.astype(np.int64)
+        if np.any(arr < 0):
+            raise ValueError(f"{name} must be >= 0, got {arr[arr < 0][0]} for job {int(np.argmax(arr < 0))}")
+        return arr
+
+    lo = bounds(min_gpus, "min_gpus", 0)
+    hi = np.minimum(bounds(max_gpus, "max_gpus", top), top)
+    bad = np.flatnonzero(lo > hi)
+    if bad.size and (min_gpus is not None):
+        j = int(bad[0])
+        raise ValueError(
+            f"infeasible: job {j} needs at least {lo[j]} GPUs but at most {hi[j]} are possible "
+            f"(max_gpus, table width {W} and capacity {capacity})")
+    return np.ascontiguousarray(u), capacity, lo, hi
+
+
+def dp_allocate(utility, capacity, min_gpus=None, max_gpus=None, *, method="auto", tol=1e-12):
+    """GPU counts maximising sum_j utility[j, g_j] with sum_j g_j <= capacity (Saxena et al. DP).
+
+    utility: (J, W) array, W <= capacity+1 usual W == capacity+1; columns beyond ``capacity`` are ignored and
+    counts beyond W-1 are infeasible; ``-inf`` marks an infeasible count. min_gpus / max_gpus: per-job
+    bounds (scalars or length-J). method: "auto" (greedy for concave rows, DP for the rest) or "dp"
+    (DP for all rows). Returns an int64 array of length J. Raises ValueError when no allocation is
+    feasible or the input is malformed.
+    """
+    if method not in ("auto", "dp"):
+        raise ValueError(f"method must be 'auto' or 'dp', got {method!r}")
+    u, capacity, lo, hi = _validate(utility, capacity, min_gpus, max_gpus)
+    if u.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    if np.any(lo > hi):
+        j = int(np.flatnonzero(lo > hi)[0])
+        raise ValueError(f"infeasible: job {j} cannot get {lo[j]} GPUs within capacity {capacity}")
+    scale = float(np.max(np.abs(u[np.isfinite(u)]), initial=1.0))
+    status, alloc = _solve(u, lo, hi, capacity, method == "auto", tol * scale)
+    if status:
+        raise ValueError(
+            f"infeasible allocation: {u.shape[0]} jobs cannot all get a feasible GPU count within capacity "
+            f"{capacity} (sum of smallest feasible counts exceeds it, or a job has no feasible count)")
+    return alloc
+
+
+def allocation_value(utility, alloc) -> float:
+    """Objective sum_j utility[j, alloc[j]]."""
+    u = np.asarray(utility, dtype=np.float64)
+    a = np.asarray(alloc, dtype=np.int64)
+    return float(u[np.arange(len(a)), a].sum()) if len(a) else 0.0
+
+
+def is_concave_row(row, tol=1e-12) -> bool:
+    """True when the finite entries of ``row`` are contiguous with non-increasing marginal gains."""
+    r = np.asarray(row, dtype=np.float64)[None, :]
+    a, b, cont = _row_range(r, 0, 0, r.shape[1] - 1)
+    return bool(a >= 0 and cont and _concave(r, 0, a, b, tol))
+
+
+def dp_allocate_reference(utility, capacity, min_gpus=None, max_gpus=None):
+    """Pure-Python DP (same recurrence, no compilation, no greedy path): the baseline of bench_alloc.py."""
+    u, capacity, lo, hi = _validate(utility, capacity, min_gpus, max_gpus)
+    J = u.shape[0]
+    rows = u.tolist()
+    P = [0.0] + [_NEG] * capacity
+    choices = []
+    for j in range(J):
+        row = rows[j]
+        Q = [_NEG] * (capacity + 1)
+        ch = [-1] * (capacity + 1)
+        for k in range(capacity + 1):
+            best, arg = _NEG, -1
+            for g in range(int(lo[j]), min(int(hi[j]), k) + 1):
+                p = P[k - g]
+                v = row[g]
+                if p != _NEG and v != _NEG and v + p > best:
+                    best, arg = v + p, g
+            Q[k], ch[k] = best, arg
+        P = Q
+        choices.append(ch)
+    k = max(range(capacity + 1), key=lambda i: P[i])
+    if P[k] == _NEG:
+        raise ValueError(f"infeasible allocation: {J} jobs within capacity {capacity}")
+    alloc = np.zeros(J, dtype=np.int64)
+    for j in range(J - 1, -1, -1):
+        alloc[j] = choices[j][k]
+        k -= alloc[j]
+    return alloc
