@@ -17,8 +17,7 @@ __all__ = ["Burst", "Phases", "detect_phases"]
 
 @dataclass
 class Burst:
-    """One burst of growth: peak time, start and end (the slowest growth between neighbouring peaks, or the
-    outer bases of the first and last peak) and the rise of y across it."""
+    """One burst of growth: peak time, start and end, and the rise of y across it (see detect_phases)."""
 
     t_peak: float
     t_start: float
@@ -41,11 +40,14 @@ class Phases:
         return len(self.bursts)
 
 
-def detect_phases(t, y, frac: float = 0.01, prominence: float = 0.01, grid: int = 2000) -> Phases:
+def detect_phases(t, y, frac: float = 0.01, prominence: float = 0.01, grid: int = 2000,
+                  edge: float = 0.05) -> Phases:
     """Find the phases of a growing curve y(t) (t > 0 except possibly t[0] = 0).
 
     Bursts are peaks of dy/d ln t (y resampled on ``grid`` log-spaced times) whose prominence exceeds
-    ``prominence`` × (total growth of y); ``frac`` sets the plateau and saturation thresholds.
+    ``prominence`` × (total growth of y); ``frac`` sets the plateau and saturation thresholds. A burst
+    spans the times where its rate is >= ``edge`` × its peak rate; its rise is the growth of y between the
+    slowest points separating it from its neighbours, so the rises add up to nearly all of the growth.
     """
     t = np.asarray(t, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
@@ -77,6 +79,7 @@ def detect_phases(t, y, frac: float = 0.01, prominence: float = 0.01, grid: int 
         cuts.append(int(props["right_bases"][-1]))
         for k, p in enumerate(peaks):
             a, b = cuts[k], cuts[k + 1]
-            bursts.append(Burst(float(np.exp(g[p])), float(np.exp(g[a])), float(np.exp(g[b])),
+            active = np.flatnonzero(rate[a:b + 1] >= edge * rate[p]) + a
+            bursts.append(Burst(float(np.exp(g[p])), float(np.exp(g[active[0]])), float(np.exp(g[active[-1]])),
                                 float(yg[b] - yg[a])))
     return Phases(float(plateau_end), float(saturation_start), bursts, float(total))

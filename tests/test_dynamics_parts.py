@@ -1,0 +1,206 @@
+"""Unit tests of elasticlab.dynamics: gradients, exact identities, closed forms, linearisation, bad input."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import elasticlab.dynamics as D
+
+
+def _torch_grad(net, X, Y):
+    ws = [torch.tensor(w, requires_grad=True) for w in net.weights]
+    bs = [torch.tensor(b, requires_grad=True) for b in net.biases] if net.has_bias else None
+    h = torch.tensor(X)
+    for j, w in enumerate(ws):
+        h = h @ w.T + (bs[j] if bs else 0.0)
+        if j < len(ws) - 1:
+            h = torch.where(h > 0, h, net.slope * h)
+    loss = 0.5 * ((h - torch.tensor(Y)) ** 2).sum() / X.shape[0]
+    loss.backward()
+    g = [w.grad.numpy().ravel() for w in ws] + ([b.grad.numpy().ravel() for b in bs] if bs else [])
+    return np.concatenate(g), float(loss.detach())
+
+
+@pytest.mark.parametrize("slope,bias", [(0.0, False), (0.0, True), (0.2, True), (1.0, False)])
+def test_gradient_matches_autograd(slope, bias):
+    """The numba backprop equals torch autograd for ReLU, leaky and linear nets, with and without biases."""
+    rng = np.random.default_rng(1)
+    net = D.random_init((5, 7, 6, 3), 0.7, slope=slope, biases=bias, seed=2, bias_scale=0.3)
+    X, Y = rng.standard_normal((11, 5)), rng.standard_normal((11, 3))
+    g, val = D.gradient(net, X, Y)
+    tg, tval = _torch_grad(net, X, Y)
+    assert np.allclose(g, tg, rtol=1e-12, atol=1e-14)
+    assert val == pytest.approx(tval, rel=1e-13) == pytest.approx(D.loss(net, X, Y), rel=1e-13)
+
+
+def test_linear_gradient_closed_form():
+    """theory/01 Eq. (1.2): ∇_{W_j}L = (W_L···W_{j+1})ᵀ (W_e − Σ31)(W_{j−1}···W_1)ᵀ with whitened inputs."""
+    task = D.saxe_task([3.0, 1.0, 0.5], d_in=4, d_out=3, seed=3)
+    net = D.random_init((4, 5, 6, 3), 0.5, slope=1.0, seed=3)
+    g, _ = D.gradient(net, task.X, task.Y)
+    G = D.MLP(net.widths, 1.0, False, g).weights
+    W = net.weights
+    E = net.end_to_end() - task.target
+    I = np.eye
+    for j in range(3):
+        left = I(3) if j == 2 else np.linalg.multi_dot([*W[j + 1:][::-1], I(W[j].shape[0])])
+        right = I(4) if j == 0 else np.linalg.multi_dot([I(W[j].shape[1]), *W[:j][::-1]])
+        assert np.allclose(G[j], left.T @ E @ right.T, atol=1e-13)
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(1, 6), min_size=3, max_size=5), slope=st.sampled_from([0.0, 0.3, 1.0]),
+       bias=st.booleans(), seed=st.integers(0, 10_000))
+def test_neuron_identity_first_order(widths, slope, bias, seed):
+    """theory/02 Eq. (2.3): ⟨W_j[i,:], G_j[i,:]⟩ + b_j[i]·g_j[i] = ⟨W_{j+1}[:,i], G_{j+1}[:,i]⟩ at any point,
+    so every per-neuron invariant has zero time derivative under gradient flow."""
+    rng = np.random.default_rng(seed)
+    net = D.random_init(widths, 1.0, slope=slope, biases=bias, seed=seed, bias_scale=0.5)
+    X, Y = rng.standard_normal((7, widths[0])), rng.standard_normal((7, widths[-1]))
+    g, _ = D.gradient(net, X, Y)
+    G = D.MLP(net.widths, slope, bias, g)
+    for j in range(net.depth - 1):
+        lhs = np.sum(net.weights[j] * G.weights[j], axis=1)
+        if bias:
+            lhs = lhs + net.biases[j] * G.biases[j]
+        rhs = np.sum(net.weights[j + 1] * G.weights[j + 1], axis=0)
+        assert np.allclose(lhs, rhs, atol=1e-12 * (1 + np.abs(lhs).max()))
+
+
+@pytest.mark.parametrize("slope,bias", [(0.0, True), (1.0, False)])
+def test_finite_step_change_is_exact(slope, bias):
+    """theory/02 Eq. (2.5) and theory/01 Eq. (1.6): one GD step changes the invariants by exactly η² times
+    the invariants of the gradient (so gradient descent breaks the symmetry only at O(η²) per step)."""
+    rng = np.random.default_rng(4)
+    net = D.random_init((4, 6, 5, 2), 0.8, slope=slope, biases=bias, seed=4)
+    X, Y = rng.standard_normal((9, 4)), rng.standard_normal((9, 2))
+    lr = 0.05
+    tr = D.train(net, X, Y, lr, 1, record_every=1)
+    g, _ = D.gradient(net, X, Y)
+    before, after = D.layer_invariants(net), D.layer_invariants(tr.net)
+    assert np.allclose(after - before, D.step_change(net, g, lr), rtol=1e-9, atol=1e-15)
+    nb, na = D.neuron_invariants(net), D.neuron_invariants(tr.net)
+    for b, a, c in zip(nb, na, D.step_change(net, g, lr, per_neuron=True)):
+        assert np.allclose(a - b, c, rtol=1e-8, atol=1e-15)
+    if slope == 1.0:
+        Gn = D.MLP(net.widths, 1.0, False, g)
+        for cb, ca, cg in zip(D.balancedness(net), D.balancedness(tr.net), D.balancedness(Gn)):
+            assert np.allclose(ca - cb, lr**2 * cg, atol=1e-14)
+
+
+def test_aligned_init_balanced_and_decoupled():
+    """Saxe's special start: balanced (C_j = 0) and W_e = U·diag(u0)·Vᵀ for any depth and width ≥ modes."""
+    task = D.saxe_task([2.0, 1.0, 0.5], d_in=4, d_out=3, seed=5)
+    u0 = np.array([1e-2, 2e-2, 3e-2])
+    for depth, width in ((1, None), (2, None), (3, 7), (4, 3)):
+        net = D.aligned_init(task.U, task.V, u0, depth, width, seed=5)
+        assert np.allclose(net.end_to_end(), (task.U * u0) @ task.V.T, atol=1e-15)
+        for c in D.balancedness(net):
+            assert np.abs(c).max() < 1e-14
+
+
+def test_saxe_closed_forms_solve_their_ode():
+    """theory/01 Eq. (1.9)-(1.11): the closed forms for N = 1, 2 agree with integrating τu' = N u^{2−2/N}(s−u),
+    time_to inverts mode_strength, and s = 0 modes decay as u0/(1 + 2u0 t)."""
+    from scipy.integrate import solve_ivp
+
+    t = np.linspace(0, 8, 50)
+    for n in (1, 2):
+        sol = solve_ivp(lambda _t, u: n * u ** (2 - 2 / n) * (2.0 - u), (0, 8), [1e-3], t_eval=t,
+                        rtol=1e-11, atol=1e-14)
+        assert np.allclose(D.mode_strength(t, 2.0, 1e-3, depth=n), sol.y[0], rtol=1e-7, atol=1e-10)
+    for n in (2, 3, 5):
+        tf = D.time_to(1.5, 2.0, 1e-3, depth=n)
+        assert D.mode_strength([tf], 2.0, 1e-3, depth=n)[0] == pytest.approx(1.5, rel=1e-6)
+    assert D.half_time(4.0, 1e-4) == pytest.approx(np.log((4 - 1e-4) / 1e-4) / 8)
+    assert np.allclose(D.mode_strength(t, 0.0, 0.5), 0.5 / (1 + t))
+
+
+def test_deep_saxe_matches_gd():
+    """theory/01 §3: a depth-3 balanced aligned net follows τu' = 3u^{4/3}(s − u) mode by mode (within 1%)."""
+    task = D.saxe_task([3.0, 1.0], d_in=3, seed=6)
+    net = D.aligned_init(task.U, task.V, 1e-2, depth=3, width=5, seed=6)
+    tr = D.train(net, task.X, task.Y, 1e-3, 15000, record_every=25)
+    u = D.mode_strengths(tr, task.U, task.V)
+    th = D.mode_curves(tr.time, task.s, 1e-2, depth=3)
+    assert np.all(np.abs(u - th)[:, :2].max(axis=0) / task.s[:2] < 0.01)
+    assert np.allclose(D.singular_values(tr)[-1, :2], [3.0, 1.0], rtol=1e-3)
+
+
+def test_detect_phases_on_sum_of_sigmoids():
+    t = np.linspace(0, 30, 3001)
+    y = sum(D.mode_strength(t, s, 1e-5) for s in (4.0, 1.0, 0.3))
+    ph = D.detect_phases(t, y)
+    assert ph.n_bursts == 3
+    expected = [D.half_time(s, 1e-5) for s in (4.0, 1.0, 0.3)]
+    assert np.allclose([b.t_peak for b in ph.bursts], expected, rtol=0.1)
+    assert ph.plateau_end < ph.bursts[0].t_start + 1 and ph.saturation_start > ph.bursts[-1].t_peak
+
+
+def test_effective_map_is_jacobian():
+    """theory/02 §1: W_eff(x) is the Jacobian ∂f/∂x of the ReLU net (piecewise linear), for every x."""
+    net = D.random_init((4, 8, 8, 2), 1.0, slope=0.0, biases=True, seed=7, bias_scale=0.5)
+    X = np.random.default_rng(7).standard_normal((6, 4))
+    weff, beff = D.effective_maps(net, X)
+    ws = [torch.tensor(w) for w in net.weights]
+    bs = [torch.tensor(b) for b in net.biases]
+
+    def f(x):
+        h = x
+        for j in range(3):
+            h = ws[j] @ h + bs[j]
+            if j < 2:
+                h = torch.relu(h)
+        return h
+
+    for n in range(6):
+        jac = torch.autograd.functional.jacobian(f, torch.tensor(X[n])).numpy()
+        assert np.allclose(weff[n], jac, atol=1e-13)
+    assert np.allclose(D.linearised_forward(net, X), net.forward(X), atol=1e-13)
+    masks = D.activation_masks(net, X)
+    assert [m.shape for m in masks] == [(6, 8), (6, 8)] and set(np.unique(masks[0])) <= {0.0, 1.0}
+
+
+def test_bias_free_relu_is_homogeneous():
+    """Without biases b_eff = 0 and f(x) = W_eff(x)·x; f(cx) = c·f(x) for c > 0."""
+    net = D.random_init((3, 5, 2), 1.0, slope=0.0, seed=8)
+    X = np.random.default_rng(8).standard_normal((4, 3))
+    weff, beff = D.effective_maps(net, X)
+    assert np.all(beff == 0)
+    assert np.allclose(net.forward(2.5 * X), 2.5 * net.forward(X))
+
+
+def test_trajectory_records_and_divergence():
+    task = D.saxe_task([1.0, 0.5], seed=9)
+    net = D.random_init((2, 2, 2), 0.1, slope=1.0, seed=9)
+    tr = D.train(net, task.X, task.Y, 0.01, 105, record_every=10)
+    assert list(tr.steps) == [*range(0, 101, 10), 105]
+    assert tr.params.shape == (len(tr.steps), net.params.size) and not tr.diverged
+    assert np.array_equal(tr.params[0], net.params) and np.array_equal(tr.params[-1], tr.net.params)
+    assert list(D.record_steps(1000, points=4, log=True)) == [0, 9, 99, 1000]
+    bad = D.train(net, task.X, 1e3 * task.Y, 10.0, 500, record_every=1)
+    assert bad.diverged and len(bad.steps) < 501
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: D.MLP((3,)), "widths"),
+    (lambda: D.MLP((3, 0, 2)), "width"),
+    (lambda: D.MLP((3, 2), slope=2.0), "slope"),
+    (lambda: D.MLP((3, 2), params=np.zeros(5)), "params"),
+    (lambda: D.random_init((3, 2), -1.0), "init scale"),
+    (lambda: D.saxe_task([1.0, -2.0]), "singular values"),
+    (lambda: D.saxe_task([1.0, 2.0, 3.0], d_in=2), "do not fit"),
+    (lambda: D.mode_strength([1.0], 1.0, 0.0), "u0"),
+    (lambda: D.mode_strength([1.0], 1.0, 0.1, depth=0), "depth"),
+    (lambda: D.time_to(2.0, 1.0, 0.1), "not reachable"),
+    (lambda: D.train(D.MLP((2, 2)), np.zeros((3, 2)), np.zeros((3, 2)), -0.1, 10), "lr"),
+    (lambda: D.train(D.MLP((2, 2)), np.zeros((3, 4)), np.zeros((3, 2)), 0.1, 10), "inputs"),
+    (lambda: D.train(D.MLP((2, 2)), np.zeros((3, 2)), np.zeros((4, 2)), 0.1, 10), "targets"),
+    (lambda: D.detect_phases(np.arange(5.0), np.zeros(5)), "does not grow"),
+    (lambda: D.aligned_init(np.eye(3), np.eye(3), 1e-3, depth=2, width=2), "width"),
+    (lambda: D.MLP((2, 2), slope=0.0).end_to_end(), "linear"),
+])
+def test_bad_input_names_the_value(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
