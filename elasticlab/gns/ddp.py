@@ -1,0 +1,87 @@
+"""Gradient noise scale under DistributedDataParallel: norms on the local batch, replicas combined.
+
+Two ways to combine R replicas (McCandlish et al. App. A.1):
+- per-example: all-reduce Σ_i ‖g_i‖² and the example count, with ‖ḡ‖² of the all-reduced (global) gradient,
+  gives the per-example estimator over the global batch (:func:`update_per_example`);
+- two-batch: each replica's local gradient norm (B_small = local batch), taken by a DDP communication hook
+  before the all-reduce, against the all-reduced one (B_big = global batch) (:class:`ReplicaGradNorms`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from elasticlab.gns.estimator import GNSEstimator
+
+
+def _grad_sq(params) -> float:
+    tot = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            tot += p.grad.detach().double().pow(2).sum().cpu()
+    return float(tot)
+
+
+def update_per_example(estimator: GNSEstimator, sq_norms: torch.Tensor, grad_sq_norm: float,
+                       group=None) -> bool:
+    """Fold one step: ``sq_norms`` (b,) of this replica's examples (``PerSampleGradNorms.sq_norms()``) and
+    ``grad_sq_norm`` ‖ḡ‖² of the all-reduced mean gradient (identical on every replica)."""
+    t = torch.stack([sq_norms.detach().double().sum().cpu(), torch.tensor(float(sq_norms.numel()),
+                                                                           dtype=torch.float64)])
+    if dist.is_available() and dist.is_initialized():
+        t = t.to(_comm_device(group))
+        dist.all_reduce(t, group=group)
+        t = t.cpu()
+    n = int(round(float(t[1])))
+    return estimator.update_per_example(float(t[0]) / n, n, grad_sq_norm)
+
+
+def _comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class ReplicaGradNorms:
+    """A DDP communication hook that records this replica's local gradient ‖g_local‖² before averaging.
+
+    ``ddp.register_comm_hook`` is called on construction (a DDP model takes one hook). After each synchronised
+    backward, :meth:`update` folds the two-batch estimate (B_small = local batch, B_big = global batch).
+    """
+
+    def __init__(self, ddp_model: torch.nn.parallel.DistributedDataParallel, process_group=None):
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("ReplicaGradNorms needs a DistributedDataParallel model, got "
+                             f"{type(ddp_model).__name__}")
+        self.model, self.group = ddp_model, process_group
+        self._local = torch.zeros((), dtype=torch.float64)
+        ddp_model.register_comm_hook(self, ReplicaGradNorms._hook)
+
+    @staticmethod
+    def _hook(state: ReplicaGradNorms, bucket):
+        buf = bucket.buffer()
+        state._local += buf.detach().double().pow(2).sum().cpu()
+        world = dist.get_world_size(state.group)
+        fut = dist.all_reduce(buf.div_(world), group=state.group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    @property
+    def local_sq_norm(self) -> float:
+        """‖g_local‖² of this replica's gradient in the last synchronised backward."""
+        return float(self._local)
+
+    def update(self, estimator: GNSEstimator, local_batch: int) -> bool:
+        """Fold the two-batch estimate of the last backward into ``estimator`` and reset."""
+        world = dist.get_world_size(self.group)
+        if world < 2:
+            raise ValueError(f"the replica two-batch estimator needs >= 2 replicas, got world size {world}")
+        t = torch.tensor([float(self._local), float(local_batch)], dtype=torch.float64)
+        t = t.to(_comm_device(self.group))
+        dist.all_reduce(t, group=self.group)
+        t = t.cpu()
+        if abs(float(t[1]) - world * local_batch) > 0.5:
+            raise ValueError(f"replicas have different local batch sizes (sum {float(t[1]):.0f} != "
+                             f"{world} x {local_batch}); the two-batch estimator needs equal ones")
+        small = float(t[0]) / world
+        big = _grad_sq(self.model.parameters())
+        self._local.zero_()
+        return estimator.update_two_batch(small, big, local_batch, world * local_batch)

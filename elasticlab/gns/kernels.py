@@ -1,0 +1,128 @@
+"""Per-example gradient-norm kernels: ``torch.ops.elasticlab.*`` when built, the PyTorch reference otherwise.
+
+Shapes: ``a`` (B, T, Din) layer inputs, ``d`` (B, T, Dout) gradients of the layer outputs. The per-example
+weight gradient of a linear map over a sequence is G_b = Σ_t d_{b,t} a_{b,t}ᵀ (Gray et al. 2024, Sec. 3);
+its squared Frobenius norm is computed without materialising all G_b at once.
+Each public function takes ``use_kernel``: None (kernel when available), True (require it), False
+(reference). The reference functions ``*_ref`` are the specification the compiled kernels are tested against.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from elasticlab import _ext
+
+# Per-chunk element budget of the reference paths (bounds their scratch memory).
+_CHUNK_ELEMS = 1 << 22
+
+
+def _check_seq(a: torch.Tensor, d: torch.Tensor, what: str) -> None:
+    if a.dim() != 3 or d.dim() != 3:
+        raise ValueError(f"{what}: expected a (B,T,Din) and d (B,T,Dout), got shapes {tuple(a.shape)} "
+                         f"and {tuple(d.shape)}")
+    if a.shape[:2] != d.shape[:2]:
+        raise ValueError(f"{what}: a and d disagree on (B,T): {tuple(a.shape[:2])} vs {tuple(d.shape[:2])}")
+    if a.dtype != d.dtype or not a.is_floating_point():
+        raise ValueError(f"{what}: expected a and d of one floating dtype, got {a.dtype} and {d.dtype}")
+
+
+def _chunks(B: int, per_example: int):
+    step = max(1, _CHUNK_ELEMS // max(1, per_example))
+    for b0 in range(0, B, step):
+        yield b0, min(B, b0 + step)
+
+
+@functools.lru_cache(maxsize=1)
+def _operators() -> frozenset:
+    return frozenset(_ext.operators())
+
+
+def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
+    if use_kernel is False or t.dtype not in (torch.float32, torch.float64):
+        if use_kernel:
+            raise ValueError(f"kernel {name!r} supports float32/float64, got {t.dtype}")
+        return None
+    # _ext.has_kernel raises for an operator _C does not define (an older build): ask _ext.operators() first.
+    op = _ext.kernel(name, t.device.type) if (not _ext.HAS_C or name in _operators()) else None
+    if op is None and use_kernel:
+        raise RuntimeError(f"kernel elasticlab::{name} is not built for device {t.device.type!r}")
+    return op
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def seq_linear_gram_norms_ref(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Gram form: ‖G_b‖² = Σ_{t,s} (a_t·a_s)(d_t·d_s) (Li et al. 2022 ghost norm; O(B·T²·(Din+Dout)))."""
+    B, T = a.shape[:2]
+    out = a.new_empty(B)
+    for b0, b1 in _chunks(B, 2 * T * T):
+        ga = torch.bmm(a[b0:b1], a[b0:b1].transpose(1, 2))
+        gd = torch.bmm(d[b0:b1], d[b0:b1].transpose(1, 2))
+        out[b0:b1] = (ga * gd).sum((1, 2))
+    return out
+
+
+def seq_linear_outer_norms_ref(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False):
+    """Outer-product form: G_b = d_bᵀ a_b formed chunk by chunk; returns (‖G_b‖² (B,), Σ_b G_b or None)."""
+    B = a.shape[0]
+    Din, Dout = a.shape[2], d.shape[2]
+    out = a.new_empty(B)
+    grad = a.new_zeros(Dout, Din) if with_grad else None
+    for b0, b1 in _chunks(B, Din * Dout):
+        g = torch.bmm(d[b0:b1].transpose(1, 2), a[b0:b1])
+        out[b0:b1] = g.pow(2).sum((1, 2))
+        if with_grad:
+            grad += g.sum(0)
+    return out, grad
+
+
+def layernorm_per_example_ref(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
+    """Per-example LayerNorm parameter gradients (Gray et al. 2024): x, d (B,T,D), mean/rstd (B,T).
+
+    Returns (gw, gb), each (B, D): gw_b = Σ_t d_{b,t} ⊙ x̂_{b,t}, gb_b = Σ_t d_{b,t}, x̂ = (x − μ)·rstd."""
+    xhat = (x - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    return (d * xhat).sum(1), d.sum(1)
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
+    """Per-example ‖Σ_t d_t a_tᵀ‖² by the Gram form (kernel ``seq_linear_gram_norms``)."""
+    _check_seq(a, d, "seq_linear_gram_norms")
+    op = _op("seq_linear_gram_norms", a, use_kernel)
+    return op(a, d) if op is not None else seq_linear_gram_norms_ref(a, d)
+
+
+def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False,
+                           use_kernel: bool | None = None):
+    """Per-example ‖Σ_t d_t a_tᵀ‖² by the outer-product form, fused with the weight gradient Σ_b G_b when
+    ``with_grad`` (kernel ``seq_linear_outer_norms``). Returns (sq_norms (B,), grad (Dout, Din) or None)."""
+    _check_seq(a, d, "seq_linear_outer_norms")
+    op = _op("seq_linear_outer_norms", a, use_kernel)
+    if op is None:
+        return seq_linear_outer_norms_ref(a, d, with_grad)
+    norms, grad = op(a, d, with_grad)
+    return norms, (grad if with_grad else None)
+
+
+def layernorm_per_example(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                          use_kernel: bool | None = None):
+    """Per-example LayerNorm (weight, bias) gradients, each (B, D) (kernel ``layernorm_per_example``)."""
+    if x.dim() != 3 or d.shape != x.shape or mean.shape != x.shape[:2] or rstd.shape != x.shape[:2]:
+        raise ValueError(f"layernorm_per_example: expected x, d (B,T,D) and mean, rstd (B,T); got "
+                         f"{tuple(x.shape)}, {tuple(d.shape)}, {tuple(mean.shape)}, {tuple(rstd.shape)}")
+    op = _op("layernorm_per_example", x, use_kernel)
+    if op is None:
+        return layernorm_per_example_ref(x, d, mean.to(x.dtype), rstd.to(x.dtype))
+    return tuple(op(x, d, mean.to(x.dtype), rstd.to(x.dtype)))
+
+
+def use_gram(T: int, din: int, dout: int, fused_outer: bool = False) -> bool:
+    """Per-layer choice between the two forms (Bu, Mao & Xu 2022, "mixed ghost clipping").
+
+    Unfused, the outer product costs a second weight-gradient GEMM (T·Din·Dout per example) against the Gram
+    form's T²·(Din+Dout): Gram when T < Din·Dout/(Din+Dout). Fused with the weight gradient the outer product
+    adds only its reduction, so the Gram form is kept only for short sequences (T·(Din+Dout) < Din·Dout/8),
+    where per-example GEMMs with K=T are inefficient and the Gram work is small."""
+    thresh = din * dout / (din + dout)
+    return T < thresh / 8 if fused_outer else T < thresh

@@ -1,0 +1,30 @@
+"""Reference per-example squared gradient norms by ``torch.func`` (vmap of grad), for tests and benchmarks.
+
+This materialises every per-example gradient (B × #params): exact but memory-hungry.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+
+def func_param_sq_norms(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
+                        chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+    """{trainable param name: (B,) ‖∇ ℓ_i‖²} with ℓ_i = loss_fn(model(x_i[None]), y_i[None]) (a sum-reduced
+    per-example loss)."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def one(p, xi, yi):
+        out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        return loss_fn(out, yi.unsqueeze(0))
+
+    g = vmap(grad(one), in_dims=(None, 0, 0), chunk_size=chunk_size)(params, x, y)
+    return {k: v.reshape(v.shape[0], -1).pow(2).sum(1) for k, v in g.items()}
+
+
+def func_sq_norms(model: nn.Module, loss_fn, x, y, chunk_size: int | None = None) -> torch.Tensor:
+    """(B,) ‖∇θ ℓ_i‖² over all trainable parameters, by torch.func."""
+    vals = list(func_param_sq_norms(model, loss_fn, x, y, chunk_size).values())
+    return torch.stack(vals).sum(0)
