@@ -5,7 +5,6 @@ Every test calls the same experiment functions as the reproduction registry (ela
 import numpy as np
 import pytest
 
-import elasticlab.dynamics as D
 from elasticlab.dynamics import experiments as E
 
 
@@ -36,7 +35,8 @@ def test_equal_layer_growth_linear(t1):
 
 
 def test_saxe_closed_form_matches_gd():
-    """P3-T2: GD's mode curves lie within 1% (of s) of Saxe's closed form; half-times within 2%; order by s."""
+    """P3-T2: GD's mode curves lie within 1% (of s) of Saxe's closed form; half-times within 2%; order by s.
+    (theory/01 §3)"""
     r = E.p3_t2_saxe()
     assert max(r["max_rel_error"]) < 0.01
     assert max(r["t_half_rel_error"]) < 0.02

@@ -101,13 +101,13 @@ def test_aligned_init_balanced_and_decoupled():
 
 
 def test_saxe_closed_forms_solve_their_ode():
-    """theory/01 Eq. (1.9)-(1.11): the closed forms for N = 1, 2 agree with integrating τu' = N u^{2−2/N}(s−u),
-    time_to inverts mode_strength, and s = 0 modes decay as u0/(1 + 2u0 t)."""
+    """theory/01 Eq. (1.9)-(1.11): the closed forms for N = 1, 2 agree with integrating
+    τu' = N u^{2−2/N}(s−u), time_to inverts mode_strength, and s = 0 modes decay as u0/(1 + 2u0 t)."""
     from scipy.integrate import solve_ivp
 
     t = np.linspace(0, 8, 50)
     for n in (1, 2):
-        sol = solve_ivp(lambda _t, u: n * u ** (2 - 2 / n) * (2.0 - u), (0, 8), [1e-3], t_eval=t,
+        sol = solve_ivp(lambda _t, u, n=n: n * u ** (2 - 2 / n) * (2.0 - u), (0, 8), [1e-3], t_eval=t,
                         rtol=1e-11, atol=1e-14)
         assert np.allclose(D.mode_strength(t, 2.0, 1e-3, depth=n), sol.y[0], rtol=1e-7, atol=1e-10)
     for n in (2, 3, 5):

@@ -80,6 +80,6 @@ def detect_phases(t, y, frac: float = 0.01, prominence: float = 0.01, grid: int 
         for k, p in enumerate(peaks):
             a, b = cuts[k], cuts[k + 1]
             active = np.flatnonzero(rate[a:b + 1] >= edge * rate[p]) + a
-            bursts.append(Burst(float(np.exp(g[p])), float(np.exp(g[active[0]])), float(np.exp(g[active[-1]])),
-                                float(yg[b] - yg[a])))
+            t_peak, t_start, t_end = np.exp(g[[p, active[0], active[-1]]])
+            bursts.append(Burst(float(t_peak), float(t_start), float(t_end), float(yg[b] - yg[a])))
     return Phases(float(plateau_end), float(saturation_start), bursts, float(total))
