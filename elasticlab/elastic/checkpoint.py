@@ -1,0 +1,126 @@
+"""Atomic, checksummed checkpoints with fallback to the previous one.
+
+File layout: a magic line, the SHA-256 of the payload, then the payload (``torch.save`` bytes).
+Writes go to a temporary file in the same directory, are fsync'ed, then ``os.replace``'d into place
+(and the directory fsync'ed), so a reader never sees a half-written file under the final name; a
+file damaged later (truncated, bit-flipped) fails its checksum and :meth:`CheckpointDir.latest`
+falls back to the previous one. Loading always uses ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+
+MAGIC = b"ELASTICLAB-CKPT-1\n"
+_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or fails its checksum."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(state: dict, path: str | os.PathLike) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file + fsync + os.replace) with a checksum."""
+    import torch
+
+    path = Path(path)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + digest + b"\n" + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def verify(path: str | os.PathLike) -> bytes:
+    """Return the payload of ``path`` if its checksum holds, else raise :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    head = len(MAGIC) + 65
+    if len(data) < head or not data.startswith(MAGIC) or data[head - 1:head] != b"\n":
+        raise CheckpointError(f"checkpoint {path} is truncated or not an elasticlab checkpoint")
+    digest, payload = data[len(MAGIC):head - 1], data[head:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise CheckpointError(f"checkpoint {path} fails its SHA-256 checksum (truncated or corrupt)")
+    return payload
+
+
+def load(path: str | os.PathLike) -> dict:
+    """Verify and load a checkpoint with ``torch.load(weights_only=True)``."""
+    import torch
+
+    return torch.load(io.BytesIO(verify(path)), weights_only=True, map_location="cpu")
+
+
+class CheckpointDir:
+    """A directory of numbered checkpoints ``ckpt-<step>.pt``, keeping the newest ``keep``."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep = int(keep)
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"ckpt-{int(step):09d}.pt"
+
+    def steps(self) -> list[int]:
+        """Steps that have a checkpoint file, oldest first (unverified)."""
+        out = []
+        for p in self.directory.iterdir():
+            m = _NAME.match(p.name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def save(self, state: dict, step: int) -> Path:
+        p = save(state, self.path(step))
+        for old in self.steps()[:-self.keep]:
+            try:
+                self.path(old).unlink()
+            except FileNotFoundError:
+                pass
+        return p
+
+    def latest(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest checkpoint that verifies, and the (path, reason) of newer ones that did not."""
+        bad = []
+        for step in reversed(self.steps()):
+            p = self.path(step)
+            try:
+                verify(p)
+            except CheckpointError as e:
+                bad.append((p, str(e)))
+                continue
+            return p, bad
+        return None, bad

@@ -1,0 +1,133 @@
+"""Batch policies: how a job's global batch is split when its world size changes.
+
+A policy maps (world size, what the job has measured) to a :class:`BatchConfig` — the global batch
+``M`` and the gradient-accumulation steps ``s`` (per-worker micro-batch ``m = ceil(M / (R (s+1)))``,
+Pollux's ``M = R·m·(s+1)``) — and names the LR rule that goes with it:
+
+* :class:`FixedGlobalBatch` — the Dynamic-SGD paper's option (a): ``M`` fixed, re-split over ``R``.
+* :class:`FixedPerWorkerBatch` — option (b): ``m`` fixed so ``M = R·m``, with the Dynamic-SGD linear LR
+  ramp over ``T = 8·k`` steps after a change of ``M`` by ``k`` (Lin et al. 2019).
+* :class:`GoodputAdaptive` — Pollux's agent: ``(m, s) = argmax GOODPUT`` (Pollux Eq. (1)) from a
+  throughput model fitted online to the job's step times and the efficiency from its GNS.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Global batch ``global_batch`` (M) taken in ``accum_steps + 1`` micro-steps per worker."""
+
+    global_batch: int
+    accum_steps: int = 0
+
+    def __post_init__(self):
+        if int(self.global_batch) != self.global_batch or self.global_batch < 1:
+            raise ValueError(f"global_batch must be a positive integer, got {self.global_batch!r}")
+        if int(self.accum_steps) != self.accum_steps or self.accum_steps < 0:
+            raise ValueError(f"accum_steps must be a non-negative integer, got {self.accum_steps!r}")
+
+    def per_worker_batch(self, world_size: int) -> int:
+        return math.ceil(self.global_batch / (world_size * (self.accum_steps + 1)))
+
+
+def _accum_for(local: int, max_per_worker: int | None) -> int:
+    return 0 if not max_per_worker else max(0, math.ceil(local / max_per_worker) - 1)
+
+
+@dataclass
+class FixedGlobalBatch:
+    """Keep ``global_batch`` whatever the world size (Dynamic SGD option (a)); LR unchanged.
+
+    ``max_per_worker_batch`` (a memory cap) adds accumulation steps when one worker's share is too big.
+    """
+
+    global_batch: int
+    max_per_worker_batch: int | None = None
+    lr_rule: str = "constant"
+
+    def decide(self, world_size: int, stats: dict | None = None) -> BatchConfig:
+        s = _accum_for(math.ceil(self.global_batch / world_size), self.max_per_worker_batch)
+        return BatchConfig(int(self.global_batch), s)
+
+    def initial_global_batch(self) -> int:
+        return int(self.global_batch)
+
+
+@dataclass
+class FixedPerWorkerBatch:
+    """Keep the per-worker batch; ``M = R·m`` and the LR follows the Dynamic-SGD ramp.
+
+    Lin et al. 2019: after ``M`` changes by ``k``, the LR multiplier ramps linearly from the old to the
+    new linear-scaling value over ``ramp_per_k·k`` steps (``ramp_per_k = 8``).
+    """
+
+    per_worker_batch: int
+    ramp_per_k: int = 8
+    lr_rule: str = "dynamic_sgd"
+
+    def decide(self, world_size: int, stats: dict | None = None) -> BatchConfig:
+        return BatchConfig(int(self.per_worker_batch) * int(world_size), 0)
+
+    def initial_global_batch(self) -> int:
+        return int(self.per_worker_batch)
+
+
+@dataclass
+class GoodputAdaptive:
+    """Pollux's batch choice: ``argmax_{m,s} THROUGHPUT(R, m, s) · EFFICIENCY(M)`` (Pollux Eq. (1)-(4)).
+
+    ``stats`` must carry ``throughput_model`` (a fitted :mod:`elasticlab.goodput` model, or ``None`` before
+    enough step times are measured) and ``gns`` (the gradient noise scale at the base batch, or ``None``).
+    Until both exist the job runs at ``base_batch``. A new choice is taken only if its predicted goodput
+    beats the current one by ``hysteresis`` (AdaptDL uses 1.05).
+    """
+
+    base_batch: int
+    max_batch: int
+    per_worker_range: tuple[int, int] = (1, 256)
+    accumulation: bool = True
+    hysteresis: float = 1.05
+    lr_rule: str = "adascale"
+    last: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.max_batch < self.base_batch:
+            raise ValueError(f"max_batch {self.max_batch!r} is below base_batch {self.base_batch!r}")
+        lo, hi = self.per_worker_range
+        if not 1 <= lo <= hi:
+            raise ValueError(f"per_worker_range must be 1 <= lo <= hi, got {self.per_worker_range!r}")
+
+    def initial_global_batch(self) -> int:
+        return int(self.base_batch)
+
+    def decide(self, world_size: int, stats: dict | None = None) -> BatchConfig:
+        stats = stats or {}
+        model, gns = stats.get("throughput_model"), stats.get("gns")
+        current: BatchConfig | None = stats.get("current")
+        fallback = BatchConfig(int(self.base_batch),
+                               _accum_for(math.ceil(self.base_batch / world_size), self.per_worker_range[1]))
+        if model is None or gns is None or not math.isfinite(gns):
+            self.last = {"reason": "no model yet"}
+            return current or fallback
+        from elasticlab import goodput as gp
+
+        fn = gp.GoodputFunction(model, gp.GradParams.from_gns(gns, self.base_batch), self.base_batch)
+        best, m, s = fn.optimize(1, world_size, max_batch_size=self.max_batch,
+                                 atomic_bsz_range=self.per_worker_range, accumulation=self.accumulation)
+        best, m, s = float(best), int(m), int(s)
+        choice = BatchConfig(max(int(self.base_batch), world_size * m * (s + 1)), s)
+        self.last = {"goodput": best, "per_worker_batch": m, "accum_steps": s}
+        if current is not None:
+            cm = current.per_worker_batch(world_size)
+            now = float(fn.evaluate(1, world_size, cm, current.accum_steps))
+            self.last["current_goodput"] = now
+            if best < self.hysteresis * now:
+                return current
+        return choice
+
+
+POLICIES = {"fixed_global": FixedGlobalBatch, "fixed_per_worker": FixedPerWorkerBatch,
+            "goodput": GoodputAdaptive}

@@ -1,0 +1,55 @@
+"""Thread-safe, append-only logs of per-step metrics and job events (cheap to poll from a UI timer)."""
+from __future__ import annotations
+
+import threading
+import time
+
+#: Keys of a per-step metrics record (``ElasticJob.metrics()``).
+METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "world_size",
+               "per_worker_batch", "accum_steps", "global_batch", "lr", "gns", "predicted_goodput",
+               "generation")
+
+#: Kinds of events (``ElasticJob.events()``).
+EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "checkpoint", "checkpoint_corrupt",
+               "resume", "pause", "fault", "restart", "finished", "stop", "error")
+
+
+class RecordLog:
+    """An append-only list of dicts guarded by a lock; readers get copies of a slice."""
+
+    def __init__(self):
+        self._rows: list[dict] = []
+        self._lock = threading.Lock()
+
+    def append(self, row: dict) -> None:
+        with self._lock:
+            self._rows.append(row)
+
+    def since(self, start: int = 0) -> list[dict]:
+        with self._lock:
+            return [dict(r) for r in self._rows[start:]]
+
+    def last(self, kind: str | None = None) -> dict | None:
+        with self._lock:
+            for r in reversed(self._rows):
+                if kind is None or r.get("kind") == kind:
+                    return dict(r)
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rows)
+
+
+class EventLog(RecordLog):
+    """Events carry ``kind``, wall-clock ``time`` and ``t`` (seconds since the log was created)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t0 = time.time()
+
+    def emit(self, kind: str, **fields) -> dict:
+        now = time.time()
+        row = {"kind": kind, "time": now, "t": round(now - self.t0, 4), **fields}
+        self.append(row)
+        return row

@@ -1,0 +1,127 @@
+"""ElasticSampler: every index of an epoch is consumed exactly once, across any number of resizes.
+
+The sampler owns a per-epoch permutation (seeded by ``seed + epoch``) and a single global cursor
+``position``. A step takes the next ``global_batch`` indices of the permutation (fewer at the end of
+an epoch: a step never crosses an epoch boundary) and splits them as evenly as possible across the
+ranks and accumulation micro-batches of the *current* world size. Because the cursor is global, the
+world size may change between any two steps without skipping or repeating an index; checkpointing
+``state_dict()`` at a step boundary is all that a resize or a restart needs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+
+class ElasticSampler:
+    """Global-cursor sampler over ``range(num_samples)``; see the module docstring."""
+
+    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True):
+        if int(num_samples) != num_samples or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.epoch = 0
+        self.position = 0
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def permutation(self, epoch: int | None = None) -> np.ndarray:
+        """The order of epoch ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if epoch != self._perm_epoch:
+            if self.shuffle:
+                self._perm = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+            else:
+                self._perm = np.arange(self.num_samples)
+            self._perm_epoch = epoch
+        return self._perm
+
+    @property
+    def remaining(self) -> int:
+        return self.num_samples - self.position
+
+    def step_indices(self, global_batch: int) -> np.ndarray:
+        """The indices the next step consumes (all ranks together), without advancing."""
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {global_batch!r}")
+        n = min(int(global_batch), self.remaining)
+        return self.permutation()[self.position:self.position + n]
+
+    def shard(self, global_batch: int, world_size: int, rank: int) -> np.ndarray:
+        """The part of the next step that ``rank`` of ``world_size`` consumes (sizes differ by <= 1)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank!r} is outside a world of size {world_size!r}")
+        return np.array_split(self.step_indices(global_batch), world_size)[rank]
+
+    def advance(self, global_batch: int) -> None:
+        """Mark the next step consumed; roll over to the next epoch when this one is used up."""
+        self.position += min(int(global_batch), self.remaining)
+        if self.position >= self.num_samples:
+            self.epoch += 1
+            self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_samples": self.num_samples, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(f"checkpointed sampler covers {state['num_samples']} samples, "
+                             f"this dataset has {self.num_samples}")
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._perm_epoch = -1
+
+
+def micro_batches(indices: np.ndarray, accum_steps: int) -> list[np.ndarray]:
+    """Split one rank's indices into ``accum_steps + 1`` micro-batches (sizes differ by <= 1)."""
+    return np.array_split(indices, int(accum_steps) + 1)
+
+
+def effective_rows(rows: Iterable[dict]) -> list[dict]:
+    """Drop sample-record rows of steps that were rolled back and replayed after a restart.
+
+    A step may be recorded by several generations (a fault loses the steps since the last checkpoint,
+    which are then run again); only the latest generation's rows for each (epoch, step) count.
+    Rows without a ``generation`` key are all kept.
+    """
+    rows = list(rows)
+    latest: dict[int, object] = {}
+    for r in rows:
+        g = r.get("generation")
+        if g is not None and (r["step"] not in latest or g > latest[r["step"]]):
+            latest[r["step"]] = g
+    return [r for r in rows if r.get("generation") is None or r["generation"] == latest[r["step"]]]
+
+
+def check_exactly_once(rows: Iterable[dict], num_samples: int) -> dict:
+    """Verify from a sample record that every index of each complete epoch was consumed exactly once.
+
+    Returns ``{"epochs": {epoch: {"missing", "duplicates", "complete"}}, "ok", "world_sizes"}``;
+    the last epoch counts only if it is complete (no missing index) or another epoch follows it.
+    """
+    per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    sizes = []
+    last_step_size = None
+    for r in sorted(effective_rows(rows), key=lambda r: (r["step"], r["rank"])):
+        per_epoch[int(r["epoch"])].append(np.asarray(r["indices"], dtype=np.int64))
+        if r["world_size"] != last_step_size:
+            sizes.append(int(r["world_size"]))
+            last_step_size = r["world_size"]
+    report: dict = {"epochs": {}, "world_sizes": sizes}
+    ok = True
+    epochs = sorted(per_epoch)
+    for e in epochs:
+        idx = np.concatenate(per_epoch[e]) if per_epoch[e] else np.zeros(0, np.int64)
+        counts = np.bincount(idx, minlength=num_samples)
+        missing = np.flatnonzero(counts == 0).tolist()
+        dup = np.flatnonzero(counts > 1).tolist()
+        complete = not missing or e != epochs[-1]
+        report["epochs"][e] = {"missing": missing, "duplicates": dup, "complete": bool(complete)}
+        ok = ok and not dup and (not missing or e == epochs[-1])
+    report["ok"] = ok
+    return report
