@@ -29,14 +29,14 @@ def test_balancedness_conserved(t1):
 
 
 def test_equal_layer_growth_linear(t1):
-    """Equal growth of ‖W_j‖²_F follows from the conserved trace (theory/01, Eq. (1.4))."""
+    """Equal growth of ‖W_j‖²_F follows from the conserved trace (theory/01, Eq. (1.5))."""
     g = np.subtract(t1["norms_final"], t1["norms_initial"])
     assert abs(g[0] - g[1]) < 1e-5 * g.mean()
 
 
 def test_saxe_closed_form_matches_gd():
     """P3-T2: GD's mode curves lie within 1% (of s) of Saxe's closed form; half-times within 2%; order by s.
-    (theory/01 §3)"""
+    (theory/01 §1.3)"""
     r = E.p3_t2_saxe()
     assert max(r["max_rel_error"]) < 0.01
     assert max(r["t_half_rel_error"]) < 0.02
@@ -73,7 +73,7 @@ def test_relu_no_bias_equal_growth(t4):
 
 
 def test_finite_step_drift_scales_with_lr(t4):
-    """theory/02 §4: at fixed time η·k the finite-step drift of the invariant is O(η): halves with η."""
+    """theory/02 §2.4: at fixed time η·k the finite-step drift of the invariant is O(η): halves with η."""
     d = np.array(t4["invariant_drift_by_lr"])
     assert np.all(d > 0)
     ratios = d[:-1] / d[1:]
@@ -90,6 +90,9 @@ def test_relu_bias_breaks_weight_symmetry():
     # the weight-only difference is not conserved: the biases absorbed the rest
     assert r["weight_only_invariant_drift"] > 100 * r["layer_invariant_drift"]
     assert max(r["bias_growth"][:-1]) > 0.1
+    # theory/02 Eq. (2.5): growth_h + bias growth_h = growth_{h+1}, exactly under gradient flow
+    g, gb = np.array(r["growth"]), np.array(r["bias_growth"])
+    assert np.allclose(g[:-1] + gb[:-1], g[1:], atol=1e-3)
 
 
 def test_linearisation_exact():

@@ -4,7 +4,7 @@ Linear nets (Arora et al. 2018, Thm. 1; Du et al. 2018, Thm. 2.2): C_j = W_{j+1}
 constant, so is its trace ‖W_{j+1}‖²_F − ‖W_j‖²_F. Homogeneous nets (linear, ReLU, leaky ReLU; Du et al.
 Thm. 2.1): per hidden neuron i of layer j, ‖W_j[i,:]‖² + b_j[i]² − ‖W_{j+1}[:,i]‖² is constant (the bias
 counts as an incoming weight). A GD step of size η changes each of these by exactly η² times the same
-expression in the gradients (see theory/02_relu_symmetry_breaking.md).
+expression in the gradients (theory/02_relu_linearisation.md, Eq. (2.6)).
 """
 from __future__ import annotations
 
