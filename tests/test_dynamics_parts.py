@@ -118,7 +118,7 @@ def test_saxe_closed_forms_solve_their_ode():
 
 
 def test_deep_saxe_matches_gd():
-    """theory/01 §1.3: a depth-3 balanced aligned net follows τu' = 3u^{4/3}(s − u) mode by mode (within 1%)."""
+    """theory/01 §1.3: a depth-3 balanced aligned net follows τu' = 3u^{4/3}(s − u) mode by mode (to 1%)."""
     task = D.saxe_task([3.0, 1.0], d_in=3, seed=6)
     net = D.aligned_init(task.U, task.V, 1e-2, depth=3, width=5, seed=6)
     tr = D.train(net, task.X, task.Y, 1e-3, 15000, record_every=25)
