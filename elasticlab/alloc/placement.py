@@ -1,0 +1,92 @@
+"""Placement of GPU counts on nodes (Pollux §4.2 interference avoidance as an option).
+
+``place(counts, previous, num_nodes, gpus_per_node)`` turns per-job GPU counts into per-node tuples:
+jobs whose count did not change keep their previous placement (no needless restart); a job that fits on
+one node goes to the fullest node that still fits it (best fit); a larger job takes whole free nodes first,
+then the nodes with the most free GPUs. With ``one_distributed_per_node`` a node hosts at most one job that
+spans several nodes; a job that cannot get all its GPUs then gets what fits (``elastic=True``) or nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["place", "node_count"]
+
+
+def node_count(placement) -> int:
+    return int(sum(1 for x in placement if x))
+
+
+def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: int,
+          one_distributed_per_node: bool = False, elastic: bool = True, order=None) -> dict:
+    """Per-job placement tuples (length ``num_nodes``) for ``counts`` {job: GPUs}; jobs with 0 are omitted.
+
+    ``order``: the priority in which new jobs are placed (default: largest count first).
+    """
+    if num_nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"need num_nodes >= 1 and gpus_per_node >= 1, got {num_nodes}, {gpus_per_node}")
+    total = sum(int(c) for c in counts.values())
+    bad = [k for k, c in counts.items() if int(c) < 0]
+    if bad:
+        raise ValueError(f"negative GPU count for job {bad[0]!r}: {counts[bad[0]]}")
+    if total > num_nodes * gpus_per_node:
+        raise ValueError(f"{total} GPUs requested but the cluster has {num_nodes * gpus_per_node}")
+    previous = previous or {}
+    free = np.full(num_nodes, gpus_per_node, dtype=np.int64)
+    dist = np.zeros(num_nodes, dtype=bool)  # node hosts a multi-node job
+    out = {}
+    # 1. keep unchanged placements
+    for name, c in sorted(counts.items(), key=lambda kv: -kv[1]):
+        prev = previous.get(name)
+        if c <= 0 or prev is None or sum(prev) != c or len(prev) != num_nodes:
+            continue
+        p = np.asarray(prev, dtype=np.int64)
+        multi = node_count(p) > 1
+        if np.any(p > free) or (one_distributed_per_node and multi and np.any(dist[p > 0])):
+            continue
+        free -= p
+        if multi:
+            dist |= p > 0
+        out[name] = tuple(int(x) for x in p)
+    # 2. place the rest
+    rest = [k for k, c in counts.items() if c > 0 and k not in out]
+    if order is None:
+        rest.sort(key=lambda k: -counts[k])
+    else:
+        rank = {k: i for i, k in enumerate(order)}
+        rest.sort(key=lambda k: rank.get(k, len(rank)))
+    for name in rest:
+        c = int(counts[name])
+        p = np.zeros(num_nodes, dtype=np.int64)
+        fits = np.flatnonzero(free >= c)
+        if c <= gpus_per_node and fits.size:
+            n = fits[np.argmin(free[fits])]  # best fit
+            p[n] = c
+        else:
+            need = c
+            eligible = ~dist if one_distributed_per_node else np.ones(num_nodes, dtype=bool)
+            whole = np.flatnonzero(eligible & (free == gpus_per_node))
+            for n in whole:
+                if need < gpus_per_node:
+                    break
+                p[n] = gpus_per_node
+                need -= gpus_per_node
+            while need > 0:
+                cand = np.flatnonzero(eligible & (free - p > 0))
+                if cand.size == 0:
+                    break
+                n = cand[np.argmax(free[cand] - p[cand])]
+                take = min(need, int(free[n] - p[n]))
+                p[n] += take
+                need -= take
+            if need > 0 and not elastic:
+                continue
+            if node_count(p) > 1 and one_distributed_per_node and np.any(dist[p > 0]):
+                continue
+        if p.sum() == 0:
+            continue
+        free -= p
+        if node_count(p) > 1:
+            dist |= p > 0
+        out[name] = tuple(int(x) for x in p)
+    return out

@@ -1,0 +1,48 @@
+"""What every policy shares: the cluster shape and the allocate() contract."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Cluster", "Policy"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    num_nodes: int = 16
+    gpus_per_node: int = 4
+
+    def __post_init__(self):
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"cluster needs >= 1 node and >= 1 GPU per node, got {self.num_nodes}x"
+                             f"{self.gpus_per_node}")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @classmethod
+    def parse(cls, spec: str) -> Cluster:
+        """'16x4' -> 16 nodes of 4 GPUs."""
+        try:
+            n, g = (int(x) for x in str(spec).lower().split("x"))
+        except ValueError:
+            raise ValueError(f"cluster must look like NODESxGPUS (e.g. 16x4), got {spec!r}") from None
+        return cls(n, g)
+
+
+class Policy:
+    """Base class. ``batch_mode`` says how its jobs pick their batch (see ``SimJob``); ``gang`` policies
+    need a job's whole count placed or nothing; ``one_distributed_per_node`` is Pollux's interference
+    avoidance."""
+
+    name = "base"
+    batch_mode = "fixed"
+    gang = False
+    one_distributed_per_node = False
+
+    def allocate(self, jobs, now: float, cluster: Cluster) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def placement_order(self, jobs):
+        """Priority for placing new jobs (default: larger counts first)."""
+        return None

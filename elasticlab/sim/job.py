@@ -1,0 +1,221 @@
+"""A simulated training job, replaying measured behaviour (Pollux artifact model, pollux-artifact.md §5.2).
+
+Per interval: true step time of its placement and per-GPU batch (traces), true gradient statistics at its
+global batch and epoch, goodput = gain / T_iter in M0-steps per second (AdaScale gain, Pollux Eq. (2)
+times scale); progress += goodput * dt; epoch boundaries and completion come from the validation tables.
+Any re-allocation costs ``restart_delay`` seconds without progress (GPU time is still charged).
+
+``batch_mode``: "fixed" (the user's batch from the workload), "goodput" (re-optimised for goodput with
+the fitted throughput model and the true GNS, Pollux agent), "throughput" (the largest-throughput batch in
+range, ignoring statistical efficiency: Saxena's objective), "initial" (M0 whatever the GPU count).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from elasticlab.sim.traces import Application
+
+__all__ = ["SimJob", "BATCH_MODES"]
+
+BATCH_MODES = ("fixed", "goodput", "throughput", "initial")
+
+
+class SimJob:
+    def __init__(self, name: str, app: Application, submission_time: float, num_replicas: int | None = None,
+                 batch_size: int | None = None, batch_mode: str = "fixed", restart_delay: float = 30.0):
+        if batch_mode not in BATCH_MODES:
+            raise ValueError(f"batch_mode must be one of {BATCH_MODES}, got {batch_mode!r}")
+        if batch_mode == "fixed" and batch_size is None:
+            raise ValueError(f"job {name!r}: batch_mode 'fixed' needs a batch_size")
+        self.name = name
+        self.app = app
+        self.submission_time = float(submission_time)
+        self.target_replicas = num_replicas
+        self.target_batch = batch_size
+        self.batch_mode = batch_mode
+        self.restart_delay = float(restart_delay)
+        self.placement: tuple = ()
+        self.atomic_bsz = 0
+        self.accum_steps = 0
+        self.progress = 0.0
+        self.epoch = 0
+        self.current_time = 0.0
+        self.rescale_time = 0.0
+        self.attained_service = 0.0  # GPU-seconds
+        self.run_time = 0.0  # wall seconds holding GPUs
+        self.num_restarts = -1  # the first start is not a restart
+        self.completion_time: float | None = None
+        self.max_profiled_replicas = 0
+        self.grad_params = app.grad_stats(app.init_batch_size, 0)
+        self.start_time: float | None = None
+
+    # ---- state
+    @property
+    def gpus(self) -> int:
+        return int(sum(self.placement))
+
+    @property
+    def nodes(self) -> int:
+        return int(sum(1 for x in self.placement if x))
+
+    @property
+    def batch_size(self) -> int:
+        return self.gpus * self.atomic_bsz * (self.accum_steps + 1)
+
+    @property
+    def done(self) -> bool:
+        return self.completion_time is not None
+
+    @property
+    def restarts(self) -> int:
+        return max(self.num_restarts, 0)
+
+    def age(self, now: float) -> float:
+        return max(now - self.submission_time, 0.0)
+
+    def __repr__(self):
+        return (f"SimJob({self.name!r}, gpus={self.gpus}, batch={self.batch_size}, epoch={self.epoch}/"
+                f"{self.app.max_epochs}, progress={self.progress:.0f}/{self.app.max_progress:.0f})")
+
+    # ---- models the scheduler may use
+    def goodput_function(self, phi_override=None):
+        from elasticlab.goodput import GoodputFunction
+
+        stats = self.grad_params if phi_override is None else phi_override
+        return GoodputFunction(self.app.throughput_model, stats, self.app.init_batch_size)
+
+    def _optimize(self, nodes, gpus, mode):
+        app = self.app
+        fn = self.goodput_function(math.inf if mode == "throughput" else None)
+        return fn.optimize(nodes, gpus, max_batch=app.max_batch_size, min_per_gpu_batch=app.min_local_bsz,
+                           max_per_gpu_batch=app.max_local_bsz, accumulation=True)
+
+    def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None) -> np.ndarray:
+        """Predicted goodput (or throughput) at g = 0..max_gpus GPUs on ceil(g / gpus_per_node) nodes,
+        divided by that on 1 GPU (Pollux Eq. (8)); linear (= g) before the job has run. Fixed-batch jobs
+        use their batch split over g GPUs."""
+        mode = mode or self.batch_mode
+        g = np.arange(max_gpus + 1)
+        if self.max_profiled_replicas == 0:
+            return g.astype(float)
+        gg = np.maximum(g, 1)
+        nodes = np.ceil(gg / gpus_per_node)
+        if mode in ("goodput", "throughput"):
+            good, _, _ = self._optimize(nodes, gg, mode)
+        else:
+            fn = self.goodput_function()
+            batch = self.target_batch if mode == "fixed" else self.app.init_batch_size
+            split = np.array([self.app.batch_split(batch, int(k)) for k in gg])
+            good = fn.evaluate(nodes, gg, split[:, 0], split[:, 1])
+            good = np.where(split[:, 0] * gg * (split[:, 1] + 1) >= self.app.init_batch_size, good, 0.0)
+        base = good[1]
+        out = good / base if base > 0 else g.astype(float)
+        out[0] = 0.0
+        return out
+
+    def max_replicas(self, cap: int = 64) -> int:
+        """Pollux's exploration limit: at most twice the largest GPU count profiled so far (>= 1)."""
+        app = self.app
+        lim = min(max(2 * self.max_profiled_replicas, 1), cap)
+        if self.batch_mode in ("goodput", "throughput"):
+            lim = min(lim, app.max_batch_size // app.min_local_bsz)
+        elif self.batch_mode == "fixed":
+            lim = min(lim, max(self.target_batch // app.min_local_bsz, 1))
+        return max(int(lim), 1)
+
+    def remaining_iterations(self, batch_size: float | None = None) -> float:
+        """Oracle optimizer steps left at a fixed global batch (Optimus+Oracle), from the true GNS tables."""
+        app = self.app
+        m = float(batch_size or self.target_batch or app.init_batch_size)
+        scale = m / app.init_batch_size
+        sqr, var = app.grad_stats_table(m)
+        gains = (var + sqr) / (var / scale + sqr)
+        bounds = app._boundaries
+        left = 0.0
+        for e in range(self.epoch, app.max_epochs):
+            lo = max(bounds[e], self.progress)
+            left += max(bounds[e + 1] - lo, 0.0) / gains[e]
+        return left
+
+    # ---- batch size
+    def update_batch(self):
+        """Choose (per-GPU batch, accumulation steps) for the current placement (artifact update_local_bsz)."""
+        app = self.app
+        r = self.gpus
+        if r == 0:
+            self.atomic_bsz, self.accum_steps = 0, 0
+            return
+        mode = self.batch_mode
+        if mode in ("goodput", "throughput") and self.max_profiled_replicas > 0:
+            _, b, s = self._optimize(self.nodes, r, mode)
+            if b > 0:
+                count = r * (s + 1)
+                self.atomic_bsz = int(max(min(b, app.max_batch_size // count), 1))
+                self.accum_steps = int(s)
+                return
+        if mode == "fixed":
+            batch = self.target_batch
+        else:
+            batch = max(app.init_batch_size, app.min_local_bsz * r) if mode != "initial" else app.init_batch_size
+        self.atomic_bsz, self.accum_steps = app.batch_split(batch, r)
+
+    # ---- dynamics
+    def reallocate(self, placement: tuple):
+        placement = tuple(int(x) for x in placement)
+        if sum(placement) > 0:
+            self.placement = placement
+            self.update_batch()
+            self.rescale_time = self.restart_delay
+            self.num_restarts += 1
+        else:
+            self.placement = ()
+            self.atomic_bsz = self.accum_steps = 0
+
+    def step(self, seconds: float):
+        """Advance ``seconds`` of simulated time."""
+        if not self.placement or self.done:
+            self.current_time += seconds
+            return
+        if self.start_time is None:
+            self.start_time = self.current_time
+        r = self.gpus
+        delay = min(self.rescale_time, seconds)
+        self.current_time += delay
+        self.attained_service += delay * r
+        self.run_time += delay
+        self.rescale_time -= delay
+        seconds -= delay
+        app = self.app
+        while seconds > 0 and not self.done:
+            batch = self.batch_size
+            scale = batch / app.init_batch_size
+            step, sync = app.step_time(self.placement, self.atomic_bsz)
+            total = step + (step - sync) * self.accum_steps
+            sqr, var = app.grad_stats(batch, self.epoch)
+            gain = (var + sqr) / (var / scale + sqr)
+            self.grad_params = (sqr, var)
+            self.max_profiled_replicas = max(self.max_profiled_replicas, r)
+            goodput = gain / total  # M0-steps per second
+            nxt = app.progress_at(self.epoch + 1)
+            if self.progress + goodput * seconds < nxt:
+                self.progress += goodput * seconds
+                self._spend(seconds, r)
+                seconds = 0
+            else:
+                delta = min(float(round((nxt - self.progress) / goodput)), seconds)
+                self.epoch += 1
+                self.progress = nxt
+                if self.epoch >= app.max_epochs:
+                    self.completion_time = self.current_time + delta
+                self._spend(delta, r)
+                seconds -= delta
+            if not self.done and self.batch_mode != "fixed":
+                self.update_batch()
+        self.current_time += seconds
+
+    def _spend(self, dt, r):
+        self.current_time += dt
+        self.attained_service += dt * r
+        self.run_time += dt

@@ -1,0 +1,191 @@
+"""One model (application) of the Pollux artifact's traces: measured step times and GNS versus progress.
+
+Reads ``traces/<model>/`` of the artifact data (placements.csv, scalability.csv, validation-<M>.csv);
+see shared/reference/pollux-artifact.md §5. Everything a simulated job needs:
+
+* :meth:`Application.step_time` -- true (step, sync) seconds of a placement at a per-GPU batch: measured
+  placement -> 1-D linear interpolation in the batch; otherwise linear interpolation over
+  (nodes, GPUs, per-GPU batch) of the per-shape means plus the scalability rows (artifact §5.2 step 1);
+* :meth:`Application.grad_stats` -- true (sqr, var) at a global batch in an epoch, linear in the batch;
+* :meth:`Application.progress_at` -- the epoch boundaries in scale-invariant progress (units of M0 steps);
+* :meth:`Application.throughput_model` -- Pollux's theta_sys fitted (once) to all of the model's traces.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["Application", "load_application", "data_dir", "APPLICATIONS", "canonical_placement"]
+
+APPLICATIONS = ("bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3")
+
+# per-GPU batch range of each model (artifact applications.py, restated in pollux-artifact.md §5.1)
+_LOCAL_BSZ = {"bert": (4, 12), "cifar10": (32, 1024), "deepspeech2": (10, 80), "imagenet": (20, 200),
+              "ncf": (32, 32768), "yolov3": (4, 8)}
+
+
+def data_dir() -> Path:
+    """Directory of the artifact data: $ELASTICLAB_ADAPTDL_DATA, else shared/data/adaptdl next to the repo."""
+    env = os.environ.get("ELASTICLAB_ADAPTDL_DATA")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent / "shared" / "data" / "adaptdl"
+        if cand.is_dir():
+            return cand
+        cand = parent.parent / "shared" / "data" / "adaptdl"
+        if cand.is_dir():
+            return cand
+    return Path("/work/shared/data/adaptdl")
+
+
+def canonical_placement(placement) -> tuple:
+    """Non-empty nodes' GPU counts, rotated to the lexicographically smallest rotation (the traces' key)."""
+    p = tuple(int(x) for x in placement if x)
+    if not p:
+        return ()
+    return min(p[i:] + p[:i] for i in range(len(p)))
+
+
+class Application:
+    """Measured behaviour of one model; ``name`` is one of :data:`APPLICATIONS`."""
+
+    def __init__(self, name: str, root: Path | None = None):
+        root = Path(root) if root is not None else data_dir()
+        tdir = root / "traces" / name
+        if not tdir.is_dir():
+            raise ValueError(f"unknown application {name!r}: no trace directory {tdir}")
+        self.name = name
+        self.validation = {}
+        for path in tdir.glob("validation-*.csv"):
+            self.validation[int(path.stem.split("-")[1])] = pd.read_csv(path)
+        self.batch_sizes = np.array(sorted(self.validation), dtype=float)
+        self.init_batch_size = int(self.batch_sizes[0])
+        self.max_batch_size = int(self.batch_sizes[-1])
+        self.min_local_bsz, self.max_local_bsz = _LOCAL_BSZ[name]
+        self.max_epochs = min(len(df) for df in self.validation.values())
+        tables = [self.validation[int(m)] for m in self.batch_sizes]
+        prog = np.array([df.progress.to_numpy()[: self.max_epochs] for df in tables])
+        self._boundaries = np.concatenate([[0.0], prog.min(axis=0)])  # progress at the start of epoch e
+        self._sqr = np.array([df.grad_sqr.to_numpy()[: self.max_epochs] for df in tables])  # (n_bsz, epochs)
+        self._var = np.array([df.grad_var.to_numpy()[: self.max_epochs] for df in tables])
+        self._iters = np.array([df.iteration.to_numpy()[: self.max_epochs] for df in tables])
+        self._prog = prog
+        pl = pd.read_csv(tdir / "placements.csv")
+        pl["placement"] = pl.placement.astype(str)
+        pl["num_nodes"] = pl.placement.str.len()
+        pl["num_replicas"] = pl.placement.apply(lambda s: sum(int(c) for c in s))
+        self.placements = pl
+        self.scalability = pd.read_csv(tdir / "scalability.csv")
+        self._by_placement = {
+            canonical_placement(int(c) for c in key): (g.local_bsz.to_numpy(float),
+                                                       g.step_time.to_numpy(float), g.sync_time.to_numpy(float))
+            for key, g in pl.sort_values("local_bsz").groupby("placement")
+        }
+        xs, ys = ["num_nodes", "num_replicas", "local_bsz"], ["step_time", "sync_time"]
+        means = pl.groupby(xs)[ys].mean().reset_index()
+        pts = pd.concat([means[xs + ys], self.scalability[xs + ys]], ignore_index=True)
+        self._nd_points = pts[xs].to_numpy(float)
+        self._nd_values = pts[ys].to_numpy(float)
+        self._nd = None
+        self._cache: dict = {}
+
+    def __repr__(self):
+        return (f"Application({self.name!r}, M0={self.init_batch_size}, max_batch={self.max_batch_size}, "
+                f"epochs={self.max_epochs})")
+
+    # ---- progress and gradient statistics
+    @property
+    def max_progress(self) -> float:
+        return float(self._boundaries[self.max_epochs])
+
+    def progress_at(self, epoch: int) -> float:
+        """Scale-invariant progress at the start of ``epoch`` (0 <= epoch <= max_epochs)."""
+        return float(self._boundaries[min(max(int(epoch), 0), self.max_epochs)])
+
+    def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
+        """True (sqr, var) at global batch ``batch_size`` during ``epoch``, linear in the batch."""
+        e = min(max(int(epoch), 0), self.max_epochs - 1)
+        return (float(np.interp(batch_size, self.batch_sizes, self._sqr[:, e])),
+                float(np.interp(batch_size, self.batch_sizes, self._var[:, e])))
+
+    def grad_stats_table(self, batch_size: float):
+        """(sqr, var) arrays over all epochs at ``batch_size`` (for oracle iteration counts)."""
+        sqr = np.array([np.interp(batch_size, self.batch_sizes, self._sqr[:, e]) for e in range(self.max_epochs)])
+        var = np.array([np.interp(batch_size, self.batch_sizes, self._var[:, e]) for e in range(self.max_epochs)])
+        return sqr, var
+
+    # ---- throughput
+    def step_time(self, placement, local_bsz: float) -> tuple[float, float]:
+        """True (optimizer-step time, its sync part) in seconds on ``placement`` (GPUs per node)."""
+        key = (canonical_placement(placement), float(local_bsz))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        p = key[0]
+        if not p:
+            raise ValueError("step_time of an empty placement")
+        if p in self._by_placement:
+            b, st, sy = self._by_placement[p]
+            ret = (float(np.interp(local_bsz, b, st)), float(np.interp(local_bsz, b, sy)))
+        else:
+            if self._nd is None:
+                from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
+
+                self._nd = (LinearNDInterpolator(self._nd_points, self._nd_values),
+                            NearestNDInterpolator(self._nd_points, self._nd_values))
+            q = np.array([[min(len(p), 16), sum(p), float(local_bsz)]])
+            val = self._nd[0](q)[0]
+            if not np.all(np.isfinite(val)):  # outside the measured hull: nearest measurement
+                val = self._nd[1](q)[0]
+            ret = (float(val[0]), float(val[1]))
+        self._cache[key] = ret
+        return ret
+
+    @functools.cached_property
+    def throughput_model(self):
+        """Pollux theta_sys fitted to every measured (placement, per-GPU batch) of this model."""
+        from elasticlab.goodput import fit_throughput_model
+
+        pl = self.placements
+        rows = np.column_stack([pl.num_nodes, pl.num_replicas, pl.local_bsz, np.zeros(len(pl)),
+                                pl.step_time, np.minimum(pl.sync_time, 0.999 * pl.step_time)])
+        sc = self.scalability
+        rows2 = np.column_stack([sc.num_nodes, sc.num_replicas, sc.local_bsz, np.zeros(len(sc)),
+                                 sc.step_time, np.minimum(sc.sync_time, 0.999 * sc.step_time)])
+        return fit_throughput_model(np.vstack([rows, rows2]), prior=None)
+
+    # ---- helpers for policies
+    def batch_split(self, batch_size: float, replicas: int) -> tuple[int, int]:
+        """Fixed global batch on ``replicas`` GPUs -> (per-GPU batch, accumulation steps), artifact rules."""
+        local = math.ceil(batch_size / replicas - 1e-8)
+        accum = math.ceil(local / self.max_local_bsz - 1e-8) - 1
+        if replicas == 1 and batch_size > self.init_batch_size:
+            accum = max(1, accum)
+        atomic = math.ceil(local / (accum + 1) - 1e-8)
+        count = replicas * (accum + 1)
+        atomic = min(atomic, int(self.max_batch_size / count))
+        return max(atomic, 1), accum
+
+    def iteration_time(self, placement, atomic_bsz, accum_steps) -> float:
+        """True seconds of one optimizer step with ``accum_steps`` accumulation micro-steps."""
+        step, sync = self.step_time(placement, atomic_bsz)
+        return step + accum_steps * (step - sync)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str, root: str) -> Application:
+    return Application(name, Path(root))
+
+
+def load_application(name: str, root=None) -> Application:
+    """Cached :class:`Application` (traces are read once per process)."""
+    if name not in APPLICATIONS:
+        raise ValueError(f"unknown application {name!r}; expected one of {APPLICATIONS}")
+    return _load(name, str(Path(root) if root is not None else data_dir()))
