@@ -271,7 +271,7 @@ def _as_observations(observations) -> np.ndarray:
         if not np.all(ok):
             i = int(np.argmin(ok))
             raise ValueError(
-                f"observation {i} has a bad {name} = {col[i]!r} (row {obs[i].tolist()}): need "
+                f"observation {i} has a bad {name} = {float(col[i])!r} (row {obs[i].tolist()}): need "
                 "nodes >= 1, gpus >= nodes, per_gpu_batch >= 1, accum_steps >= 0, iter_time > 0, "
                 "0 <= sync_time < iter_time"
             )
@@ -454,6 +454,8 @@ class GoodputFunction:
     def _batch_range(self, max_batch, batch_range):
         m0 = self.init_batch
         if batch_range is None:
+            if max_batch is not None and max_batch < m0:
+                raise ValueError(f"max_batch {max_batch} is below the initial batch size {m0}")
             batch_range = (m0, m0 if max_batch is None else max_batch)
         elif max_batch is not None and max_batch != batch_range[1]:
             raise ValueError(f"max_batch={max_batch} disagrees with batch_range={batch_range}")

@@ -1,0 +1,130 @@
+"""Reproductions on the noisy quadratic model, as functions returning numbers (reused by
+``elasticlab reproduce``): P2-T1/T2 (Dynamic SGD vs the momentum-noise spike, Lin et al. 2019) and
+P6-T2 (AdaScale's scale invariance, Johnson et al. 2020). See ``shared/reference/papers.md``."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .adascale import AdaScale, AdaScaleEstimator
+from .dynamic_sgd import DynamicSGD
+from .nqm import NoisyQuadratic
+from .wrapper import ElasticLR
+
+SPIKE_VARIANTS = ("immediate", "ramp", "none", "immediate_correct")
+
+
+def batch_jump_run(variant="ramp", ramp_steps=None, k=8, dim=1000, seeds=20, steps_before=2000,
+                   window=50, lr=0.05, base_batch=8, momentum=0.9, noise=True, seed=0):
+    """SGD with momentum on the NQM; the global batch jumps ``base_batch -> k * base_batch`` after
+    ``steps_before`` steps. ``variant``: ``"immediate"`` (LR x k at once), ``"ramp"`` (Dynamic SGD over
+    ``ramp_steps``, default 8k), ``"none"`` (LR unchanged), ``"immediate_correct"`` (LR x k at once with
+    Goyal's momentum correction). Returns the seed-mean loss curve and
+    ``peak_ratio`` = max loss in the ``window`` steps after the jump / mean loss of the ``window`` before,
+    ``end_ratio`` = loss at the end of the window / before."""
+    if variant not in SPIKE_VARIANTS:
+        raise ValueError(f"variant must be one of {SPIKE_VARIANTS}, got {variant!r}")
+    if not k > 0:
+        raise ValueError(f"batch factor k must be > 0, got {k}")
+    gen = torch.Generator().manual_seed(seed)
+    nqm = NoisyQuadratic(dim, noise=noise)
+    w = torch.nn.Parameter(torch.randn(seeds, dim, generator=gen, dtype=torch.float64))
+    opt = torch.optim.SGD([w], lr=lr, momentum=momentum)
+    rule = "identity" if variant == "none" else "linear"
+    ramp = {"immediate": None, "none": None, "ramp": DynamicSGD(steps=ramp_steps),
+            "immediate_correct": DynamicSGD(steps=0, momentum="correct")}[variant]
+    elr = ElasticLR(opt, base_batch, rule=rule, ramp=ramp)
+    losses = np.empty(steps_before + window)
+    for t in range(steps_before + window):
+        if t == steps_before:
+            elr.on_batch_change(k * base_batch)
+        with torch.no_grad():
+            w.grad = nqm.grad(w, elr.global_batch, gen)
+            elr.step()
+            losses[t] = float(nqm.loss(w).mean())
+    before = losses[steps_before - window:steps_before].mean()
+    after = losses[steps_before:]
+    return {"variant": variant, "ramp_steps": None if ramp is None else ramp.length,
+            "peak_ratio": float(after.max() / before), "end_ratio": float(after[-1] / before),
+            "loss_before": float(before), "losses": losses}
+
+
+def momentum_spike(k=8, seeds=20, noise=True, ramps=(8, None), **kw):
+    """P2-T1 (``noise=True``) / P2-T2 (``noise=False``): peak-loss ratios after a k-fold batch jump for
+    immediate linear scaling, Dynamic SGD ramps (``None`` = the default 8k steps), and no LR change.
+    Returns ``{name: peak_ratio}`` plus ``{name + "_end": end_ratio}``."""
+    out = {}
+    runs = [("immediate", None), ("immediate_correct", None), ("none", None)]
+    runs += [("ramp", t) for t in ramps]
+    for variant, t in runs:
+        r = batch_jump_run(variant, ramp_steps=t, k=k, seeds=seeds, noise=noise, **kw)
+        name = variant if variant != "ramp" else f"ramp_{r['ramp_steps']}"
+        out[name] = r["peak_ratio"]
+        out[name + "_end"] = r["end_ratio"]
+    return out
+
+
+def adascale_run(scale, rule="adascale", t_si=6000, dim=100, seeds=32, lr=5e-4, decay=0.5,
+                 base_batch=1, momentum=0.9, h_min=0.1, seed=0, oracle=False, final_window=0.05):
+    """Train the NQM at scale S (S workers of ``base_batch`` each) until the scale-invariant progress
+    reaches ``t_si`` (AdaScale Alg. 1). ``rule="adascale"`` takes the gain r from the AdaScale estimator
+    over the S worker gradients (``oracle=True``: from the exact sigma^2 and mu^2); ``rule="linear"`` is
+    linear scaling without warm-up. LR: ``lr * decay^(tau / t_si)``. Returns the final loss (mean over
+    the last ``final_window`` of tau, to average out step-to-step noise), iterations, mean gain, and the
+    seed-mean loss after every step against tau."""
+    scale = int(scale)
+    if scale < 1:
+        raise ValueError(f"scale must be an integer >= 1, got {scale}")
+    gen = torch.Generator().manual_seed(seed)
+    nqm = NoisyQuadratic(dim, h_min=h_min)
+    w = torch.nn.Parameter(torch.ones(seeds, dim, dtype=torch.float64))
+    opt = torch.optim.SGD([w], lr=lr, momentum=momentum)
+    est = AdaScaleEstimator(base_batch)
+
+    def oracle_stats():
+        # seeds are independent copies: pool them as one (seeds * dim)-dimensional problem
+        return (float(nqm.grad_sq(w.detach()).sum()), seeds * nqm.trace_cov() / base_batch)
+
+    chosen = AdaScale(oracle_stats if oracle else est, base_batch) if rule == "adascale" else rule
+    schedule = lambda tau: decay ** (tau / t_si)  # noqa: E731
+    elr = ElasticLR(opt, base_batch, rule=chosen, schedule=schedule, global_batch=scale * base_batch)
+    taus, losses, gains = [0.0], [float(nqm.loss(w.detach()).mean())], []
+    with torch.no_grad():
+        while elr.progress.progress < t_si:
+            grads = nqm.worker_grads(w, scale, base_batch, gen)
+            w.grad = grads.mean(0)
+            if scale > 1 and not oracle:
+                est.update(grads.reshape(scale, -1))
+            gains.append(elr.gain())
+            elr.step()
+            taus.append(elr.progress.progress)
+            losses.append(float(nqm.loss(w).mean()))
+            if not math.isfinite(losses[-1]) or losses[-1] > 1e6 * losses[0]:
+                break  # diverged
+    taus, losses = np.array(taus), np.array(losses)
+    tail = taus >= (1.0 - final_window) * taus[-1]
+    return {"scale": scale, "rule": rule, "final_loss": float(losses[tail].mean()),
+            "iterations": elr.steps, "mean_gain": float(np.mean(gains)) if gains else 1.0,
+            "taus": taus, "losses": losses}
+
+
+def adascale_invariance(scales=(1, 4, 16, 64), rule="adascale", **kw):
+    """P6-T2: final loss at every S, its spread ``max/min - 1``, and the largest relative gap between
+    each loss-vs-tau curve and the S = 1 curve (on a common tau grid, ignoring the first 10%)."""
+    runs = {s: adascale_run(s, rule=rule, **kw) for s in scales}
+    finals = np.array([r["final_loss"] for r in runs.values()])
+    ref = runs[scales[0]]
+    t_max = min(r["taus"][-1] for r in runs.values())
+    grid = np.linspace(0.1 * t_max, t_max, 50)
+    ref_curve = np.interp(grid, ref["taus"], ref["losses"])
+    gaps = {}
+    for s, r in runs.items():
+        curve = np.interp(grid, r["taus"], r["losses"])
+        gaps[s] = float(np.max(np.abs(curve / ref_curve - 1.0)))
+    spread = float(finals.max() / finals.min() - 1.0) if np.all(np.isfinite(finals)) else math.inf
+    return {"final_loss": {s: r["final_loss"] for s, r in runs.items()},
+            "iterations": {s: r["iterations"] for s, r in runs.items()},
+            "mean_gain": {s: r["mean_gain"] for s, r in runs.items()},
+            "final_spread": spread, "max_curve_gap": max(gaps.values()), "curve_gap": gaps}
