@@ -1,0 +1,51 @@
+"""``elasticlab reproduce``: run the paper reproductions and write report.html + results.json."""
+from __future__ import annotations
+
+import sys
+
+NAME = "reproduce"
+HELP = "run the paper reproductions (one per claim) and write report.html and results.json"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="the quick versions (what `pytest -m repro` runs)")
+    parser.add_argument("--only", action="append", metavar="ID",
+                        help="claim id (P5-T1) or prefix (P5); repeat or comma-separate for several")
+    parser.add_argument("--out", metavar="DIR",
+                        help="folder for report.html and results.json (required to run)")
+    parser.add_argument("--list", action="store_true", help="list the registered claims and exit")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit with status 1 when a claim fails (default: 0, failures are printed)")
+
+
+def run(args) -> int:
+    from elasticlab import repro
+    from elasticlab.repro.registry import load
+
+    if args.list:
+        problems = {m: e for m, e in load().items() if e}
+        for r in repro.all_reproductions():
+            print(f"{r.id:8s} {r.claim[:100]}")
+        for m, e in problems.items():
+            print(f"(not loaded: {m}: {e})")
+        return 0
+    if not args.out:
+        print("elasticlab reproduce: --out DIR is required (or --list)", file=sys.stderr)
+        return 2
+    try:
+        reps = repro.select(args.only)
+    except ValueError as e:
+        print(f"elasticlab reproduce: {e}", file=sys.stderr)
+        return 2
+    mode = "quick" if args.quick else "full"
+    print(f"running {len(reps)} reproductions ({mode}) -> {args.out}", flush=True)
+    results = repro.run_all(reps, quick=args.quick, progress=True)
+    paths = repro.write_report(results, args.out, quick=args.quick)
+    print(repro.summary_table(results))
+    failed = [r for r in results if not r.passed]
+    for r in failed:
+        why = r.error.splitlines()[-1] if r.error else r.summary
+        print(f"FAILED {r.id}: {why}\n       target: {r.target}")
+    print(f"report: {paths['html']}\nresults: {paths['json']}")
+    return 1 if (failed and args.strict) else 0
