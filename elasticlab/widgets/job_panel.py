@@ -1,0 +1,314 @@
+"""JobPanel: start, pause, resize and stop a live :class:`~elasticlab.elastic.ElasticJob` from JupyterLab.
+
+A worker-count slider resizes the running job (``job.resize(n)``, applied at the next step boundary), a
+batch-policy choice replaces the job's policy (used at the next resize), and an LR-rule choice applies
+before the job starts (the workers carry the rule). Six plotly ``FigureWidget`` charts — loss,
+samples/s, gradient noise scale, global batch, LR and world size over time, with every new generation
+(resize, restart, resume) marked — and an event log are refreshed by a background thread polling
+``job.metrics()``/``job.events()``, so the kernel is never blocked.
+"""
+from __future__ import annotations
+
+import html
+import time
+
+import ipywidgets as W
+
+from elasticlab.widgets._common import Poller, figure_widget, write_json_atomic
+
+#: The charts: (metric key, title, y-axis label, step-shaped line?).
+CHARTS = (("loss", "Loss", "loss", False), ("samples_per_s", "Throughput", "samples/s", False),
+          ("gns", "Gradient noise scale", "B_noise", False),
+          ("global_batch", "Global batch", "samples", True),
+          ("lr", "Learning rate", "lr", True), ("world_size", "World size", "workers", True))
+BATCH_POLICIES = ("fixed_global", "fixed_per_worker", "goodput")
+LR_RULES = ("constant", "linear", "sqrt", "adascale", "dynamic_sgd")
+#: Events that change the job's shape and are drawn as vertical lines.
+MARKED = ("generation",)
+_LOGGED = ("start", "generation", "resize", "set_batch", "checkpoint_corrupt", "resume", "pause", "fault",
+           "restart", "finished", "stop", "error")
+
+
+def make_policy(name: str, global_batch: int, world_size: int, max_batch: int | None = None):
+    """A batch policy of :mod:`elasticlab.elastic.policies` by name, sized from the job's current batch."""
+    from elasticlab.elastic import policies as P
+
+    if name not in BATCH_POLICIES:
+        raise ValueError(f"unknown batch policy {name!r}; choose one of {BATCH_POLICIES}")
+    global_batch, world_size = max(1, int(global_batch)), max(1, int(world_size))
+    if name == "fixed_global":
+        return P.FixedGlobalBatch(global_batch)
+    if name == "fixed_per_worker":
+        return P.FixedPerWorkerBatch(max(1, global_batch // world_size))
+    return P.GoodputAdaptive(base_batch=global_batch, max_batch=int(max_batch or 16 * global_batch))
+
+
+class JobPanel:
+    """Control panel of one :class:`~elasticlab.elastic.ElasticJob` (display it as the last line of a cell).
+
+    ``max_workers`` bounds the slider (default: the job's slots, at most 8). ``poll_s`` is the refresh
+    period. ``status_file``, if given, receives ``job.status()`` as JSON at every refresh (for scripts and
+    tests that watch a job driven from the browser). ``window`` keeps the charts to the last that many steps.
+    """
+
+    def __init__(self, job, *, max_workers: int | None = None, poll_s: float = 0.5, status_file=None,
+                 window: int = 5000, autostart_poll: bool = True):
+        for name in ("start", "resize", "pause", "resume", "stop", "status", "metrics", "events"):
+            if not callable(getattr(job, name, None)):
+                raise TypeError(f"JobPanel needs an ElasticJob-like object; "
+                                f"{type(job).__name__} has no {name}()")
+        if poll_s <= 0:
+            raise ValueError(f"poll_s must be positive, got {poll_s!r}")
+        if window < 10:
+            raise ValueError(f"window must be >= 10 steps, got {window!r}")
+        self.job = job
+        self.status_file = status_file
+        self.window = int(window)
+        slots = int(getattr(job, "slots", 8))
+        self.max_workers = int(max_workers) if max_workers is not None else max(1, min(slots, 8))
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers!r}")
+        st = job.status()
+        self._t0: float | None = None
+        self._n_metrics = 0
+        self._n_events = 0
+        self._series: dict[str, list] = {k: [] for k, *_ in CHARTS}
+        self._series["t"] = []
+        self._marks: list[tuple[float, str]] = []
+        self._log: list[str] = []
+        self._last_state = None
+
+        # ---- controls -------------------------------------------------------------------------
+        n0 = max(1, min(int(st.get("target_world_size") or getattr(job, "world_size", 1)), self.max_workers))
+        self.workers = W.IntSlider(value=n0, min=1, max=self.max_workers, step=1, description="workers",
+                                   continuous_update=False, layout=W.Layout(width="320px"))
+        self.workers.add_class("elasticlab-workers")
+        self.start_button = W.Button(description="start", icon="play", button_style="success",
+                                     layout=W.Layout(width="90px"))
+        self.pause_button = W.Button(description="pause", icon="pause", layout=W.Layout(width="100px"))
+        self.stop_button = W.Button(description="stop", icon="stop", button_style="danger",
+                                    layout=W.Layout(width="90px"))
+        pol = getattr(job, "policy", None)
+        pol_name = {"FixedGlobalBatch": "fixed_global", "FixedPerWorkerBatch": "fixed_per_worker",
+                    "GoodputAdaptive": "goodput"}.get(type(pol).__name__, "fixed_global")
+        self.policy = W.Dropdown(options=BATCH_POLICIES, value=pol_name, description="batch",
+                                 layout=W.Layout(width="230px"))
+        rule = getattr(job, "options", {}).get("lr_rule", "constant")
+        self.lr_rule = W.Dropdown(options=LR_RULES, value=rule if rule in LR_RULES else "constant",
+                                  description="LR rule", layout=W.Layout(width="230px"))
+        self.status_label = W.HTML(value="")
+        self.status_label.add_class("elasticlab-job-status")
+        self.log = W.HTML(value="", layout=W.Layout(max_height="160px", overflow_y="auto",
+                                                    border="1px solid #ddd", padding="2px 6px"))
+        self.log.add_class("elasticlab-job-log")
+
+        self.start_button.on_click(lambda _: self.start())
+        self.pause_button.on_click(lambda _: self.toggle_pause())
+        self.stop_button.on_click(lambda _: self.stop(block=False))
+        self.workers.observe(self._on_workers, names="value")
+        self.policy.observe(self._on_policy, names="value")
+        self.lr_rule.observe(self._on_lr_rule, names="value")
+
+        # ---- charts ---------------------------------------------------------------------------
+        self.figures = {}
+        for key, title, ylab, stepped in CHARTS:
+            fig = figure_widget(title, height=230, xaxis="time since start (s)", yaxis=ylab)
+            fig.add_scatter(x=[], y=[], mode="lines", name=key,
+                            line={"shape": "hv" if stepped else "linear", "width": 2})
+            self.figures[key] = fig
+        charts = W.GridBox(list(self.figures.values()),
+                           layout=W.Layout(grid_template_columns="repeat(3, minmax(260px, 1fr))"))
+        controls = W.HBox([self.start_button, self.pause_button, self.stop_button, self.workers])
+        choices = W.HBox([self.policy, self.lr_rule])
+        self.widget = W.VBox([W.HTML("<b>elasticlab · elastic job</b>"), controls, choices,
+                              self.status_label, charts, W.HTML("<b>events</b>"), self.log])
+        self.widget.add_class("elasticlab-job-panel")
+        self._poller = Poller(self.refresh, poll_s, name="elasticlab-jobpanel",
+                              on_error=lambda tb: self._append_log(f"<span style='color:#c00'>panel error: "
+                                                                   f"{html.escape(tb.splitlines()[-1])}</span>"))
+        self.refresh()
+        if autostart_poll:
+            self._poller.start()
+
+    # ---- actions -------------------------------------------------------------------------------
+    def start(self):
+        """Start the job (if new)."""
+        if self.job.status()["state"] == "new":
+            self.job.start()
+        self.refresh()
+        return self
+
+    def resize(self, n: int):
+        """Resize the job to ``n`` workers (moves the slider, which requests the resize)."""
+        if int(n) != n or not 1 <= n <= self.max_workers:
+            raise ValueError(f"workers must be an integer in [1, {self.max_workers}], got {n!r}")
+        if self.workers.value == n:
+            return self.job.resize(int(n))
+        self.workers.value = int(n)
+        return self._last_request
+
+    def toggle_pause(self):
+        state = self.job.status()["state"]
+        if state == "paused":
+            self._last_request = self.job.resume(self.workers.value)
+        elif state in ("running", "starting", "spawning", "draining"):
+            self._last_request = self.job.pause()
+        return self._last_request
+
+    def stop(self, block: bool = True):
+        """Stop the job (checkpoint and end its workers). ``block=False`` does it on a helper thread."""
+        if block:
+            self.job.stop()
+            self.refresh()
+        else:
+            import threading
+
+            threading.Thread(target=lambda: (self.job.stop(), self.refresh()), daemon=True).start()
+
+    def close(self):
+        """Stop refreshing (the job itself keeps running; see :meth:`stop`)."""
+        self._poller.stop()
+
+    def wait_until(self, predicate, timeout: float = 60.0, interval: float = 0.1) -> dict:
+        """Block until ``predicate(job.status())`` holds; returns that status (TimeoutError otherwise).
+
+        For scripted runs (a notebook in CI); interactive use never needs it."""
+        end = time.monotonic() + timeout
+        while True:
+            st = self.job.status()
+            if predicate(st):
+                self.refresh()
+                return st
+            if time.monotonic() > end:
+                raise TimeoutError(f"condition not reached in {timeout} s; last status: "
+                                   f"state={st['state']!r}, world_size={st['world_size']}, step={st['step']}")
+            time.sleep(interval)
+
+    # ---- widget callbacks ------------------------------------------------------------------------
+    _last_request = None
+
+    def _on_workers(self, change):
+        n = int(change["new"])
+        try:
+            self._last_request = self.job.resize(n)
+            self._append_log(f"requested resize to {n} workers")
+        except Exception as e:  # a bad size must not kill the widget
+            self._append_log(f"<span style='color:#c00'>resize failed: {html.escape(str(e))}</span>")
+
+    def _on_policy(self, change):
+        st = self.job.status()
+        batch = st.get("global_batch") or getattr(getattr(self.job, "policy", None), "global_batch", None) \
+            or getattr(self.job, "entry_kwargs", {}).get("base_batch", 32)
+        pol = make_policy(change["new"], batch, max(1, st.get("world_size") or self.workers.value))
+        self.job.policy = pol  # read by the controller at the next generation (resize/restart)
+        if st["state"] == "new":
+            self.lr_rule.value = getattr(pol, "lr_rule", self.lr_rule.value)
+        self._append_log(f"batch policy → {html.escape(repr(pol))} (applies at the next resize)")
+
+    def _on_lr_rule(self, change):
+        if self.job.status()["state"] != "new":
+            self._append_log("the LR rule is fixed once the job runs (workers carry it)")
+            return
+        self.job.options["lr_rule"] = change["new"]
+        self._append_log(f"LR rule → {change['new']}")
+
+    # ---- refresh ---------------------------------------------------------------------------------
+    def _append_log(self, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self._log.append(f"<div><code>{stamp}</code> {line}</div>")
+        self._log = self._log[-200:]
+        self.log.value = "".join(reversed(self._log))
+
+    @staticmethod
+    def _describe(ev: dict) -> str:
+        k = ev["kind"]
+        skip = {"kind", "time", "t", "path", "port", "entrypoint", "workers", "checkpoint"}
+        fields = ", ".join(f"{a}={v:.3g}" if isinstance(v, float) else f"{a}={v}"
+                           for a, v in ev.items() if a not in skip and v is not None)
+        style = " style='color:#c00'" if k in ("fault", "error", "restart", "checkpoint_corrupt") else ""
+        return f"<b{style}>{html.escape(k)}</b> {html.escape(fields)}"
+
+    def refresh(self) -> None:
+        """Pull new metrics and events from the job and update the charts, log and status (thread-safe
+        enough for one poller: only this method writes the series)."""
+        job = self.job
+        new = job.metrics(self._n_metrics)
+        evs = job.events(self._n_events)
+        self._n_metrics += len(new)
+        self._n_events += len(evs)
+        for ev in evs:
+            if self._t0 is None:
+                self._t0 = ev["time"]
+            if ev["kind"] in MARKED:
+                self._marks.append((ev["time"] - self._t0, f"{ev.get('world_size', '?')}w"))
+            if ev["kind"] in _LOGGED:
+                self._append_log(self._describe(ev))
+        if new:
+            if self._t0 is None:
+                self._t0 = new[0]["time"]
+            for r in new:
+                self._series["t"].append(r["time"] - self._t0)
+                for key, *_ in CHARTS:
+                    v = r.get(key)
+                    self._series[key].append(float("nan") if v is None else v)
+            if len(self._series["t"]) > self.window:
+                for k in self._series:
+                    self._series[k] = self._series[k][-self.window:]
+        st = job.status()
+        if new or evs:
+            self._draw(st)
+        self._show_status(st)
+        if self.status_file:
+            write_json_atomic(self.status_file,
+                              {**st, "panel_time": time.time(), "panel_steps": self._n_metrics})
+        return None
+
+    def _draw(self, st: dict) -> None:
+        t = self._series["t"]
+        shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+                   "line": {"color": "rgba(120,120,120,0.6)", "dash": "dot", "width": 1}}
+                  for x, _ in self._marks]
+        for key, title, *_ in CHARTS:
+            fig = self.figures[key]
+            ys = self._series[key]
+            last = next((y for y in reversed(ys) if y == y), None)
+            head = title if last is None else f"{title} (now {last:.4g})"
+            with fig.batch_update():
+                fig.data[0].x = t
+                fig.data[0].y = ys
+                fig.layout.shapes = shapes
+                fig.layout.title.text = head
+
+    def _show_status(self, st: dict) -> None:
+        state = st["state"]
+        self.pause_button.description = "resume" if state == "paused" else "pause"
+        self.pause_button.icon = "play" if state == "paused" else "pause"
+        terminal = state in ("finished", "stopped", "failed")
+        self.start_button.disabled = state != "new"
+        self.pause_button.disabled = terminal or state == "new"
+        self.stop_button.disabled = terminal
+        self.workers.disabled = terminal
+        self.lr_rule.disabled = state != "new"
+        gb = st.get("global_batch")
+        parts = [f"state=<b data-state='{state}'>{state}</b>",
+                 f"world_size=<b data-world-size='{st['world_size']}'>{st['world_size']}</b>",
+                 f"target={st.get('target_world_size')}", f"step={st['step']}", f"epoch={st.get('epoch')}",
+                 f"global_batch={gb}", f"per_worker={st.get('per_worker_batch')}",
+                 f"accum={st.get('accum_steps')}", f"generation={st.get('generation')}"]
+        if st.get("lost_steps"):
+            parts.append(f"lost_steps={st['lost_steps']}")
+        if st.get("error"):
+            parts.append(f"<span style='color:#c00'>error: {html.escape(str(st['error']))}</span>")
+        self.status_label.value = " · ".join(parts)
+        self._last_state = state
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def __del__(self):
+        try:
+            self._poller.stop(timeout=0)
+        except Exception:
+            pass
