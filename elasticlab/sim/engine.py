@@ -34,7 +34,7 @@ def make_jobs(workload: pd.DataFrame, policy: Policy, restart_delay: float = 30.
     return jobs
 
 
-def simulate(workload, policy="pollux", cluster: Cluster | str = Cluster(16, 4), interval: float = 60.0,
+def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interval: float = 60.0,
              restart_delay: float = 30.0, limit: int | None = None, max_time: float | None = None,
              progress: bool = True, policy_kwargs: dict | None = None) -> SimResult:
     """Replay ``workload`` (a DataFrame, CSV path or shared name like 'workload-6') under ``policy``."""
@@ -49,7 +49,7 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = Cluster(16, 4),
     pol = get_policy(policy, **(policy_kwargs or {})) if isinstance(policy, str) else policy
     jobs = make_jobs(df, pol, restart_delay)
     for j in jobs:
-        j.app.throughput_model  # fit once up front (cached per application)
+        _ = j.app.throughput_model  # fit once up front (cached per application)
     placements: dict = {}
     t = 0.0
     util_rows = []

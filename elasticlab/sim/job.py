@@ -92,15 +92,17 @@ class SimJob:
         return fn.optimize(nodes, gpus, max_batch=app.max_batch_size, min_per_gpu_batch=app.min_local_bsz,
                            max_per_gpu_batch=app.max_local_bsz, accumulation=True)
 
-    def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None) -> np.ndarray:
+    def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
+                      upto: int | None = None) -> np.ndarray:
         """Predicted goodput (or throughput) at g = 0..max_gpus GPUs on ceil(g / gpus_per_node) nodes,
         divided by that on 1 GPU (Pollux Eq. (8)); linear (= g) before the job has run. Fixed-batch jobs
-        use their batch split over g GPUs."""
+        use their batch split over g GPUs. Only g <= ``upto`` is evaluated (the rest is 0)."""
         mode = mode or self.batch_mode
         g = np.arange(max_gpus + 1)
         if self.max_profiled_replicas == 0:
             return g.astype(float)
-        gg = np.maximum(g, 1)
+        top = max_gpus if upto is None else max(min(int(upto), max_gpus), 1)
+        gg = np.arange(1, top + 1)
         nodes = np.ceil(gg / gpus_per_node)
         if mode in ("goodput", "throughput"):
             good, _, _ = self._optimize(nodes, gg, mode)
@@ -110,9 +112,11 @@ class SimJob:
             split = np.array([self.app.batch_split(batch, int(k)) for k in gg])
             good = fn.evaluate(nodes, gg, split[:, 0], split[:, 1])
             good = np.where(split[:, 0] * gg * (split[:, 1] + 1) >= self.app.init_batch_size, good, 0.0)
-        base = good[1]
-        out = good / base if base > 0 else g.astype(float)
-        out[0] = 0.0
+        out = np.zeros(max_gpus + 1)
+        if good[0] > 0:
+            out[1:top + 1] = good / good[0]
+        else:
+            out[1:top + 1] = gg
         return out
 
     def max_replicas(self, cap: int = 64) -> int:

@@ -16,7 +16,12 @@ import numpy as np
 
 from elasticlab.alloc.dp import dp_allocate
 from elasticlab.alloc.policies.base import Policy
-from elasticlab.goodput import restart_penalty
+
+
+def _penalty(age, restarts, delay):
+    """Pollux §4.2 re-allocation penalty max(T - R delta, 0) / (T + delta) (scalar form of
+    ``elasticlab.goodput.restart_penalty``)."""
+    return max(age - restarts * delay, 0.0) / (age + delay)
 
 
 class GoodputPolicy(Policy):
@@ -43,11 +48,11 @@ class GoodputPolicy(Policy):
         hi = np.empty(len(jobs), dtype=np.int64)
         g = np.arange(total + 1)
         for i, job in enumerate(jobs):
-            s = job.speedup_curve(total, cluster.gpus_per_node)
-            w = (1.0 + job.attained_service / self.s0) ** (-self.q)
-            pen = float(restart_penalty(job.age(now), job.restarts, self.restart_delay))
-            U[i] = w * np.where(g == job.gpus, s, s * pen)
             hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
+            s = job.speedup_curve(total, cluster.gpus_per_node, upto=hi[i])
+            w = (1.0 + job.attained_service / self.s0) ** (-self.q)
+            pen = _penalty(job.age(now), job.restarts, self.restart_delay)
+            U[i] = w * np.where(g == job.gpus, s, s * pen)
         lo = None
         if self.min_one:
             lo = (np.arange(len(jobs)) < total).astype(np.int64)

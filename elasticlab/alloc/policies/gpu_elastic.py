@@ -27,8 +27,8 @@ class ThroughputDPPolicy(Policy):
         U = np.empty((len(admitted), total + 1))
         hi = np.empty(len(admitted), dtype=np.int64)
         for i, job in enumerate(admitted):
-            U[i] = job.speedup_curve(total, cluster.gpus_per_node, mode=self.batch_mode)
             hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
+            U[i] = job.speedup_curve(total, cluster.gpus_per_node, mode=self.batch_mode, upto=hi[i])
         alloc = dp_allocate(U, total, min_gpus=1, max_gpus=hi)
         return {j.name: int(a) for j, a in zip(admitted, alloc) if a > 0}
 

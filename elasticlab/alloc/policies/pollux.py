@@ -17,7 +17,7 @@ import numpy as np
 
 from elasticlab.alloc.dp import dp_allocate
 from elasticlab.alloc.policies.base import Policy
-from elasticlab.goodput import restart_penalty
+from elasticlab.alloc.policies.goodput import _penalty
 
 __all__ = ["PolluxPolicy", "power_utility"]
 
@@ -50,14 +50,14 @@ class PolluxPolicy(Policy):
         U = np.empty((len(jobs), total + 1))
         hi = np.empty(len(jobs), dtype=np.int64)
         for i, job in enumerate(jobs):
-            s = job.speedup_curve(total, cluster.gpus_per_node)
+            hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
+            s = job.speedup_curve(total, cluster.gpus_per_node, upto=max(hi[i], fair))
             base = s[min(fair, total)]
             scaled = s / base / cluster.gpus_per_node if base > 0 else s
-            pen = float(restart_penalty(job.age(now), job.restarts, self.restart_delay))
+            pen = _penalty(job.age(now), job.restarts, self.restart_delay)
             g = np.arange(total + 1)
             scaled = np.where(g == job.gpus, scaled, scaled * pen)
             U[i] = power_utility(scaled + self.eps, self.p)
-            hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
         return U, hi
 
     def allocate(self, jobs, now, cluster):

@@ -1,0 +1,46 @@
+"""``elasticlab simulate``: replay a workload on a simulated cluster under one scheduling policy."""
+from __future__ import annotations
+
+NAME = "simulate"
+HELP = "replay a Pollux-artifact workload (CSV) on a simulated GPU cluster under a scheduling policy"
+
+_POLICIES = ("fifo", "tiresias", "optimus", "gpu-elastic", "saxena", "pollux", "goodput")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workload", required=True,
+                        help="workload CSV (name,time,application,num_replicas,batch_size) or a shared name "
+                             "such as workload-6")
+    parser.add_argument("--policy", required=True, choices=_POLICIES)
+    parser.add_argument("--cluster", default="16x4", help="NODESxGPUS_PER_NODE (default 16x4)")
+    parser.add_argument("--interval", type=float, default=60.0, help="scheduling interval, s (default 60)")
+    parser.add_argument("--restart-delay", type=float, default=30.0, help="re-allocation delay, s (default 30)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N jobs")
+    parser.add_argument("--out", default=None, help="write the full result (jobs, utilisation) as JSON here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    import json
+    import math
+
+    from elasticlab.sim import simulate
+
+    try:
+        res = simulate(args.workload, args.policy, cluster=args.cluster, interval=args.interval,
+                       restart_delay=args.restart_delay, limit=args.limit, progress=not args.no_progress)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    s = res.summary
+    print(f"policy {res.policy} on {res.workload}, cluster {args.cluster}: {s['completed']}/{s['jobs']} jobs")
+    for key in ("avg_jct", "median_jct", "p99_jct", "makespan"):
+        print(f"  {key:12s} {s[key]:10.0f} s  ({s[key] / 3600:.2f} h)")
+    print(f"  gpu util     {s.get('gpu_utilisation', math.nan):10.3f}")
+    print(f"  restarts     {s['restarts']:10d}")
+    print(f"  sched/round  {s['sched_ms_per_round']:10.2f} ms over {s['rounds']} rounds")
+    if args.out:
+        res.to_json(args.out)
+        print(f"  wrote {args.out}")
+    print("RESULT " + json.dumps({k: v for k, v in s.items()}))
+    return 0
