@@ -18,11 +18,13 @@ def _orthogonal(d: int, rng) -> np.ndarray:
     return np.eye(1) if d == 1 else ortho_group.rvs(d, random_state=rng)
 
 
-def whitened_inputs(d: int) -> np.ndarray:
-    """n = d inputs √d·e_μ, so that Σ11 = XᵀX/n = I exactly."""
+def whitened_inputs(d: int, symmetric: bool = False) -> np.ndarray:
+    """n = d inputs √d·e_μ (with ``symmetric``, n = 2d inputs ±√d·e_μ), so that Σ11 = XᵀX/n = I exactly.
+    The symmetric set gives ReLU students inputs of both signs."""
     if int(d) < 1:
         raise ValueError(f"input dimension must be >= 1, got {d}")
-    return np.sqrt(d) * np.eye(int(d))
+    X = np.sqrt(d) * np.eye(int(d))
+    return np.concatenate([X, -X]) if symmetric else X
 
 
 @dataclass
@@ -46,7 +48,8 @@ class SaxeTask:
         return len(np.unique(np.round(nz, 12)))
 
 
-def saxe_task(s, d_in: int | None = None, d_out: int | None = None, seed: int = 0) -> SaxeTask:
+def saxe_task(s, d_in: int | None = None, d_out: int | None = None, seed: int = 0,
+              symmetric: bool = False) -> SaxeTask:
     """Random orthogonal U, V (seeded); singular values ``s`` padded with zeros to m = min(d_in, d_out)."""
     s = np.asarray(s, dtype=np.float64).ravel()
     if s.size == 0 or np.any(s < 0) or not np.all(np.isfinite(s)):
@@ -60,7 +63,7 @@ def saxe_task(s, d_in: int | None = None, d_out: int | None = None, seed: int = 
     rng = np.random.default_rng(seed)
     U = _orthogonal(d_out, rng)[:, :m]
     V = _orthogonal(d_in, rng)[:, :m]
-    X = whitened_inputs(d_in)
+    X = whitened_inputs(d_in, symmetric)
     Y = X @ ((U * s) @ V.T).T
     return SaxeTask(U, s, V, X, Y)
 
