@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 FORMATS = ("png", "svg", "pdf", "jpeg", "webp")
@@ -106,7 +107,9 @@ def save_figure(fig, path, *, width: int = 900, height: int = 500, scale: float 
         fig = go.Figure(to_dict())
     _require_browser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = pio.to_image(fig, format=fmt, width=int(width), height=int(height), scale=scale)
+    with warnings.catch_warnings():  # plotly warns that per-call options are ignored by a running server
+        warnings.filterwarnings("ignore", message="The kopts argument is ignored")
+        data = pio.to_image(fig, format=fmt, width=int(width), height=int(height), scale=scale)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
