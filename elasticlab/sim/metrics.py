@@ -57,7 +57,7 @@ class SimResult:
     def to_dict(self) -> dict:
         return {"policy": self.policy, "workload": self.workload, "summary": self.summary,
                 "jobs": json.loads(self.jobs.to_json(orient="records")),
-                "utilisation": json.loads(self.utilisation.to_json(orient="list"))}
+                "utilisation": {c: self.utilisation[c].tolist() for c in self.utilisation.columns}}
 
     def to_json(self, path=None) -> str:
         text = json.dumps(self.to_dict())

@@ -13,6 +13,8 @@ see shared/reference/pollux-artifact.md §5. Everything a simulated job needs:
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
@@ -117,8 +119,9 @@ class Application:
 
     def grad_stats_table(self, batch_size: float):
         """(sqr, var) arrays over all epochs at ``batch_size`` (for oracle iteration counts)."""
-        sqr = np.array([np.interp(batch_size, self.batch_sizes, self._sqr[:, e]) for e in range(self.max_epochs)])
-        var = np.array([np.interp(batch_size, self.batch_sizes, self._var[:, e]) for e in range(self.max_epochs)])
+        epochs = range(self.max_epochs)
+        sqr = np.array([np.interp(batch_size, self.batch_sizes, self._sqr[:, e]) for e in epochs])
+        var = np.array([np.interp(batch_size, self.batch_sizes, self._var[:, e]) for e in epochs])
         return sqr, var
 
     # ---- throughput
@@ -150,16 +153,33 @@ class Application:
 
     @functools.cached_property
     def throughput_model(self):
-        """Pollux theta_sys fitted to every measured (placement, per-GPU batch) of this model."""
-        from elasticlab.goodput import fit_throughput_model
+        """Pollux theta_sys fitted to every measured (placement, per-GPU batch) of this model; the fit is
+        cached on disk ($XDG_CACHE_HOME/elasticlab, keyed by a hash of the traces)."""
+        from elasticlab.goodput import ThroughputModel, fit_throughput_model
 
-        pl = self.placements
-        rows = np.column_stack([pl.num_nodes, pl.num_replicas, pl.local_bsz, np.zeros(len(pl)),
-                                pl.step_time, np.minimum(pl.sync_time, 0.999 * pl.step_time)])
-        sc = self.scalability
-        rows2 = np.column_stack([sc.num_nodes, sc.num_replicas, sc.local_bsz, np.zeros(len(sc)),
-                                 sc.step_time, np.minimum(sc.sync_time, 0.999 * sc.step_time)])
-        return fit_throughput_model(np.vstack([rows, rows2]), prior=None)
+        pl, sc = self.placements, self.scalability
+        rows = np.vstack([
+            np.column_stack([pl.num_nodes, pl.num_replicas, pl.local_bsz, np.zeros(len(pl)), pl.step_time,
+                             np.minimum(pl.sync_time, 0.999 * pl.step_time)]),
+            np.column_stack([sc.num_nodes, sc.num_replicas, sc.local_bsz, np.zeros(len(sc)), sc.step_time,
+                             np.minimum(sc.sync_time, 0.999 * sc.step_time)]),
+        ]).astype(float)
+        key = hashlib.sha1(rows.tobytes()).hexdigest()[:16]
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "elasticlab"
+        path = cache / f"throughput-{self.name}-{key}.json"
+        try:
+            return ThroughputModel(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+        model = fit_throughput_model(rows, prior=None)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(model.as_dict()))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return model
 
     # ---- helpers for policies
     def batch_split(self, batch_size: float, replicas: int) -> tuple[int, int]:
@@ -179,7 +199,7 @@ class Application:
         return step + accum_steps * (step - sync)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(name: str, root: str) -> Application:
     return Application(name, Path(root))
 
