@@ -1,7 +1,14 @@
 """Learning-rate rules for elastic batch sizes: linear, square-root, AdaScale (Johnson et al. 2020),
 Dynamic SGD ramps (Lin et al. 2019), scale-invariant progress, and :class:`ElasticLR`, the wrapper that
 composes them with any torch optimizer and its base schedule."""
-from .adascale import AdaScale, AdaScaleEstimator, adascale_moments, gain_from_noise_scale, gain_ratio
+from .adascale import (
+    AdaScale,
+    AdaScaleEstimator,
+    adascale_moments,
+    adascale_moments_from_norms,
+    gain_from_noise_scale,
+    gain_ratio,
+)
 from .base import RULES, ScalingRule, get_rule, register
 from .dynamic_sgd import MOMENTUM_MODES, DynamicSGD
 from .linear import IdentityScaling, LinearScaling
@@ -22,6 +29,7 @@ __all__ = [
     "ScalingRule",
     "SqrtScaling",
     "adascale_moments",
+    "adascale_moments_from_norms",
     "gain_from_noise_scale",
     "gain_ratio",
     "get_rule",

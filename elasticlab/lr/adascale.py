@@ -51,8 +51,16 @@ def adascale_moments(worker_grads):
         raise ValueError(f"need gradients from at least 2 workers to estimate the variance, got {s}")
     mean_sq = float((g.sum(0) / s).pow(2).sum()) if hasattr(g, "pow") else float(np.sum(g.mean(0) ** 2))
     sum_sq = float(g.pow(2).sum()) if hasattr(g, "pow") else float(np.sum(g * g))
-    sigma2 = sum_sq / (s - 1) - s / (s - 1) * mean_sq
-    return sigma2, mean_sq - sigma2 / s
+    return adascale_moments_from_norms(sum_sq, mean_sq, s)
+
+
+def adascale_moments_from_norms(sum_sq, mean_sq, workers):
+    """The same estimates from ``sum_i |g_i|^2`` and ``|g_bar|^2`` over ``workers`` gradients."""
+    s = int(workers)
+    if s < 2:
+        raise ValueError(f"need gradients from at least 2 workers to estimate the variance, got {s}")
+    sigma2 = float(sum_sq) / (s - 1) - s / (s - 1) * float(mean_sq)
+    return sigma2, float(mean_sq) - sigma2 / s
 
 
 def _as_2d(worker_grads):

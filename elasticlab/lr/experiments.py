@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from .adascale import AdaScale, AdaScaleEstimator
+from .adascale import AdaScale, AdaScaleEstimator, adascale_moments_from_norms
 from .dynamic_sgd import DynamicSGD
 from .nqm import NoisyQuadratic
 from .wrapper import ElasticLR
@@ -51,13 +51,14 @@ def batch_jump_run(variant="ramp", ramp_steps=None, k=8, dim=1000, seeds=20, ste
             "loss_before": float(before), "losses": losses}
 
 
-def momentum_spike(k=8, seeds=20, noise=True, ramps=(8, None), **kw):
+def momentum_spike(k=8, seeds=20, noise=True, ramps=(8, None),
+                   variants=("immediate", "immediate_correct", "none"), **kw):
     """P2-T1 (``noise=True``) / P2-T2 (``noise=False``): peak-loss ratios after a k-fold batch jump for
-    immediate linear scaling, Dynamic SGD ramps (``None`` = the default 8k steps), and no LR change.
-    Returns ``{name: peak_ratio}`` plus ``{name + "_end": end_ratio}``."""
+    immediate linear scaling (with and without momentum correction), no LR change, and Dynamic SGD ramps
+    of each length in ``ramps`` (``None`` = the default 8k steps). Returns ``{name: peak_ratio}`` plus
+    ``{name + "_end": end_ratio}``; ramps are named ``ramp_<T>``."""
     out = {}
-    runs = [("immediate", None), ("immediate_correct", None), ("none", None)]
-    runs += [("ramp", t) for t in ramps]
+    runs = [(v, None) for v in variants] + [("ramp", t) for t in ramps]
     for variant, t in runs:
         r = batch_jump_run(variant, ramp_steps=t, k=k, seeds=seeds, noise=noise, **kw)
         name = variant if variant != "ramp" else f"ramp_{r['ramp_steps']}"
@@ -66,20 +67,26 @@ def momentum_spike(k=8, seeds=20, noise=True, ramps=(8, None), **kw):
     return out
 
 
-def adascale_run(scale, rule="adascale", t_si=6000, dim=100, seeds=32, lr=5e-4, decay=0.5,
-                 base_batch=1, momentum=0.9, h_min=0.1, seed=0, oracle=False, final_window=0.05):
+def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005, decay=0.5,
+                 base_batch=1, momentum=0.9, h_min=1e-3, init="equal", seed=0, oracle=False,
+                 final_window=0.05):
     """Train the NQM at scale S (S workers of ``base_batch`` each) until the scale-invariant progress
     reaches ``t_si`` (AdaScale Alg. 1). ``rule="adascale"`` takes the gain r from the AdaScale estimator
     over the S worker gradients (``oracle=True``: from the exact sigma^2 and mu^2); ``rule="linear"`` is
     linear scaling without warm-up. LR: ``lr * decay^(tau / t_si)``. Returns the final loss (mean over
     the last ``final_window`` of tau, to average out step-to-step noise), iterations, mean gain, and the
-    seed-mean loss after every step against tau."""
+    seed-mean loss after every step against tau. ``init="equal"``: w0 = 1/sqrt(h), every coordinate starts
+    with loss 1/2 (slow directions matter); ``"ones"``: w0 = 1."""
     scale = int(scale)
     if scale < 1:
         raise ValueError(f"scale must be an integer >= 1, got {scale}")
+    if init not in ("equal", "ones"):
+        raise ValueError(f"init must be 'equal' or 'ones', got {init!r}")
     gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     nqm = NoisyQuadratic(dim, h_min=h_min)
-    w = torch.nn.Parameter(torch.ones(seeds, dim, dtype=torch.float64))
+    w0 = torch.ones(seeds, dim, dtype=torch.float64)
+    w = torch.nn.Parameter(w0 / nqm.h.sqrt() if init == "equal" else w0)
     opt = torch.optim.SGD([w], lr=lr, momentum=momentum)
     est = AdaScaleEstimator(base_batch)
 
@@ -93,10 +100,10 @@ def adascale_run(scale, rule="adascale", t_si=6000, dim=100, seeds=32, lr=5e-4, 
     taus, losses, gains = [0.0], [float(nqm.loss(w.detach()).mean())], []
     with torch.no_grad():
         while elr.progress.progress < t_si:
-            grads = nqm.worker_grads(w, scale, base_batch, gen)
-            w.grad = grads.mean(0)
+            w.grad, sum_sq = nqm.worker_moments(w, scale, base_batch, rng, gen)
             if scale > 1 and not oracle:
-                est.update(grads.reshape(scale, -1))
+                mean_sq = float((w.grad * w.grad).sum())
+                est.update_moments(*adascale_moments_from_norms(sum_sq, mean_sq, scale), scale=scale)
             gains.append(elr.gain())
             elr.step()
             taus.append(elr.progress.progress)
