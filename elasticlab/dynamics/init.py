@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import ortho_group
 
 from .mlp import MLP
+from .tasks import _orthogonal
 
 __all__ = ["random_init", "aligned_init"]
 
@@ -50,8 +50,7 @@ def aligned_init(U, V, u0, depth: int, width: int | None = None, seed: int = 0) 
     if np.any(u0 <= 0):
         raise ValueError(f"initial mode strengths u0 must be > 0, got {u0!r}")
     rng = np.random.default_rng(seed)
-    A = [V] + [ortho_group.rvs(width, random_state=rng)[:, :m] if width > 1 else np.ones((1, 1))
-               for _ in range(depth - 1)] + [U]
+    A = [V] + [_orthogonal(width, rng)[:, :m] for _ in range(depth - 1)] + [U]
     c = u0 ** (1.0 / depth)
     ws = [(A[j + 1] * c) @ A[j].T for j in range(depth)]
     return MLP.from_weights(ws, slope=1.0)

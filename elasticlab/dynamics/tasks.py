@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import ortho_group
 
 __all__ = ["SaxeTask", "saxe_task", "whitened_inputs", "regression_task"]
 
 
 def _orthogonal(d: int, rng) -> np.ndarray:
+    """Haar-random orthogonal d×d matrix (scipy.stats.ortho_group, imported lazily: it is slow to load)."""
+    from scipy.stats import ortho_group
+
     return np.eye(1) if d == 1 else ortho_group.rvs(d, random_state=rng)
 
 
