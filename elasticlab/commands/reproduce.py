@@ -1,4 +1,5 @@
 """``elasticlab reproduce``: run the paper reproductions and write report.html + results.json."""
+
 from __future__ import annotations
 
 import sys
@@ -8,15 +9,24 @@ HELP = "run the paper reproductions (one per claim) and write report.html and re
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="the quick versions (what `pytest -m repro` runs)")
-    parser.add_argument("--only", action="append", metavar="ID",
-                        help="claim id (P5-T1) or prefix (P5); repeat or comma-separate for several")
-    parser.add_argument("--out", metavar="DIR",
-                        help="folder for report.html and results.json (required to run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the quick versions (what `pytest -m repro` runs)"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="ID",
+        help="claim id (P5-T1) or prefix (P5); repeat or comma-separate for several",
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help="folder for report.html and results.json (required to run)"
+    )
     parser.add_argument("--list", action="store_true", help="list the registered claims and exit")
-    parser.add_argument("--strict", action="store_true",
-                        help="exit with status 1 when a claim fails (default: 0, failures are printed)")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 when a claim fails (default: 0, failures are printed)",
+    )
 
 
 def run(args) -> int:
@@ -26,7 +36,8 @@ def run(args) -> int:
     if args.list:
         problems = {m: e for m, e in load().items() if e}
         for r in repro.all_reproductions():
-            print(f"{r.id:8s} {r.claim[:100]}")
+            flags = "".join((" [slow]" if r.slow else "", " [timed]" if r.timed else ""))
+            print(f"{r.id:8s} {r.claim[:90]}{flags}")
         for m, e in problems.items():
             print(f"(not loaded: {m}: {e})")
         return 0
@@ -34,12 +45,23 @@ def run(args) -> int:
         print("elasticlab reproduce: --out DIR is required (or --list)", file=sys.stderr)
         return 2
     try:
-        reps = repro.select(args.only)
+        reps = repro.select(args.only, quick=args.quick)
     except ValueError as e:
         print(f"elasticlab reproduce: {e}", file=sys.stderr)
         return 2
+    if not reps:
+        print(
+            "elasticlab reproduce: nothing to run: the claims named are slow and have no quick version; "
+            "run without --quick or name them by their full id",
+            file=sys.stderr,
+        )
+        return 2
     mode = "quick" if args.quick else "full"
     print(f"running {len(reps)} reproductions ({mode}) -> {args.out}", flush=True)
+    if args.quick:
+        left = [r.id for r in repro.select(args.only) if r not in reps]
+        if left:
+            print(f"left out of the quick run (slow, no quick version): {', '.join(left)}", flush=True)
     results = repro.run_all(reps, quick=args.quick, progress=True)
     paths = repro.write_report(results, args.out, quick=args.quick)
     print(repro.summary_table(results))

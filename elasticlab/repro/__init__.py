@@ -7,6 +7,7 @@ by calling the experiments of the other packages, and a report (``report.html`` 
 
 ``elasticlab reproduce [--quick] [--only ID] --out DIR`` does the same from a terminal.
 """
+
 from .registry import (
     PAPERS,
     REGISTRY,
@@ -24,6 +25,21 @@ from .registry import (
 )
 from .report import load_results, summary_table, write_report
 
-__all__ = ["PAPERS", "REGISTRY", "Outcome", "Reproduction", "Result", "all_reproductions", "get", "load",
-           "register", "reproduction", "run_all", "run_one", "select", "write_report", "summary_table",
-           "load_results"]
+__all__ = [
+    "PAPERS",
+    "REGISTRY",
+    "Outcome",
+    "Reproduction",
+    "Result",
+    "all_reproductions",
+    "get",
+    "load",
+    "register",
+    "reproduction",
+    "run_all",
+    "run_one",
+    "select",
+    "write_report",
+    "summary_table",
+    "load_results",
+]

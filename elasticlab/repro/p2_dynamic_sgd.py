@@ -1,6 +1,7 @@
 """P2 (Lin et al. 2019, Dynamic SGD) on the noisy quadratic model: the momentum-noise spike after a k-fold
 batch jump with immediate linear LR scaling, and its removal by a linear LR ramp (papers.md P2-T1, P2-T2).
 Experiments: :mod:`elasticlab.lr.experiments`."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,18 +28,26 @@ def _figure(runs, title, window=50, before=150):
     for name, r in runs.items():
         loss = np.asarray(r["losses"])
         x = np.arange(t0 - before, len(loss)) - t0
-        ys[name] = (x, loss[t0 - before:] / r["loss_before"])
-    return lines(None, ys, title=title, xaxis="steps after the 8x batch jump",
-                 yaxis="loss / mean loss before the jump", vlines=(0,), hlines=((1.0, "before"),))
+        ys[name] = (x, loss[t0 - before :] / r["loss_before"])
+    return lines(
+        None,
+        ys,
+        title=title,
+        xaxis="steps after the 8x batch jump",
+        yaxis="loss / mean loss before the jump",
+        vlines=(0,),
+        hlines=((1.0, "before"),),
+    )
 
 
 @reproduction(
     "P2-T1",
     claim="Scaling the LR by k at once when the batch grows k-fold makes the loss spike (momentum holds "
-          "small-batch noise); ramping the LR linearly over T = 8k steps removes the spike.",
+    "small-batch noise); ramping the LR linearly over T = 8k steps removes the spike.",
     target="NQM d=1000, k=8: peak loss in 50 steps after the jump / loss before: immediate > 2x, "
-           "ramp T=8k < 1.2x (calibrated: 4.9x, ramp T=8: 1.8x, T=64: 0.99x)",
-    needs=_NEEDS)
+    "ramp T=8k < 1.2x (calibrated: 4.9x, ramp T=8: 1.8x, T=64: 0.99x)",
+    needs=_NEEDS,
+)
 def p2_t1(quick: bool) -> Outcome:
     variants = [("immediate x8", "immediate", None), ("ramp T=8", "ramp", 8), ("ramp T=8k=64", "ramp", None)]
     if not quick:
@@ -51,22 +60,27 @@ def p2_t1(quick: bool) -> Outcome:
         measured={"peak_ratio": peak, "end_ratio": end, "seeds": seeds},
         passed=passed,
         summary=f"immediate {peak['immediate x8']:.2f}x, ramp T=8 {peak['ramp T=8']:.2f}x, "
-                f"ramp T=64 {peak['ramp T=8k=64']:.2f}x",
-        figure=_figure(runs, "P2-T1: loss spike after an 8x batch jump (NQM, momentum 0.9)"))
+        f"ramp T=64 {peak['ramp T=8k=64']:.2f}x",
+        figure=_figure(runs, "P2-T1: loss spike after an 8x batch jump (NQM, momentum 0.9)"),
+    )
 
 
 @reproduction(
     "P2-T2",
     claim="The spike is driven by gradient noise: without noise, neither immediate scaling nor the ramp "
-          "spikes.",
+    "spikes.",
     target="noise-free NQM: peak ratio < 1.05 for immediate x8 and for the ramp (calibrated 0.99 / 1.00)",
-    needs=_NEEDS)
+    needs=_NEEDS,
+)
 def p2_t2(quick: bool) -> Outcome:
-    runs, seeds = _spike_runs(False, quick, [("immediate x8", "immediate", None),
-                                             ("ramp T=8k=64", "ramp", None)])
+    runs, seeds = _spike_runs(
+        False, quick, [("immediate x8", "immediate", None), ("ramp T=8k=64", "ramp", None)]
+    )
     peak = {k: r["peak_ratio"] for k, r in runs.items()}
     passed = all(v < 1.05 for v in peak.values())
     return Outcome(
-        measured={"peak_ratio": peak, "seeds": seeds}, passed=passed,
+        measured={"peak_ratio": peak, "seeds": seeds},
+        passed=passed,
         summary=f"immediate {peak['immediate x8']:.3f}x, ramp {peak['ramp T=8k=64']:.3f}x",
-        figure=_figure(runs, "P2-T2: the same jump without gradient noise"))
+        figure=_figure(runs, "P2-T2: the same jump without gradient noise"),
+    )

@@ -6,6 +6,7 @@ a plotly figure) plus its id, paper, claim and target in words. Claim modules re
 call the experiments of the other packages (``elasticlab.gns.experiments``, ``elasticlab.lr.experiments``,
 ``elasticlab.dynamics.experiments``, ...), never re-implement them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,15 +18,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Outcome", "Reproduction", "Result", "PAPERS", "CLAIM_MODULES", "REGISTRY", "reproduction",
-           "register", "load", "all_reproductions", "get", "select", "run_one", "run_all", "to_jsonable"]
+__all__ = [
+    "Outcome",
+    "Reproduction",
+    "Result",
+    "PAPERS",
+    "CLAIM_MODULES",
+    "REGISTRY",
+    "reproduction",
+    "register",
+    "load",
+    "all_reproductions",
+    "get",
+    "select",
+    "run_one",
+    "run_all",
+    "to_jsonable",
+]
 
 #: Short citations of the papers, keyed by the prefix of a claim id.
 PAPERS = {
     "P1": "Saxena et al., Effective Elastic Scaling of DL Workloads (MASCOTS 2020)",
     "P2": "Lin et al., Dynamic Mini-batch SGD for Elastic Distributed Training (arXiv 2019)",
     "P3": "Basu et al., Layer Dynamics of Linearised Neural Nets (arXiv 2019); Saxe et al. 2014; "
-          "Du et al. 2018",
+    "Du et al. 2018",
     "P4": "Qiao et al., Pollux: Co-adaptive Cluster Scheduling (OSDI 2021)",
     "P5": "McCandlish et al., An Empirical Model of Large-Batch Training (2018); Gray et al. 2024",
     "P6": "Johnson et al., AdaScale SGD (ICML 2020)",
@@ -60,7 +76,11 @@ class Outcome:
 @dataclass(frozen=True)
 class Reproduction:
     """One claim: ``id`` (e.g. ``"P5-T1"``), ``paper``, ``claim`` and ``target`` in words, and ``fn``,
-    called as ``fn(quick)`` and returning an :class:`Outcome`."""
+    called as ``fn(quick)`` and returning an :class:`Outcome`.
+
+    ``slow``: no quick version exists (e.g. a whole simulated workload): quick runs leave it out unless it
+    is named explicitly. ``timed``: the verdict depends on wall-clock timings, so it is only as good as
+    the machine is quiet (the test suite checks that it runs, the report shows the verdict)."""
 
     id: str
     paper: str
@@ -68,6 +88,8 @@ class Reproduction:
     target: str
     fn: Callable[[bool], Outcome]
     needs: tuple[str, ...] = ()
+    slow: bool = False
+    timed: bool = False
 
     def run(self, quick: bool = False) -> Outcome:
         out = self.fn(bool(quick))
@@ -91,13 +113,23 @@ class Result:
     quick: bool = False
     error: str | None = None
     figure: Any = field(default=None, repr=False)
+    timed: bool = False
 
     def to_json(self) -> dict:
         """The JSON record of ``results.json`` (the figure is left out; it lives in ``report.html``)."""
-        return {"id": self.id, "paper": self.paper, "claim": self.claim, "target": self.target,
-                "measured": to_jsonable(self.measured), "passed": bool(self.passed),
-                "summary": self.summary, "seconds": round(float(self.seconds), 3), "quick": self.quick,
-                "error": self.error}
+        return {
+            "id": self.id,
+            "paper": self.paper,
+            "claim": self.claim,
+            "target": self.target,
+            "measured": to_jsonable(self.measured),
+            "passed": bool(self.passed),
+            "summary": self.summary,
+            "seconds": round(float(self.seconds), 3),
+            "quick": self.quick,
+            "timed": self.timed,
+            "error": self.error,
+        }
 
 
 REGISTRY: dict[str, Reproduction] = {}
@@ -109,23 +141,45 @@ def register(rep: Reproduction) -> Reproduction:
     if not _ID.match(rep.id):
         raise ValueError(f"reproduction id must look like 'P5-T1', got {rep.id!r}")
     old = REGISTRY.get(rep.id)
-    if old is not None and old.fn is not rep.fn and getattr(old.fn, "__qualname__", None) != getattr(
-            rep.fn, "__qualname__", None):
+    if (
+        old is not None
+        and old.fn is not rep.fn
+        and getattr(old.fn, "__qualname__", None) != getattr(rep.fn, "__qualname__", None)
+    ):
         raise ValueError(f"reproduction id {rep.id!r} is already registered by {old.fn!r}")
     REGISTRY[rep.id] = rep
     return rep
 
 
-def reproduction(id: str, claim: str, target: str, paper: str | None = None, needs: tuple[str, ...] = ()):
+def reproduction(
+    id: str,
+    claim: str,
+    target: str,
+    paper: str | None = None,
+    needs: tuple[str, ...] = (),
+    slow: bool = False,
+    timed: bool = False,
+):
     """Decorator registering ``fn(quick) -> Outcome`` as the reproduction of one claim.
 
     ``paper`` defaults to the citation of the id's prefix in :data:`PAPERS`; ``needs`` names the
-    modules the experiment imports (listed by ``elasticlab reproduce --list``)."""
+    modules the experiment imports (listed by ``elasticlab reproduce --list``); ``slow`` and ``timed``:
+    see :class:`Reproduction`."""
 
     def wrap(fn):
         prefix = id.split("-", 1)[0]
-        register(Reproduction(id=id, paper=paper or PAPERS.get(prefix, prefix), claim=claim, target=target,
-                              fn=fn, needs=tuple(needs)))
+        register(
+            Reproduction(
+                id=id,
+                paper=paper or PAPERS.get(prefix, prefix),
+                claim=claim,
+                target=target,
+                fn=fn,
+                needs=tuple(needs),
+                slow=slow,
+                timed=timed,
+            )
+        )
         return fn
 
     return wrap
@@ -167,12 +221,13 @@ def get(id: str) -> Reproduction:
         raise KeyError(f"no reproduction {id!r}; known: {known}") from None
 
 
-def select(only=None) -> list[Reproduction]:
+def select(only=None, quick: bool = False) -> list[Reproduction]:
     """The reproductions named by ``only``: ids (``"P5-T1"``) or prefixes (``"P5"`` = every P5 claim),
-    case-insensitive; ``None``/empty = all. A name that matches nothing is a ValueError naming it."""
+    case-insensitive; ``None``/empty = all. A name that matches nothing is a ValueError naming it.
+    ``quick``: leave out the slow claims, except those named by their full id."""
     reps = all_reproductions()
     if not only:
-        return reps
+        return [r for r in reps if not (quick and r.slow)]
     if isinstance(only, str):
         only = [only]
     names = [n.strip() for item in only for n in str(item).split(",") if n.strip()]
@@ -182,6 +237,8 @@ def select(only=None) -> list[Reproduction]:
         hits = [r for r in reps if r.id.upper() == up or r.id.upper().startswith(up.rstrip("-") + "-")]
         if not hits:
             raise ValueError(f"no reproduction matches {name!r}; known ids: {', '.join(r.id for r in reps)}")
+        if quick and len(hits) > 1:
+            hits = [r for r in hits if not r.slow]
         chosen += [r for r in hits if r not in chosen]
     return sorted(chosen, key=lambda r: _natural(r.id))
 
@@ -197,10 +254,20 @@ def run_one(rep: Reproduction, quick: bool = False) -> Result:
         tb = traceback.format_exc().strip().splitlines()
         out = Outcome(measured=None, passed=False, summary=f"error: {type(e).__name__}: {e}")
         err = "\n".join(tb[-6:])
-    return Result(id=rep.id, paper=rep.paper, claim=rep.claim, target=rep.target,
-                  measured=to_jsonable(out.measured), passed=bool(out.passed),
-                  seconds=time.perf_counter() - t0, summary=out.summary, quick=bool(quick), error=err,
-                  figure=out.figure)
+    return Result(
+        id=rep.id,
+        paper=rep.paper,
+        claim=rep.claim,
+        target=rep.target,
+        measured=to_jsonable(out.measured),
+        passed=bool(out.passed),
+        seconds=time.perf_counter() - t0,
+        summary=out.summary,
+        quick=bool(quick),
+        error=err,
+        figure=out.figure,
+        timed=rep.timed,
+    )
 
 
 def run_all(reps=None, quick: bool = False, progress: bool = True, callback=None) -> list[Result]:

@@ -1,6 +1,7 @@
 """The reproduction report: ``results.json`` (one record per claim: id, paper, claim, target, measured,
 passed, summary, seconds) and ``report.html`` (the claims table and every claim's plotly figure, with
 plotly.js embedded once so the page reads offline). Both are written atomically."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -37,11 +38,16 @@ def _atomic_write(path: Path, text: str) -> None:
 def _meta(results, quick) -> dict:
     import elasticlab
 
-    return {"elasticlab": elasticlab.__version__, "python": platform.python_version(),
-            "machine": platform.machine(),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "quick": bool(quick), "claims": len(results), "passed": sum(r.passed for r in results),
-            "seconds": round(sum(r.seconds for r in results), 2)}
+    return {
+        "elasticlab": elasticlab.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": bool(quick),
+        "claims": len(results),
+        "passed": sum(r.passed for r in results),
+        "seconds": round(sum(r.seconds for r in results), 2),
+    }
 
 
 def write_json(results: list[Result], path) -> Path:
@@ -76,42 +82,59 @@ def summary_table(results, width: int = 70) -> str:
     return "\n".join(rows)
 
 
-def render_html(results: list[Result], quick: bool = False,
-                title: str = "elasticlab: paper reproductions") -> str:
+def render_html(
+    results: list[Result], quick: bool = False, title: str = "elasticlab: paper reproductions"
+) -> str:
     """The report page: counts, the claims table (linked to each claim's section) and the figures.
     The first figure carries plotly.js inline; later ones reuse it."""
     esc = html.escape
     meta = _meta(results, quick)
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
-             f"<style>{_CSS}</style></head><body>",
-             f"<h1>{esc(title)}</h1>",
-             f"<div class='meta'>{'quick' if quick else 'full'} run, {esc(meta['created'])}, elasticlab "
-             f"{esc(meta['elasticlab'])}, Python {esc(meta['python'])}, {meta['seconds']:.1f} s of claims"
-             "</div>",
-             f"<div class='counts' id='counts'><span class='pass'>{meta['passed']}</span> of "
-             f"{meta['claims']} "
-             f"claims reproduced"
-             + (f", <span class='failtxt'>{meta['claims'] - meta['passed']} failed</span>"
-                if meta['passed'] < meta['claims'] else "") + "</div>",
-             "<table id='claims'><thead><tr><th>id</th><th>paper</th><th>claim</th><th>target</th>"
-             "<th>measured</th><th>result</th><th>s</th></tr></thead><tbody>"]
+    parts = [
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+        f"<div class='meta'>{'quick' if quick else 'full'} run, {esc(meta['created'])}, elasticlab "
+        f"{esc(meta['elasticlab'])}, Python {esc(meta['python'])}, {meta['seconds']:.1f} s of claims"
+        "</div>",
+        f"<div class='counts' id='counts'><span class='pass'>{meta['passed']}</span> of "
+        f"{meta['claims']} "
+        f"claims reproduced"
+        + (
+            f", <span class='failtxt'>{meta['claims'] - meta['passed']} failed</span>"
+            if meta["passed"] < meta["claims"]
+            else ""
+        )
+        + "</div>",
+        "<table id='claims'><thead><tr><th>id</th><th>paper</th><th>claim</th><th>target</th>"
+        "<th>measured</th><th>result</th><th>s</th></tr></thead><tbody>",
+    ]
     for r in results:
         status = "<span class='pass'>PASS</span>" if r.passed else "<span class='failtxt'>FAIL</span>"
-        parts.append(f"<tr class='{'pass' if r.passed else 'fail'}' data-id='{esc(r.id)}'>"
-                     f"<td><a href='#claim-{esc(r.id)}'>{esc(r.id)}</a></td><td>{esc(r.paper)}</td>"
-                     f"<td>{esc(r.claim)}</td><td>{esc(r.target)}</td><td>{esc(r.summary)}</td>"
-                     f"<td>{status}</td><td>{r.seconds:.1f}</td></tr>")
+        parts.append(
+            f"<tr class='{'pass' if r.passed else 'fail'}' data-id='{esc(r.id)}'>"
+            f"<td><a href='#claim-{esc(r.id)}'>{esc(r.id)}</a></td><td>{esc(r.paper)}</td>"
+            f"<td>{esc(r.claim)}</td><td>{esc(r.target)}</td><td>{esc(r.summary)}</td>"
+            f"<td>{status}</td><td>{r.seconds:.1f}</td></tr>"
+        )
     parts.append("</tbody></table>")
     first = True
     for r in results:
-        parts.append(f"<div class='claim' id='claim-{esc(r.id)}'><h3>{esc(r.id)}: "
-                     f"{'PASS' if r.passed else 'FAIL'}</h3><div>{esc(r.claim)}</div>"
-                     f"<div><b>Target:</b> {esc(r.target)}</div><div><b>Measured:</b> {esc(r.summary)}</div>")
+        parts.append(
+            f"<div class='claim' id='claim-{esc(r.id)}'><h3>{esc(r.id)}: "
+            f"{'PASS' if r.passed else 'FAIL'}</h3><div>{esc(r.claim)}</div>"
+            f"<div><b>Target:</b> {esc(r.target)}</div><div><b>Measured:</b> {esc(r.summary)}</div>"
+        )
         if r.error:
             parts.append(f"<pre>{esc(r.error)}</pre>")
         if r.figure is not None:
-            parts.append(r.figure.to_html(full_html=False, include_plotlyjs=True if first else False,
-                                          div_id=f"fig-{r.id}", config={"displaylogo": False}))
+            parts.append(
+                r.figure.to_html(
+                    full_html=False,
+                    include_plotlyjs=True if first else False,
+                    div_id=f"fig-{r.id}",
+                    config={"displaylogo": False},
+                )
+            )
             first = False
         parts.append("</div>")
     parts.append("</body></html>")
