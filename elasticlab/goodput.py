@@ -341,6 +341,18 @@ def _objective(x, log_mask, nodes, gpus, b, s, t, grad_obs, has_grad, sync, has_
     return loss, grad
 
 
+def _one_blas_thread():
+    """L-BFGS-B calls BLAS on 7x7 matrices; a multi-threaded OpenBLAS makes each iteration ~10x slower
+    on a loaded machine, so the fit runs with one BLAS thread."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
+        from contextlib import nullcontext
+
+        return nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
 def fit_throughput_model(observations, prior="pollux", init=None, node_slowdown=1.1) -> ThroughputModel:
     """Fit theta_sys to observed step times by RMSLE under bounds (scipy L-BFGS-B), Pollux §4.1.
 
@@ -395,12 +407,13 @@ def fit_throughput_model(observations, prior="pollux", init=None, node_slowdown=
     ]
     args = (log_mask, nodes, gpus, b, s, t, grad_obs, has_grad, sync, has_sync)
     best = None
-    for g0 in (x0[6], 3.0):  # two starts in gamma: the objective is not convex in it
-        start = np.where(log_mask, np.log(x0), x0)
-        start[6] = g0 if 6 not in pinned else x0[6]
-        res = minimize(_objective, start, args=args, jac=True, method="L-BFGS-B", bounds=bounds)
-        if best is None or res.fun < best.fun:
-            best = res
+    with _one_blas_thread():
+        for g0 in (x0[6], 3.0):  # two starts in gamma: the objective is not convex in it
+            start = np.where(log_mask, np.log(x0), x0)
+            start[6] = g0 if 6 not in pinned else x0[6]
+            res = minimize(_objective, start, args=args, jac=True, method="L-BFGS-B", bounds=bounds)
+            if best is None or res.fun < best.fun:
+                best = res
     theta = np.where(log_mask, np.exp(best.x), best.x)
     for i, v in pinned.items():
         theta[i] = v
@@ -481,6 +494,17 @@ class GoodputFunction:
         ``max_batch_size`` (= ``max_batch``) and ``atomic_bsz_range`` (= ``(min_per_gpu_batch,
         max_per_gpu_batch)``) are accepted too.
         """
+        cands = self._candidates(nodes, gpus, max_batch=max_batch, batch_range=batch_range,
+                                 max_per_gpu_batch=max_per_gpu_batch, min_per_gpu_batch=min_per_gpu_batch,
+                                 max_accum=max_accum, accumulation=accumulation,
+                                 num_candidates=num_candidates, force_accum_single_gpu=force_accum_single_gpu,
+                                 max_batch_size=max_batch_size, atomic_bsz_range=atomic_bsz_range)
+        return self._pick(cands)
+
+    def _candidates(self, nodes, gpus, *, max_batch=None, batch_range=None, max_per_gpu_batch=None,
+                    min_per_gpu_batch=1, max_accum=None, accumulation=True, num_candidates=50,
+                    force_accum_single_gpu=True, max_batch_size=None, atomic_bsz_range=None):
+        """The (allocation x candidate) grid of (b, s) choices; independent of theta_sys and phi."""
         if max_batch_size is not None:
             if max_batch is not None and max_batch != max_batch_size:
                 raise ValueError(f"max_batch={max_batch} disagrees with max_batch_size={max_batch_size}")
@@ -523,15 +547,24 @@ class GoodputFunction:
             if force_accum_single_gpu:
                 per_gpu = np.where(k_safe == 1, self.init_batch, per_gpu)
         ok = valid & (per_gpu >= min_b) & (per_gpu <= max_b)
-        good = np.where(ok, self.evaluate(n, k_safe, per_gpu, steps), -np.inf)
+        total = k_safe * per_gpu * (steps + 1.0)
+        return _Candidates(shape, n, k_safe, per_gpu, steps, total, ok)
+
+    def _pick(self, c):
+        """Goodput of every candidate (Pollux Eq. (1)), then the best per allocation."""
+        m = self.model
+        t_grad = m.alpha_grad + m.beta_grad * c.per_gpu
+        t_iter = c.steps * t_grad + _overlap(t_grad, m.sync_time(c.nodes, c.gpus), m.gamma)
+        good = c.total / t_iter * (1.0 - (c.total - self.init_batch) / (self.phi + c.total))
+        good[~c.ok] = -np.inf
         best = np.argmax(good, axis=1)
         rows = np.arange(len(best))
-        g, b, s = good[rows, best], per_gpu[rows, best], steps[rows, best]
+        g, b, s = good[rows, best], c.per_gpu[rows, best], c.steps[rows, best]
         feasible = np.isfinite(g)
-        g = np.where(feasible, g, 0.0).reshape(shape)
-        b = np.where(feasible, b, 0).astype(np.int64).reshape(shape)
-        s = np.where(feasible, s, 0).astype(np.int64).reshape(shape)
-        if not shape:
+        g = np.where(feasible, g, 0.0).reshape(c.shape)
+        b = np.where(feasible, b, 0).astype(np.int64).reshape(c.shape)
+        s = np.where(feasible, s, 0).astype(np.int64).reshape(c.shape)
+        if not c.shape:
             return float(g), int(b), int(s)
         return g, b, s
 
@@ -550,8 +583,18 @@ class GoodputFunction:
         if int(max_nodes) < 1 or int(gpus_per_node) < 1:
             raise ValueError(f"need max_nodes >= 1 and gpus_per_node >= 1, got {max_nodes}, {gpus_per_node}")
         nn, kk, un, uk, inverse = _allocation_grid(int(max_nodes), int(gpus_per_node))
-        # theta_sys sees nodes only through "more than one node", so (2, K) stands for every (N > 1, K)
-        g, _, _ = self.optimize(np.append(un, base[0]), np.append(uk, base[1]), **optimize_kw)
+        # theta_sys sees nodes only through "more than one node", so (2, K) stands for every (N > 1, K);
+        # the candidate grid does not depend on theta_sys or phi, so it is cached across calls
+        kw = tuple(sorted((k, v if np.isscalar(v) or v is None else tuple(v))
+                          for k, v in optimize_kw.items()))
+        key = (int(max_nodes), int(gpus_per_node), tuple(base), self.init_batch, kw)
+        cands = _CANDIDATE_CACHE.get(key)
+        if cands is None:
+            cands = self._candidates(np.append(un, base[0]), np.append(uk, base[1]), **optimize_kw)
+            if len(_CANDIDATE_CACHE) > 256:
+                _CANDIDATE_CACHE.clear()
+            _CANDIDATE_CACHE[key] = cands
+        g, _, _ = self._pick(cands)
         if g[-1] <= 0:
             raise ValueError(f"no feasible configuration on the base allocation {base}")
         table = np.zeros((int(max_nodes) + 1, int(max_nodes) * int(gpus_per_node) + 1))
@@ -559,7 +602,18 @@ class GoodputFunction:
         return table
 
 
+class _Candidates(NamedTuple):
+    shape: tuple
+    nodes: np.ndarray  # (A, 1)
+    gpus: np.ndarray  # (A, 1)
+    per_gpu: np.ndarray  # (A, C)
+    steps: np.ndarray  # (A, C)
+    total: np.ndarray  # (A, C) global batch K * b * (s + 1)
+    ok: np.ndarray  # (A, C) feasible
+
+
 _GRID_CACHE: dict = {}
+_CANDIDATE_CACHE: dict = {}
 
 
 def _allocation_grid(max_nodes, gpus_per_node):
