@@ -221,3 +221,16 @@ def test_theory_names_existing_tests():
         tree = ast.parse((root / "tests" / fname).read_text())
         names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         assert name in names, f"theory/ cites missing test {fname}::{name}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(1, 6), min_size=2, max_size=5), slope=st.sampled_from([0.0, 0.1, 1.0]),
+       bias=st.booleans(), seed=st.integers(0, 10_000))
+def test_linearisation_exact_any_net(widths, slope, bias, seed):
+    """theory/02 Eq. (2.1)-(2.2) for random ReLU, leaky and linear nets of any depth, with or without biases."""
+    net = D.random_init(widths, 1.0, slope=slope, biases=bias, seed=seed, bias_scale=0.5)
+    X = np.random.default_rng(seed).standard_normal((5, widths[0]))
+    assert D.exactness_error(net, X) < 1e-12
+    if slope == 1.0 and not bias:
+        weff, _ = D.effective_maps(net, X)
+        assert np.allclose(weff, net.end_to_end(), atol=1e-12)
