@@ -227,7 +227,7 @@ def test_theory_names_existing_tests():
 @given(widths=st.lists(st.integers(1, 6), min_size=2, max_size=5), slope=st.sampled_from([0.0, 0.1, 1.0]),
        bias=st.booleans(), seed=st.integers(0, 10_000))
 def test_linearisation_exact_any_net(widths, slope, bias, seed):
-    """theory/02 Eq. (2.1)-(2.2) for random ReLU, leaky and linear nets of any depth, with or without biases."""
+    """theory/02 Eq. (2.1)-(2.2) for random ReLU, leaky and linear nets of any depth, biases or not."""
     net = D.random_init(widths, 1.0, slope=slope, biases=bias, seed=seed, bias_scale=0.5)
     X = np.random.default_rng(seed).standard_normal((5, widths[0]))
     assert D.exactness_error(net, X) < 1e-12
