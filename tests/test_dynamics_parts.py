@@ -126,6 +126,8 @@ def test_deep_saxe_matches_gd():
     th = D.mode_curves(tr.time, task.s, 1e-2, depth=3)
     assert np.all(np.abs(u - th)[:, :2].max(axis=0) / task.s[:2] < 0.01)
     assert np.allclose(D.singular_values(tr)[-1, :2], [3.0, 1.0], rtol=1e-3)
+    # theory/01 Eq. (1.13): every layer carries u_α^{1/N}, so ‖W_j‖²_F = Σ_α u_α^{2/N}
+    assert np.allclose(tr.weight_norms, (u ** (2 / 3)).sum(axis=1)[:, None], rtol=1e-9)
 
 
 def test_detect_phases_on_sum_of_sigmoids():
