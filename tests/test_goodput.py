@@ -214,6 +214,11 @@ def test_speedup_table_matches_speedup():
     nodes, gpus = np.nonzero(table)
     np.testing.assert_allclose(table[nodes, gpus], fn.speedup(nodes, gpus, **kw))
     assert table[16, 64] > table[1, 4] > 1
+    # the cached candidate grid is shared across jobs with the same limits; phi and theta are not
+    other = GoodputFunction(ThroughputModel(0.02, 1e-3, 0.05, 2e-3, 0.2, 1e-2, 1.5), 50.0, 128)
+    table2 = other.speedup_table(16, 4, **kw)
+    np.testing.assert_allclose(table2[nodes, gpus], other.speedup(nodes, gpus, **kw))
+    assert not np.allclose(table, table2)
 
 
 # ------------------------------------------------------------------------------------ P4-T4

@@ -269,3 +269,20 @@ def test_bad_inputs_raise_clear_errors():
         adascale_moments(np.ones((1, 5)))
     with pytest.raises(ValueError, match="scale"):
         get_rule("linear").multiplier(0)
+
+
+def test_reads_the_gns_estimator_of_elasticlab_gns():
+    gns_mod = pytest.importorskip("elasticlab.gns")
+    from elasticlab.goodput import GoodputFunction, ThroughputModel
+
+    est = gns_mod.GNSEstimator(beta=0.9, init_batch_size=32)
+    p, opt = _sgd(lr=1.0)
+    elr = ElasticLR(opt, 32, rule="adascale", gns=est, global_batch=128)
+    assert _step(elr, p) == 1.0  # no data yet (b_simple is NaN): r = 1
+    for _ in range(20):
+        est.update_two_batch(small_sq_norm=5.0, big_sq_norm=2.0, b_small=32, b_big=128)
+    phi = est.b_simple
+    assert phi > 0
+    assert _step(elr, p) == pytest.approx(gain_from_noise_scale(phi, 32, 4))
+    fn = GoodputFunction(ThroughputModel(0.05, 1e-3), est, 32)
+    assert fn.phi == pytest.approx(phi)

@@ -118,8 +118,10 @@ def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005,
 
 
 def adascale_invariance(scales=(1, 4, 16, 64), rule="adascale", **kw):
-    """P6-T2: final loss at every S, its spread ``max/min - 1``, and the largest relative gap between
-    each loss-vs-tau curve and the S = 1 curve (on a common tau grid, ignoring the first 10%)."""
+    """P6-T2: final loss at every S, its spread ``max/min - 1``, the largest relative gap between each
+    loss-vs-tau curve and the S = 1 curve (on a common tau grid, ignoring the first 10%), and the curves
+    (``runs``: {S: {"taus", "losses"}}). Defaults: ``adascale_run``'s (NQM d=100, h in [1e-3, 1],
+    w0 = 1/sqrt(h), lr 0.005 decaying to half over T_SI = 2000, momentum 0.9)."""
     runs = {s: adascale_run(s, rule=rule, **kw) for s in scales}
     finals = np.array([r["final_loss"] for r in runs.values()])
     ref = runs[scales[0]]
@@ -131,7 +133,12 @@ def adascale_invariance(scales=(1, 4, 16, 64), rule="adascale", **kw):
         curve = np.interp(grid, r["taus"], r["losses"])
         gaps[s] = float(np.max(np.abs(curve / ref_curve - 1.0)))
     spread = float(finals.max() / finals.min() - 1.0) if np.all(np.isfinite(finals)) else math.inf
+    curves = {}
+    for s, r in runs.items():  # loss against tau, thinned to <= 500 points per curve for plotting
+        idx = np.unique(np.linspace(0, len(r["taus"]) - 1, 500).astype(int))
+        curves[s] = {"taus": r["taus"][idx], "losses": r["losses"][idx]}
     return {"final_loss": {s: r["final_loss"] for s, r in runs.items()},
             "iterations": {s: r["iterations"] for s, r in runs.items()},
             "mean_gain": {s: r["mean_gain"] for s, r in runs.items()},
-            "final_spread": spread, "max_curve_gap": max(gaps.values()), "curve_gap": gaps}
+            "final_spread": spread, "max_curve_gap": max(gaps.values()), "curve_gap": gaps,
+            "runs": curves}
