@@ -130,6 +130,17 @@ def test_deep_saxe_matches_gd():
     assert np.allclose(tr.weight_norms, (u ** (2 / 3)).sum(axis=1)[:, None], rtol=1e-9)
 
 
+def test_shallow_net_learns_every_mode_on_one_timescale():
+    """theory/01 §1.3 contrast: a single-layer net approaches each mode as s + (u0 − s)e^{−t/τ}, so every mode
+    reaches s/2 at t ≈ τ·ln 2 whatever its strength (deep nets: ∝ 1/s)."""
+    task = D.saxe_task([4.0, 1.0, 0.25], seed=10)
+    net = D.aligned_init(task.U, task.V, 1e-6, depth=1)
+    tr = D.train(net, task.X, task.Y, 1e-3, 3000, record_every=1)
+    u = D.mode_strengths(tr, task.U, task.V)
+    assert np.allclose(D.crossing_times(tr.steps, u, task.s / 2), 1000 * np.log(2), rtol=1e-3)
+    assert np.allclose(u, D.mode_curves(tr.time, task.s, 1e-6, depth=1), atol=1e-3 * task.s.max())
+
+
 def test_detect_phases_on_sum_of_sigmoids():
     t = np.linspace(0, 30, 3001)
     y = sum(D.mode_strength(t, s, 1e-5) for s in (4.0, 1.0, 0.3))
