@@ -2,9 +2,10 @@
 
 The controller lives in the caller's process as one background thread; it never blocks the caller
 (every request returns a :class:`concurrent.futures.Future`) and installs no signal handler. It keeps a
-pool of long-lived worker processes (:func:`elasticlab.elastic.worker.pool_worker`, started with the
-``spawn`` method), and runs the job as a sequence of *generations*: one process group of a given size
-on a fresh c10d ``TCPStore`` (bound by the controller to a fresh OS-chosen port on 127.0.0.1).
+pool of long-lived worker processes (:func:`elasticlab.elastic.worker.pool_worker`, forked from a
+forkserver that has imported torch once, or spawned), and runs the job as a sequence of
+*generations*: one process group of a given size on a fresh c10d ``TCPStore`` (bound by the controller
+to a fresh OS-chosen port on 127.0.0.1).
 
 A resize, pause or stop is relayed to rank 0, which puts it into the all-reduce that ends every step;
 at that step boundary rank 0 checkpoints (atomically), every rank leaves the group, and the controller
@@ -21,6 +22,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import tempfile
 import threading
 import time
@@ -49,6 +51,38 @@ def default_slots() -> int:
     return 2 * (os.cpu_count() or 1)
 
 
+def _worker_context(start_method: str):
+    """The multiprocessing context for worker processes. ``forkserver`` (default) imports torch once in
+    the server and forks each worker from it (~0.1 s instead of seconds per worker); the server never
+    starts torch's thread pools, so forking it is safe. ``spawn`` starts each worker from scratch."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "elasticlab.elastic.worker"])
+    return ctx
+
+
+def parse_schedule(schedule) -> dict[int, int]:
+    """``{step: n}`` or ``"STEP:N,STEP:N"``: from step STEP+1 on, the job runs on N workers."""
+    if not schedule:
+        return {}
+    if isinstance(schedule, str):
+        out = {}
+        for part in schedule.split(","):
+            step, sep, n = part.strip().partition(":")
+            if not sep or not step.strip().isdigit() or not n.strip().isdigit():
+                raise ValueError(f"bad schedule entry {part!r}: expected STEP:N with integers, e.g. '20:3'")
+            out[int(step)] = int(n)
+        return out
+    out = {}
+    for k, v in dict(schedule).items():
+        if int(k) != k or k < 1:
+            raise ValueError(f"schedule steps must be positive integers, got {k!r}")
+        out[int(k)] = v
+    return out
+
+
 class _Worker:
     __slots__ = ("id", "proc", "conn", "state", "pid", "rank")
 
@@ -72,7 +106,8 @@ class ElasticJob:
                  slots: int | None = None, warm: int | None = None, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 20, record_samples: bool | str = False, seed: int = 0,
                  timeout_s: float = 30.0, threads: int = 1, lr_rule: str | None = None,
-                 step_delay_s: float = 0.0, goodput_refit_every: int = 10):
+                 step_delay_s: float = 0.0, goodput_refit_s: float = 10.0, schedule=None,
+                 start_method: str = "forkserver"):
         self.entrypoint = entrypoint_name(entrypoint)
         self.slots = int(slots) if slots is not None else default_slots()
         if self.slots < 1:
@@ -103,8 +138,12 @@ class ElasticJob:
                                        threads=int(threads), record_samples=bool(self.record_path),
                                        step_delay_s=float(step_delay_s),
                                        ramp_per_k=getattr(self.policy, "ramp_per_k", 8))
+        self.schedule = parse_schedule(schedule)
+        for n in self.schedule.values():
+            self._check_size(n)
+        self.options["schedule"] = self.schedule
         self._target = int(workers)
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _worker_context(start_method)
         self._lock = threading.RLock()
         self._requests: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -128,7 +167,9 @@ class ElasticJob:
         self._record_file = None
         self._throughput = None
         self._predicted_goodput = None
-        self._refit_every = int(goodput_refit_every)
+        self._refit_every_s = float(goodput_refit_s)
+        self._next_refit = 0.0
+        self._fit_thread: threading.Thread | None = None
         self._error: str | None = None
 
     # ---- public API ---------------------------------------------------------------------------
@@ -244,15 +285,21 @@ class ElasticJob:
         """Events (resizes, restarts, checkpoints, faults, ...) with their times, from index ``since``."""
         return self._events.since(since)
 
-    def step_times(self, skip_first: int = 1) -> list[tuple]:
+    def step_times(self, skip_first: int = 1, aggregate: bool = False) -> list[tuple]:
         """Measured ``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows for a throughput model
-        fit (Pollux §3.2); the first ``skip_first`` steps of each generation (warm-up) are left out."""
+        fit (Pollux §4.1); the first ``skip_first`` steps of each generation (warm-up) and epoch-tail
+        steps are left out. ``aggregate=True`` gives one row per configuration (median time)."""
         rows, seen = [], {}
         for r in self._metrics.since(0):
             g = r["generation"]
             seen[g] = seen.get(g, 0) + 1
             if seen[g] > skip_first and r["samples"] == r["global_batch"]:
                 rows.append((1, r["world_size"], r["per_worker_batch"], r["accum_steps"], r["step_time"]))
+        if aggregate:
+            groups: dict = {}
+            for row in rows:
+                groups.setdefault(row[:4], []).append(row[4])
+            rows = [(*k, float(statistics.median(v))) for k, v in sorted(groups.items())]
         return rows
 
     def worker_pids(self) -> dict[int, int]:
@@ -309,6 +356,7 @@ class ElasticJob:
     def _loop(self) -> None:
         try:
             self._spawn_upto(self.warm)
+            import torch.distributed  # noqa: F401  (the controller hosts each generation's TCPStore)
             while True:
                 objs = [self._wake_r]
                 for w in list(self._workers.values()):
@@ -383,6 +431,14 @@ class ElasticJob:
             _, gen, step, probe, ckpt = msg
             self._events.emit("resume", generation=gen, step=step, probe_loss=probe, checkpoint=ckpt,
                               world_size=len(self._active))
+        elif kind == "schedule":  # rank 0 leaves at a scheduled step; re-form at the scheduled size
+            _, gen, step, n = msg
+            if self._state == "running" and gen == self._gen:
+                self._target = n
+                self._pending["resize"] = (Future(), {"n": n, "from": len(self._active), "batch": None,
+                                                      "t_request": time.perf_counter(), "scheduled": step})
+                with self._lock:
+                    self._state, self._drain_reason, self._drain_deadline = "draining", "resize", None
         elif kind == "left":
             pass
         elif kind == "finished":
@@ -425,22 +481,31 @@ class ElasticJob:
                               accum_steps=rec["accum_steps"])
             p[0].set_result({"step": rec["step"], "global_batch": rec["global_batch"],
                              "accum_steps": rec["accum_steps"]})
-        if self._refit_every and len(self._metrics) % self._refit_every == 0:
-            self._refit_goodput(rec)
+        if self._refit_every_s and time.monotonic() >= self._next_refit and (
+                self._fit_thread is None or not self._fit_thread.is_alive()):
+            self._next_refit = time.monotonic() + self._refit_every_s
+            self._fit_thread = threading.Thread(target=self._refit_goodput, args=(rec,), daemon=True,
+                                                name="elasticlab-goodput-fit")
+            self._fit_thread.start()
 
     def _refit_goodput(self, rec: dict) -> None:
-        """Fit the throughput model to the measured step times and predict this config's goodput."""
+        """Fit the throughput model to the measured step times (Pollux §4.1, one row per configuration)
+        and predict the goodput of the current configuration. Runs in its own thread: a fit can take
+        seconds, and the controller must keep serving the workers meanwhile."""
         try:
             from elasticlab import goodput as gp
         except ImportError:
             return
-        rows = self.step_times()
+        rows = self.step_times(aggregate=True)
+        if not rows:
+            return
         try:
-            self._throughput = gp.fit_throughput_model(rows)
+            model = gp.fit_throughput_model(rows)
+            self._throughput = model
             gns = rec.get("gns")
             if gns is not None and math.isfinite(gns):
                 base = self._base_batch()
-                fn = gp.GoodputFunction(self._throughput, gp.GradParams.from_gns(gns, base), base)
+                fn = gp.GoodputFunction(model, gns, base)
                 self._predicted_goodput = float(fn.evaluate(1, rec["world_size"], rec["per_worker_batch"],
                                                             rec["accum_steps"]))
         except Exception:  # a fit needs enough distinct configurations; keep the previous one
@@ -461,6 +526,7 @@ class ElasticJob:
     def _on_death(self, w: _Worker) -> None:
         was = w.state
         w.state = "dead"
+        w.proc.join(2.0)  # the sentinel can fire just before the exit status is there to collect
         code = w.proc.exitcode
         with contextlib.suppress(Exception):
             w.conn.close()

@@ -114,7 +114,7 @@ class GoodputAdaptive:
             return current or fallback
         from elasticlab import goodput as gp
 
-        fn = gp.GoodputFunction(model, gp.GradParams.from_gns(gns, self.base_batch), self.base_batch)
+        fn = gp.GoodputFunction(model, gns, self.base_batch)
         best, m, s = fn.optimize(1, world_size, max_batch_size=self.max_batch,
                                  atomic_bsz_range=self.per_worker_range, accumulation=self.accumulation)
         best, m, s = float(best), int(m), int(s)

@@ -29,7 +29,7 @@ from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.checkpoint import load as load_checkpoint
 from elasticlab.elastic.policies import BatchConfig
 from elasticlab.elastic.sampler import ElasticSampler, micro_batches
-from elasticlab.elastic.scaling import GNSAdapter, LRScaler
+from elasticlab.elastic.scaling import make_gns, make_lr
 
 # Control codes relayed by rank 0 through the per-step all-reduce.
 CMD_NONE, CMD_LEAVE, CMD_SET_BATCH, CMD_CHECKPOINT = 0, 1, 2, 3
@@ -38,7 +38,7 @@ CMD_NONE, CMD_LEAVE, CMD_SET_BATCH, CMD_CHECKPOINT = 0, 1, 2, 3
 def default_options(**over) -> dict:
     opts = {"seed": 0, "lr_rule": "constant", "ramp_per_k": 8, "epochs": 1, "max_steps": None,
             "checkpoint_every": 20, "keep_checkpoints": 3, "timeout_s": 30.0, "threads": 1,
-            "record_samples": False, "step_delay_s": 0.0}
+            "record_samples": False, "step_delay_s": 0.0, "schedule": None}
     opts.update(over)
     return opts
 
@@ -56,26 +56,25 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = task.optimizer(self.params)
         self.sampler = ElasticSampler(len(task), seed=options["seed"])
-        self.lr = LRScaler(self.optimizer, options["lr_rule"], task.base_batch, options["ramp_per_k"])
-        self.gns = GNSAdapter()
+        self.gns = make_gns(task.base_batch)
+        self.lr = make_lr(self.optimizer, options["lr_rule"], task.base_batch, self.gns,
+                          options["ramp_per_k"])
         self.batch = BatchConfig(task.base_batch, 0)
         self.step = 0
         self.rank, self.world_size, self.ddp, self.generation = 0, 1, None, 0
-        self._local_sq = 0.0
+        self.norms = None
         self._probe = task.batch(np.arange(min(task.probe_size, len(task))))
 
     # ---- group membership -------------------------------------------------------------------
     def form(self, rank: int, world_size: int, store, generation) -> None:
         """Join a process group of ``world_size`` through ``store`` (a fresh one per generation)."""
-        import torch
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=self.opts["timeout_s"]))
         self.rank, self.world_size, self.generation = rank, world_size, generation
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.ddp.register_comm_hook(self, _local_norm_allreduce_hook)
+        self._wrap()
 
     def form_from_env(self) -> None:
         """Join the group torchrun describes in the environment (env:// rendezvous)."""
@@ -85,16 +84,23 @@ class Trainer:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.opts["timeout_s"]))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.ddp.register_comm_hook(self, _local_norm_allreduce_hook)
+        self._wrap()
         gen = torch.tensor([time.time_ns() // 1000], dtype=torch.int64)
         dist.broadcast(gen, 0)
         self.generation = int(gen.item())
 
+    def _wrap(self) -> None:
+        import torch
+
+        from elasticlab.gns.ddp import ReplicaGradNorms
+
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.norms = ReplicaGradNorms(self.ddp)  # its comm hook records the local |g|^2 before averaging
+
     def leave(self) -> None:
         import torch.distributed as dist
 
-        self.ddp = None
+        self.ddp = self.norms = None
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -162,9 +168,7 @@ class Trainer:
         epoch = self.sampler.epoch
         n_global = len(self.sampler.step_indices(M))
         mine = self.sampler.shard(M, R, self.rank)
-        lr = self.lr.apply(self.gns)
         self.optimizer.zero_grad(set_to_none=True)
-        self._local_sq = 0.0
         loss_sum = 0.0
         model = self.ddp if self.ddp is not None else self.model
         for j, mb in enumerate(micro_batches(mine, s)):
@@ -183,18 +187,21 @@ class Trainer:
             time.sleep(self.opts["step_delay_s"])
         global_sq = float(sum(p.grad.detach().double().pow(2).sum() for p in self.params
                               if p.grad is not None))
-        if self.ddp is None:
-            self._local_sq = global_sq
-        vec = torch.tensor([loss_sum, self._local_sq, float(len(mine)), *map(float, control)],
-                           dtype=torch.float64)
+        local_sq = global_sq
+        if self.norms is not None:
+            local_sq = self.norms.local_sq_norm
+            self.norms._local.zero_()
+        vec = torch.tensor([loss_sum, local_sq, float(len(mine)), *map(float, control)], dtype=torch.float64)
         if self.ddp is not None:
             dist.all_reduce(vec)
-        self.optimizer.step()
+        with self.lr.applied() as lrs:
+            self.optimizer.step()
+        lr = float(lrs[0])
         self.sampler.advance(M)
         self.step += 1
         even = n_global == M and M % (R * (s + 1)) == 0
-        if even and R > 1:
-            self.gns.update(float(vec[1]) / R, global_sq, M / R, R)
+        if even and R > 1:  # replica two-batch form: B_small = M/R, B_big = M
+            self.gns.update_two_batch(float(vec[1]) / R, global_sq, M / R, M)
         dt = time.perf_counter() - t0
         gns = self.gns.b_simple
         rec = {"step": self.step, "epoch": epoch, "time": time.time(), "loss": float(vec[0]) / n_global,
@@ -209,18 +216,6 @@ def _to(batch, device):
     if device.type == "cpu":
         return batch
     return tuple(t.to(device, non_blocking=True) for t in batch)
-
-
-def _local_norm_allreduce_hook(trainer: Trainer, bucket):
-    """DDP comm hook: add the bucket's local squared norm (before averaging) to the trainer, then
-    all-reduce the mean as DDP's default hook does. The local norms feed the replica GNS estimate."""
-    import torch.distributed as dist
-
-    buf = bucket.buffer()
-    trainer._local_sq += float(buf.detach().double().pow(2).sum())
-    buf.div_(dist.get_world_size())
-    fut = dist.all_reduce(buf, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 # ---- the pool worker ---------------------------------------------------------------------------
@@ -286,6 +281,7 @@ def _run_generation(tr: Trainer, conn, worker_id: int, j: dict) -> None:
             conn.send(("checkpoint", gen, tr.step, str(path), None, "initial"))
     epochs, max_steps = tr.opts["epochs"], tr.opts["max_steps"]
     every = tr.opts["checkpoint_every"]
+    schedule = {int(k): int(v) for k, v in (tr.opts.get("schedule") or {}).items()}
     while True:
         if tr.sampler.epoch >= epochs or (max_steps is not None and tr.step >= max_steps):
             if rank == 0:
@@ -295,6 +291,10 @@ def _run_generation(tr: Trainer, conn, worker_id: int, j: dict) -> None:
         control = (CMD_NONE, 0, 0)
         if rank == 0 and conn.poll():
             control = conn.recv()
+        if rank == 0 and control[0] == CMD_NONE and schedule.get(tr.step + 1, world) != world:
+            # a scheduled resize after step tr.step+1: leave after it, and tell the controller the size
+            conn.send(("schedule", gen, tr.step + 1, schedule[tr.step + 1]))
+            control = (CMD_LEAVE, 0, 0)
         rec, cmd, mine = tr.train_step(control)
         if tr.opts["record_samples"]:
             conn.send(("samples", {"epoch": rec["epoch"], "step": rec["step"], "rank": rank,

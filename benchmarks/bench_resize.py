@@ -1,0 +1,161 @@
+"""Resize latency of a live ElasticJob, a torchrun membership-change restart, and throughput vs world size.
+
+* live resize: request -> first step done at the new size (``ElasticJob.resize(n).result()``), median
+  over several resizes of a small MLP (scikit-learn digits), with a warm pool of worker processes;
+* baseline in the same run: a cold restart at the new size (new processes via ``spawn``: start ->
+  first step), i.e. what a stop-and-relaunch costs;
+* torchrun: two elastic agents on localhost; agent B joins a running agent A (``--nnodes=1:2``); the
+  restart is measured from B's launch to the first step at world size 2, and as the training gap
+  (last step at size 1 -> first step at size 2);
+* throughput (samples/s, median step) at a fixed global batch for each world size.
+
+Target: median live resize latency under 2 s. Last line: ``RESULT {json}``.
+Usage: python benchmarks/bench_resize.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+def live_resizes(sizes, batch, steps_per_size):
+    from elasticlab.elastic import ElasticJob
+
+    job = ElasticJob(f"{DIGITS}:make_task", workers=1, warm=max(sizes), slots=max(sizes), global_batch=batch,
+                     epochs=10_000, checkpoint_every=0)
+    job.start()
+    try:
+        while job.status()["step"] < 5:
+            if job.state == "failed":
+                raise RuntimeError(job.status()["error"])
+            time.sleep(0.05)
+        lat = []
+        for n in sizes:
+            r = job.resize(n).result(timeout=120)
+            lat.append(r["latency_s"])
+            print(f"  resize -> {n}: {r['latency_s']:.3f} s (step {r['step']})", flush=True)
+            while job.status()["step"] < r["step"] + steps_per_size:
+                time.sleep(0.02)
+        m = job.metrics()
+        thr = {}
+        for n in sorted(set(sizes) | {1}):
+            t = [r["step_time"] for r in m if r["world_size"] == n and r["samples"] == r["global_batch"]]
+            if len(t) > 2:
+                thr[n] = batch / statistics.median(t[1:])
+        return lat, thr
+    finally:
+        job.stop()
+
+
+def cold_restart(n, batch):
+    from elasticlab.elastic import ElasticJob
+
+    t0 = time.perf_counter()
+    job = ElasticJob(f"{DIGITS}:make_task", workers=n, warm=n, slots=n, global_batch=batch, epochs=10_000,
+                     checkpoint_every=0, start_method="spawn")
+    job.start()
+    try:
+        while job.status()["step"] < 1:
+            if job.state == "failed":
+                raise RuntimeError(job.status()["error"])
+            time.sleep(0.02)
+        return time.perf_counter() - t0
+    finally:
+        job.stop()
+
+
+def torchrun_restart(tmp: Path, batch: int, max_steps: int = 400):
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    port = get_free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+
+    def agent(name):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=bench",
+               "--rdzv_conf", "last_call_timeout=1", "--max-restarts=3", "--monitor-interval=0.1",
+               DIGITS, "--checkpoint-dir", str(tmp / "ckpt"), "--epochs", "100",
+               "--max-steps", str(max_steps), "--global-batch", str(batch), "--checkpoint-every", "10",
+               "--step-delay", "0.01", "--log-steps"]
+        return subprocess.Popen(cmd, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                env=env, start_new_session=True)
+
+    def steps():
+        out = []
+        for name in ("a", "b"):
+            p = tmp / f"{name}.log"
+            if p.exists():
+                for line in p.read_text().splitlines():
+                    if line.startswith('{"event": "step"'):
+                        out.append(json.loads(line))
+        return sorted(out, key=lambda r: r["time"])
+
+    procs = [agent("a")]
+    try:
+        end = time.monotonic() + 300
+        while len(steps()) < 20:
+            if procs[0].poll() is not None or time.monotonic() > end:
+                raise RuntimeError("torchrun agent A failed:\n" + (tmp / "a.log").read_text()[-2000:])
+            time.sleep(0.1)
+        t_launch = time.time()
+        procs.append(agent("b"))
+        while not any(r["world_size"] == 2 for r in steps()):
+            if time.monotonic() > end:
+                raise RuntimeError("no step at world size 2:\n" + (tmp / "b.log").read_text()[-2000:])
+            time.sleep(0.1)
+        s = steps()
+        first2 = next(r for r in s if r["world_size"] == 2)
+        last1 = max(r["time"] for r in s if r["world_size"] == 1 and r["time"] < first2["time"])
+        return {"launch_to_first_step_s": first2["time"] - t_launch, "training_gap_s": first2["time"] - last1}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", default=os.environ.get("ELASTICLAB_QUICK") == "1")
+    a = ap.parse_args(argv)
+    sizes = [2, 3, 1, 4, 2] if a.quick else [2, 3, 4, 1, 3, 2, 4, 1, 2]
+    batch = 64
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    print("live resizes (warm pool, forkserver workers):", flush=True)
+    lat, thr = live_resizes(sizes, batch, steps_per_size=10 if a.quick else 30)
+    med = statistics.median(lat)
+    print(f"  median {med:.3f} s over {len(lat)} resizes", flush=True)
+    print("baseline: cold restart at 2 workers (spawn, import torch, first step)...", flush=True)
+    cold = cold_restart(2, batch)
+    print(f"  {cold:.2f} s", flush=True)
+    print("torchrun membership change (agent B joins agent A)...", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        tr = torchrun_restart(Path(d), batch)
+    print(f"  launch of B -> first step at world 2: {tr['launch_to_first_step_s']:.2f} s; "
+          f"training gap {tr['training_gap_s']:.2f} s", flush=True)
+    print("throughput at a fixed global batch of 64 (samples/s, median step):")
+    for n, v in thr.items():
+        print(f"  {n} workers: {v:8.0f}  (x{v / thr[1]:.2f} vs 1)")
+    result = {"resize_latency_median_s": med, "resize_latencies_s": [round(x, 4) for x in lat],
+              "target_s": 2.0, "meets_target": med < 2.0, "cold_restart_s": cold,
+              "live_vs_cold_speedup": cold / med, "torchrun_restart_s": tr["launch_to_first_step_s"],
+              "torchrun_training_gap_s": tr["training_gap_s"],
+              "throughput_samples_per_s": {str(k): round(v, 1) for k, v in thr.items()},
+              "load_average": os.getloadavg(), "quick": a.quick}
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

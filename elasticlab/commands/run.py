@@ -1,0 +1,71 @@
+"""``elasticlab run SCRIPT``: a scripted elastic experiment on local workers, resizing at given steps."""
+from __future__ import annotations
+
+NAME = "run"
+HELP = "run a training script's task as an elastic local DDP job, resizing at given steps"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("script", help="'path/to/script.py[:make_task]' or 'package.module:function'")
+    parser.add_argument("--workers", type=int, default=1, help="initial number of workers (default 1)")
+    parser.add_argument("--schedule", default=None,
+                        help="resizes 'STEP:N,STEP:N,...': from step STEP+1 on, N workers")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="fixed global batch (default: the task's base batch)")
+    parser.add_argument("--per-worker-batch", type=int, default=None,
+                        help="fixed per-worker batch with the Dynamic-SGD LR ramp instead")
+    parser.add_argument("--record-samples", default=None, metavar="FILE",
+                        help="write the JSONL sample record {epoch, step, rank, world_size, indices}")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--slots", type=int, default=None, help="worker slots (default: 2 per CPU core)")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (slows a demo down)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+
+
+def run(args) -> int:
+    import json
+    import sys
+    import time
+
+    from elasticlab.elastic import ElasticJob, FixedPerWorkerBatch
+    from elasticlab.elastic.job import parse_schedule
+
+    script = args.script if ":" in args.script else f"{args.script}:make_task"
+    try:
+        schedule = parse_schedule(args.schedule)
+        policy = FixedPerWorkerBatch(args.per_worker_batch) if args.per_worker_batch else None
+        job = ElasticJob(script, workers=args.workers, schedule=schedule, epochs=args.epochs,
+                         max_steps=args.max_steps, global_batch=args.global_batch, policy=policy,
+                         record_samples=args.record_samples or False, checkpoint_dir=args.checkpoint_dir,
+                         checkpoint_every=args.checkpoint_every, slots=args.slots,
+                         warm=max([args.workers, *schedule.values()]), step_delay_s=args.step_delay)
+    except ValueError as e:
+        print(f"elasticlab run: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    job.start()
+    try:
+        finished = job.wait(args.timeout)
+    except KeyboardInterrupt:
+        finished = False
+    finally:
+        job.stop()
+    wall = time.perf_counter() - t0
+    m = job.metrics()
+    ev = job.events()
+    for e in ev:
+        if e["kind"] in ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error"):
+            print(json.dumps({k: v for k, v in e.items() if k != "time"}))
+    train_s = sum(r["step_time"] for r in m)
+    result = {"finished": bool(finished and job.state == "finished"), "steps": m[-1]["step"] if m else 0,
+              "resizes": [[e["from_size"], e["to_size"], e["step"]] for e in ev if e["kind"] == "resize"],
+              "resize_latency_s": [round(e["latency_s"], 4) for e in ev if e["kind"] == "resize"],
+              "final_loss": m[-1]["loss"] if m else None,
+              "samples_per_s": sum(r["samples"] for r in m) / train_s if train_s else None,
+              "world_sizes": sorted({r["world_size"] for r in m}), "lost_steps": job.status()["lost_steps"],
+              "wall_s": round(wall, 2), "record_samples": job.record_path}
+    print("RESULT " + json.dumps(result))
+    return 0 if result["finished"] else 1

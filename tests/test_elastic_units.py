@@ -1,0 +1,160 @@
+"""Unit tests of the elastic runtime's pieces that need no process group: sampler, checkpoints, policies."""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elasticlab.elastic import (
+    BatchConfig,
+    CheckpointDir,
+    CheckpointError,
+    ElasticSampler,
+    FixedGlobalBatch,
+    FixedPerWorkerBatch,
+    GoodputAdaptive,
+    check_exactly_once,
+)
+from elasticlab.elastic import checkpoint as ck
+from elasticlab.elastic.sampler import effective_rows, micro_batches
+from elasticlab.elastic.task import Task, entrypoint_name
+
+
+def _simulate(sampler, schedule, batch, rows, gen=0, steps=None):
+    """Consume with world sizes from ``schedule`` (one per step), recording rows like the workers do."""
+    for world in (schedule if steps is None else schedule[:steps]):
+        epoch = sampler.epoch
+        step = len({r["step"] for r in rows if r.get("generation", 0) <= gen}) + 1
+        for rank in range(world):
+            rows.append({"epoch": epoch, "step": step, "rank": rank, "world_size": world, "generation": gen,
+                         "indices": sampler.shard(batch, world, rank).tolist()})
+        sampler.advance(batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), batch=st.integers(1, 64),
+       sizes=st.lists(st.integers(1, 8), min_size=1, max_size=40), seed=st.integers(0, 10))
+def test_sampler_exactly_once_under_any_resizes(n, batch, sizes, seed):
+    s = ElasticSampler(n, seed=seed)
+    rows: list = []
+    steps_per_epoch = math.ceil(n / batch)
+    schedule = [sizes[i % len(sizes)] for i in range(2 * steps_per_epoch)]
+    _simulate(s, schedule, batch, rows)
+    rep = check_exactly_once(rows, n)
+    assert rep["ok"], rep
+    assert sorted(rep["epochs"]) == [0, 1]
+    assert all(not e["missing"] and not e["duplicates"] for e in rep["epochs"].values())
+    # a rank's share differs from the others' by at most one sample
+    for step in {r["step"] for r in rows}:
+        lens = [len(r["indices"]) for r in rows if r["step"] == step]
+        assert max(lens) - min(lens) <= 1
+
+
+def test_sampler_state_roundtrip_and_checker_catches_errors():
+    s = ElasticSampler(100, seed=3)
+    s.advance(30)
+    t = ElasticSampler(100, seed=0)
+    t.load_state_dict(s.state_dict())
+    assert np.array_equal(t.step_indices(10), s.step_indices(10))
+    assert t.position == 30
+    with pytest.raises(ValueError, match="100 samples"):
+        ElasticSampler(99).load_state_dict(s.state_dict())
+    rows = [{"epoch": 0, "step": 1, "rank": 0, "world_size": 1, "indices": [0, 1, 1]},
+            {"epoch": 0, "step": 2, "rank": 0, "world_size": 1, "indices": [2]},
+            {"epoch": 1, "step": 3, "rank": 0, "world_size": 1, "indices": [0]}]
+    rep = check_exactly_once(rows, 4)
+    assert not rep["ok"] and rep["epochs"][0]["duplicates"] == [1] and rep["epochs"][0]["missing"] == [3]
+    assert [len(m) for m in micro_batches(np.arange(10), 2)] == [4, 3, 3]
+    with pytest.raises(ValueError, match="-1"):
+        ElasticSampler(-1)
+
+
+def test_effective_rows_drop_replayed_steps():
+    """Steps run by a generation that then crashed are replayed by the next; only the latest count."""
+    s = ElasticSampler(50, seed=1)
+    rows: list = []
+    _simulate(s, [2] * 4, 5, rows, gen=1)            # steps 1-4 at world 2
+    saved = s.state_dict()                           # checkpoint after step 4
+    _simulate(s, [3] * 3, 5, rows, gen=1)            # steps 5-7, then a crash
+    s.load_state_dict(saved)
+    start = len(rows)
+    _simulate(s, [1] * 10, 5, rows, gen=2)           # resume from step 4 at world 1
+    for r in rows[start:]:
+        r["step"] -= 3                               # generation 2 numbers its steps 5, 6, ...
+    raw = np.concatenate([r["indices"] for r in rows if r["epoch"] == 0]).astype(int)
+    assert np.bincount(raw).max() == 2                       # the raw record holds the replays
+    eff = effective_rows(rows)
+    assert check_exactly_once(eff, 50)["ok"]
+    assert {r["generation"] for r in eff if r["step"] >= 5} == {2}
+
+
+def test_checkpoint_atomic_checksum_and_fallback(tmp_path):
+    d = CheckpointDir(tmp_path, keep=3)
+    for step in (5, 10, 15, 20):
+        d.save({"step": step, "w": torch.full((3,), float(step))}, step)
+    assert d.steps() == [10, 15, 20]                        # only the newest ``keep`` stay
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    assert ck.load(d.path(20))["w"][0] == 20.0
+    # truncate the newest, flip one byte in the one before: both fail their checksum
+    p20, p15 = d.path(20), d.path(15)
+    p20.write_bytes(p20.read_bytes()[:-7])
+    data = bytearray(p15.read_bytes())
+    data[-3] ^= 0xFF
+    p15.write_bytes(bytes(data))
+    for p in (p20, p15):
+        with pytest.raises(CheckpointError, match="checksum"):
+            ck.load(p)
+    best, bad = d.latest()
+    assert best == d.path(10) and [b[0] for b in bad] == [p20, p15]
+    assert ck.load(best)["step"] == 10
+    (tmp_path / "ckpt-000000099.pt").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="truncated"):
+        ck.load(tmp_path / "ckpt-000000099.pt")
+
+
+class _Evil:
+    pass
+
+
+def test_checkpoint_loads_weights_only(tmp_path):
+    bad = tmp_path / "evil.pt"
+    ck.save({"obj": _Evil()}, bad)   # a pickled arbitrary object: refused by weights_only loading
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        ck.load(bad)
+
+
+def test_policies():
+    assert FixedGlobalBatch(64).decide(3) == BatchConfig(64, 0)
+    assert FixedGlobalBatch(64, max_per_worker_batch=16).decide(2) == BatchConfig(64, 1)
+    assert FixedGlobalBatch(64).decide(3).per_worker_batch(3) == 22
+    assert FixedPerWorkerBatch(16).decide(4) == BatchConfig(64, 0)
+    with pytest.raises(ValueError, match="-3"):
+        BatchConfig(-3)
+    with pytest.raises(ValueError, match="max_batch"):
+        GoodputAdaptive(base_batch=64, max_batch=32)
+    from elasticlab.goodput import ThroughputModel
+
+    pol = GoodputAdaptive(base_batch=32, max_batch=512, per_worker_range=(8, 128))
+    assert pol.decide(2, {"throughput_model": None, "gns": None}) == BatchConfig(32, 0)
+    # a compute-bound model with a large noise scale favours big batches
+    model = ThroughputModel(0.01, 0.001, 0.005, 0.0005, 0.01, 0.001, 1.0)
+    big = pol.decide(2, {"throughput_model": model, "gns": 2000.0})
+    small = pol.decide(2, {"throughput_model": model, "gns": 1.0})
+    assert big.global_batch > small.global_batch >= 32
+
+
+def test_entrypoint_names(tmp_path):
+    assert entrypoint_name("examples/digits.py").endswith("examples/digits.py:make_task")
+    with pytest.raises(ValueError, match="nope.py"):
+        entrypoint_name("nope.py:f")
+
+    def local():
+        pass
+
+    with pytest.raises(ValueError, match="not importable"):
+        entrypoint_name(local)
+    with pytest.raises(ValueError, match="empty"):
+        Task(model=torch.nn.Linear(1, 1), dataset=(torch.zeros(0, 1),), optimizer=torch.optim.SGD)
