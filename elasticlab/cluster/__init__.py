@@ -1,0 +1,18 @@
+"""A local cluster autoscaler: the allocation policies moving slots and batch sizes between live jobs.
+
+* :class:`LocalCluster` (cluster.py) -- the pool, the queue/drop admission and the scheduling loop.
+* :class:`JobSpec` (spec.py) -- what a user submits (entrypoint, slot range, batch range, work).
+* :class:`LiveJob` (view.py) -- a live job as the policies see it (fitted throughput model, GNS, speedups).
+* policies.py -- goodput, pollux, saxena, fifo (from :mod:`elasticlab.alloc`) and equal_share.
+* :class:`RestartCost` (restart.py) -- the measured resize cost used as Pollux's restart penalty.
+* torchrun.py -- the same decisions driving jobs launched under ``torchrun`` (c10d rendezvous).
+* experiments.py -- the three-job comparison shared by tests, benchmark and ``elasticlab reproduce``.
+"""
+from elasticlab.cluster.cluster import ADMISSION, LocalCluster
+from elasticlab.cluster.policies import BATCH_MODE, EqualSharePolicy, make_policy, policy_names
+from elasticlab.cluster.restart import RestartCost, measure_restart_cost
+from elasticlab.cluster.spec import JobSpec
+from elasticlab.cluster.view import LiveJob
+
+__all__ = ["LocalCluster", "JobSpec", "LiveJob", "RestartCost", "measure_restart_cost", "EqualSharePolicy",
+           "make_policy", "policy_names", "BATCH_MODE", "ADMISSION"]
