@@ -105,3 +105,21 @@ def test_linearisation_exact():
     assert r["linear_relative_spread"] < 0.01
     assert r["masked_relative_spread"] > 0.10
     assert np.allclose(r["no_bias"]["weight_growth"], np.mean(r["no_bias"]["weight_growth"]), rtol=0.01)
+
+
+def test_layer_design_depth_and_width():
+    """theory/01 §1.5: from the same end-to-end start, half-times follow the N-layer law (within 2%), grow with
+    depth, scale as 1/s for N ≥ 3 (u0^{−(N−2)/N}/((N−2)s)), equal τ·ln 2 for one layer; width is irrelevant
+    from the aligned start."""
+    r = E.p3_layer_design()
+    assert r["t_half_rel_error"] < 0.02
+    t = np.array(r["t_half_gd"])                      # (depths, modes)
+    assert np.all(np.diff(t, axis=0) > 0)
+    assert np.allclose(t[0], 1000 * np.log(2), rtol=0.01)
+    s = np.array(r["s"])
+    for n, row in zip(r["depths"], t):
+        if n >= 3:
+            assert np.allclose(row * s, row[0] * s[0], rtol=0.1)
+            approx = 1e-3 ** (-(n - 2) / n) / ((n - 2) * s) * 1000
+            assert np.allclose(row, approx, rtol=0.15)
+    assert r["width_max_deviation"] < 1e-10
