@@ -108,9 +108,9 @@ def test_linearisation_exact():
 
 
 def test_layer_design_depth_and_width():
-    """theory/01 §1.5: from the same end-to-end start, half-times follow the N-layer law (within 2%), grow with
-    depth, scale as 1/s for N ≥ 3 (u0^{−(N−2)/N}/((N−2)s)), equal τ·ln 2 for one layer; width is irrelevant
-    from the aligned start."""
+    """theory/01 §1.5: from the same end-to-end start, half-times follow the N-layer law (within 2%), grow
+    with depth, scale as 1/s for N ≥ 3 (u0^{−(N−2)/N}/((N−2)s)), equal τ·ln 2 for one layer; width is
+    irrelevant from the aligned start."""
     r = E.p3_layer_design()
     assert r["t_half_rel_error"] < 0.02
     t = np.array(r["t_half_gd"])                      # (depths, modes)
