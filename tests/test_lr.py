@@ -21,7 +21,7 @@ from elasticlab.lr import (
     gain_ratio,
     get_rule,
 )
-from elasticlab.lr.experiments import adascale_invariance, momentum_spike
+from elasticlab.lr.experiments import adascale_invariance, elastic_adascale, momentum_spike
 
 # ------------------------------------------------------------------------------------ P6-T1
 
@@ -112,6 +112,13 @@ def test_adascale_is_scale_invariant_and_linear_scaling_is_not():
     finals = [lsw["final_loss"][s] for s in (1, 4, 16, 64)]
     assert all(b > a for a, b in zip(finals, finals[1:]))  # grows with S
     assert lsw["final_spread"] > 2 * ada["final_spread"]
+
+
+def test_elastic_adascale_matches_fixed_scale():
+    # P6-T3: S 4 -> 8 -> 16 at T_SI/4 and T_SI/2, and back down, end within 5% of a fixed-S run
+    out = elastic_adascale(fixed=(4,))
+    assert out["max_deviation"] < 0.05, out["final_loss"]
+    assert out["iterations"]["elastic_up"] < out["iterations"]["fixed_4"]
 
 
 # ------------------------------------------------------------------------------------ the wrapper

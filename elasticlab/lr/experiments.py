@@ -69,17 +69,21 @@ def momentum_spike(k=8, seeds=20, noise=True, ramps=(8, None),
 
 def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005, decay=0.5,
                  base_batch=1, momentum=0.9, h_min=1e-3, init="equal", seed=0, oracle=False,
-                 final_window=0.05):
+                 final_window=0.05, scale_schedule=None):
     """Train the NQM at scale S (S workers of ``base_batch`` each) until the scale-invariant progress
     reaches ``t_si`` (AdaScale Alg. 1). ``rule="adascale"`` takes the gain r from the AdaScale estimator
     over the S worker gradients (``oracle=True``: from the exact sigma^2 and mu^2); ``rule="linear"`` is
     linear scaling without warm-up. LR: ``lr * decay^(tau / t_si)``. Returns the final loss (mean over
     the last ``final_window`` of tau, to average out step-to-step noise), iterations, mean gain, and the
     seed-mean loss after every step against tau. ``init="equal"``: w0 = 1/sqrt(h), every coordinate starts
-    with loss 1/2 (slow directions matter); ``"ones"``: w0 = 1."""
+    with loss 1/2 (slow directions matter); ``"ones"``: w0 = 1. ``scale_schedule``: elastic runs,
+    ``[(tau_fraction, S), ...]`` switches to S once tau >= tau_fraction * t_si (AdaScale §5, Elastic)."""
     scale = int(scale)
     if scale < 1:
         raise ValueError(f"scale must be an integer >= 1, got {scale}")
+    switches = sorted((float(f), int(v)) for f, v in (scale_schedule or ()))
+    if any(v < 1 for _, v in switches):
+        raise ValueError(f"every scale in scale_schedule must be >= 1, got {scale_schedule}")
     if init not in ("equal", "ones"):
         raise ValueError(f"init must be 'equal' or 'ones', got {init!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -100,6 +104,9 @@ def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005,
     taus, losses, gains = [0.0], [float(nqm.loss(w.detach()).mean())], []
     with torch.no_grad():
         while elr.progress.progress < t_si:
+            while switches and elr.progress.progress >= switches[0][0] * t_si:
+                scale = switches.pop(0)[1]
+                elr.on_batch_change(scale * base_batch)
             w.grad, sum_sq = nqm.worker_moments(w, scale, base_batch, rng, gen)
             if scale > 1 and not oracle:
                 mean_sq = float((w.grad * w.grad).sum())
@@ -112,7 +119,7 @@ def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005,
                 break  # diverged
     taus, losses = np.array(taus), np.array(losses)
     tail = taus >= (1.0 - final_window) * taus[-1]
-    return {"scale": scale, "rule": rule, "final_loss": float(losses[tail].mean()),
+    return {"scale": elr.scale, "rule": rule, "final_loss": float(losses[tail].mean()),
             "iterations": elr.steps, "mean_gain": float(np.mean(gains)) if gains else 1.0,
             "taus": taus, "losses": losses}
 
@@ -142,3 +149,18 @@ def adascale_invariance(scales=(1, 4, 16, 64), rule="adascale", **kw):
             "mean_gain": {s: r["mean_gain"] for s, r in runs.items()},
             "final_spread": spread, "max_curve_gap": max(gaps.values()), "curve_gap": gaps,
             "runs": curves}
+
+
+def elastic_adascale(up=((0.0, 4), (0.25, 8), (0.5, 16)), down=((0.0, 16), (0.25, 8), (0.5, 4)),
+                     fixed=(4, 16), **kw):
+    """P6-T3: AdaScale with the scale changing during training (S 4 -> 8 -> 16 at T_SI/4 and T_SI/2, and
+    back down) against fixed-S runs; returns each run's final loss and iterations and the largest
+    relative difference of an elastic run's final loss from the fixed runs' mean."""
+    runs = {"elastic_up": adascale_run(up[0][1], scale_schedule=up[1:], **kw),
+            "elastic_down": adascale_run(down[0][1], scale_schedule=down[1:], **kw)}
+    runs.update({f"fixed_{s}": adascale_run(s, **kw) for s in fixed})
+    ref = float(np.mean([runs[f"fixed_{s}"]["final_loss"] for s in fixed]))
+    dev = max(abs(runs[k]["final_loss"] / ref - 1.0) for k in ("elastic_up", "elastic_down"))
+    return {"final_loss": {k: r["final_loss"] for k, r in runs.items()},
+            "iterations": {k: r["iterations"] for k, r in runs.items()},
+            "max_deviation": float(dev)}
