@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticlab.elastic import check_exactly_once
@@ -43,6 +44,7 @@ def _agent(port, ckdir, record, log):
                             start_new_session=True)
 
 
+@pytest.mark.slow
 def test_torchrun_two_agents_scale_out(tmp_path):
     port = get_free_port()
     record, ckdir = tmp_path / "samples.jsonl", tmp_path / "ckpt"

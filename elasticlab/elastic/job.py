@@ -510,6 +510,27 @@ class ElasticJob:
                                                             rec["accum_steps"]))
         except Exception:  # a fit needs enough distinct configurations; keep the previous one
             return
+        self._adapt_batch(rec)
+
+    def _adapt_batch(self, rec: dict) -> None:
+        """Goodput-adaptive policy: re-decide (m, s) for the current size with the new fit (AdaptDL
+        re-decides at every pass over the data; here at every refit), with the policy's hysteresis."""
+        from elasticlab.elastic.policies import GoodputAdaptive
+
+        if not isinstance(self.policy, GoodputAdaptive) or self.state != "running":
+            return
+        current = BatchConfig(rec["global_batch"], rec["accum_steps"])
+        try:
+            choice = self.policy.decide(rec["world_size"], {"current": current, "gns": rec.get("gns"),
+                                                            "throughput_model": self._throughput})
+        except Exception as e:
+            self._events.emit("error", message=f"goodput policy failed: {e!r}")
+            return
+        if choice != current:
+            self._events.emit("adapt", step=rec["step"], global_batch=choice.global_batch,
+                              accum_steps=choice.accum_steps, **self.policy.last)
+            with contextlib.suppress(RuntimeError):
+                self._request("set_batch", batch=choice)
 
     def _base_batch(self) -> int:
         pol = self.policy

@@ -1,0 +1,41 @@
+"""``elasticlab run`` with a resize schedule and the fixed per-worker batch policy (Dynamic SGD)."""
+import json
+import os
+
+import pytest
+
+from elasticlab.__main__ import main
+from elasticlab.elastic import check_exactly_once
+
+DIGITS = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+
+
+def test_run_command_resizes_at_scheduled_steps(tmp_path, capsys):
+    rec = tmp_path / "samples.jsonl"
+    rc = main(["run", DIGITS, "--workers", "1", "--schedule", "6:2,14:1", "--max-steps", "20",
+               "--per-worker-batch", "16", "--record-samples", str(rec),
+               "--checkpoint-dir", str(tmp_path / "ck"), "--slots", "2", "--timeout", "300"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("RESULT "), out[-5:]
+    res = json.loads(out[-1][len("RESULT "):])
+    assert rc == 0 and res["finished"] and res["steps"] == 20
+    assert res["resizes"] == [[1, 2, 7], [2, 1, 15]]          # from step STEP+1 on, N workers
+    assert res["final_loss"] > 0 and res["samples_per_s"] > 0
+    rows = [json.loads(line) for line in rec.read_text().splitlines()]
+    size = {r["step"]: r["world_size"] for r in rows}
+    assert [size[s] for s in range(1, 21)] == [1] * 6 + [2] * 8 + [1] * 6
+    batch = {}
+    for r in rows:
+        batch[r["step"]] = batch.get(r["step"], 0) + len(r["indices"])
+    assert {batch[s] for s in range(7, 15)} == {32} and batch[1] == batch[20] == 16   # M = R x 16
+    assert check_exactly_once(rows, 1797)["ok"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedule", "5:x"], "bad schedule entry '5:x'"),
+    (["--schedule", "5:9", "--slots", "4"], "9 exceeds the machine's 4"),
+    (["--workers", "0"], ">= 1, got 0"),
+])
+def test_run_command_rejects_bad_arguments(argv, message, capsys):
+    assert main(["run", DIGITS, *argv]) == 2
+    assert message in capsys.readouterr().err
