@@ -123,3 +123,37 @@ def p6_t2(quick: bool) -> Outcome:
         f"final loss spread {100 * spread:.1f}%, max curve gap {100 * gap:.1f}%, iterations {its}",
         fig,
     )
+
+
+@reproduction(
+    "P6-T3",
+    claim="AdaScale stays scale-invariant when the scale changes during training (Table 2, Elastic up/down: "
+    "ImageNet 76.8 / 76.6 top-1 against 76.4 at S = 1).",
+    target="NQM: S 4 -> 8 -> 16 at T_SI/4 and T_SI/2, and 16 -> 8 -> 4: final loss within 5% of the fixed-S "
+    "runs' mean (S = 4 and 16)",
+    needs=("elasticlab.lr.experiments",),
+)
+def p6_t3(quick: bool) -> Outcome:
+    from elasticlab.lr.experiments import elastic_adascale
+
+    res = elastic_adascale()
+    dev = res["max_deviation"]
+    passed = dev <= 0.05
+    names = list(res["final_loss"])
+    finals = [res["final_loss"][k] for k in names]
+    ref = sum(res["final_loss"][k] for k in names if k.startswith("fixed")) / sum(
+        k.startswith("fixed") for k in names
+    )
+    fig = bars(
+        [f"{k} ({res['iterations'][k]} it.)" for k in names],
+        finals,
+        target=ref,
+        target_label="mean of the fixed-S runs",
+        yaxis="final NQM loss",
+        title="P6-T3: elastic AdaScale against fixed scales (same T_SI)",
+        ok=[abs(f / ref - 1) <= 0.05 for f in finals],
+    )
+    its = ", ".join(f"{k} {res['iterations'][k]}" for k in names)
+    return Outcome(
+        res, passed, f"largest deviation of an elastic run {100 * dev:.1f}%; iterations {its}", fig
+    )

@@ -111,7 +111,7 @@ def render_html(
     for r in results:
         status = "<span class='pass'>PASS</span>" if r.passed else "<span class='failtxt'>FAIL</span>"
         parts.append(
-            f"<tr class='{'pass' if r.passed else 'fail'}' data-id='{esc(r.id)}'>"
+            f"<tr class='{'ok' if r.passed else 'fail'}' data-id='{esc(r.id)}'>"
             f"<td><a href='#claim-{esc(r.id)}'>{esc(r.id)}</a></td><td>{esc(r.paper)}</td>"
             f"<td>{esc(r.claim)}</td><td>{esc(r.target)}</td><td>{esc(r.summary)}</td>"
             f"<td>{status}</td><td>{r.seconds:.1f}</td></tr>"
