@@ -434,16 +434,26 @@ def fit_throughput_model(observations, prior="pollux", init=None, node_slowdown=
 class GoodputFunction:
     """Pollux Eq. (1): ``GOODPUT(N, K, b, s) = THROUGHPUT * EFFICIENCY(M)`` in M0-equivalent samples/s.
 
-    ``grad_stats``: phi, ``(sqr, var)`` or a GNS estimator object (see :func:`noise_scale`);
-    ``init_batch``: M0, the batch size the job's learning rate was tuned for.
+    ``grad_stats``: phi, ``(sqr, var)`` or a GNS estimator object (see :func:`noise_scale`), or give
+    Pollux's ``grad_sqr=`` and ``grad_var=`` instead; ``init_batch``: M0, the batch size the job's
+    learning rate was tuned for.
     """
 
     __slots__ = ("model", "phi", "init_batch")
 
-    def __init__(self, throughput_model: ThroughputModel, grad_stats, init_batch):
+    def __init__(self, throughput_model: ThroughputModel, grad_stats=None, init_batch=None, *,
+                 grad_sqr=None, grad_var=None):
         if not isinstance(throughput_model, ThroughputModel):
             raise TypeError(f"throughput_model must be a ThroughputModel, got {type(throughput_model)}")
+        if init_batch is None:
+            raise ValueError("init_batch (M0) is required")
         _check_positive("init_batch", init_batch)
+        if (grad_sqr is None) != (grad_var is None) or (grad_sqr is not None and grad_stats is not None):
+            raise ValueError("give either grad_stats or both grad_sqr and grad_var")
+        if grad_sqr is not None:
+            grad_stats = GradParams(float(grad_sqr), float(grad_var))
+        if grad_stats is None:
+            raise ValueError("gradient statistics are required: grad_stats, or grad_sqr and grad_var")
         self.model = throughput_model
         self.init_batch = float(init_batch)
         self.phi = noise_scale(grad_stats, self.init_batch)

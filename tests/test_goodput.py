@@ -201,6 +201,9 @@ def test_infeasible_allocations_get_zero():
 def test_artifact_keyword_aliases():
     fn = GoodputFunction(TRUE, GradParams.from_gns(500.0, 128), 128)
     assert fn.phi == pytest.approx(500.0)
+    assert GoodputFunction(TRUE, grad_sqr=2.0, grad_var=0.5, init_batch=128).phi == pytest.approx(32.0)
+    with pytest.raises(ValueError, match="grad_sqr"):
+        GoodputFunction(TRUE, grad_sqr=2.0, init_batch=128)
     assert fn.optimize(1, 4, max_batch_size=2048, atomic_bsz_range=(16, 128)) == fn.optimize(
         1, 4, max_batch=2048, min_per_gpu_batch=16, max_per_gpu_batch=128)
 
@@ -303,8 +306,8 @@ def test_fit_on_the_artifact_traces():
     the paper reports <= 10% average error over its testbed allocations."""
     import pandas as pd
 
-    from elasticlab.sim.traces import data_dir
-
+    traces = pytest.importorskip("elasticlab.sim.traces")
+    data_dir = traces.data_dir
     path = data_dir() / "traces" / "cifar10" / "placements.csv"
     if not path.exists():
         pytest.skip(f"artifact data not found at {path}")
