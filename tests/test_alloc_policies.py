@@ -36,7 +36,9 @@ def test_power_utility_is_monotone_in_power_mean():
 
     for p in (-1.0, 0.0, 0.5, 1.0):
         a, b = rng.uniform(0.1, 3, 5), rng.uniform(0.1, 3, 5)
-        pm = (lambda x: stats.gmean(x)) if p == 0 else (lambda x: stats.pmean(x, p))
+        def pm(x, p=p):
+            return stats.gmean(x) if p == 0 else stats.pmean(x, p)
+
         assert (pm(a) > pm(b)) == (power_utility(a, p).sum() > power_utility(b, p).sum())
 
 

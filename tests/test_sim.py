@@ -132,15 +132,16 @@ def test_simulate_deterministic():
 
 def test_cli_result_line(tmp_path):
     out = tmp_path / "o.json"
-    p = subprocess.run([sys.executable, "-m", "elasticlab", "simulate", "--workload", "workload-6", "--policy",
-                        "tiresias", "--limit", "6", "--no-progress", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "elasticlab", "simulate"]
+    args = ["--workload", "workload-6", "--policy", "tiresias", "--limit", "6", "--no-progress",
+            "--out", str(out)]
+    p = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT ")
     r = json.loads(last[len("RESULT "):])
     assert {"avg_jct", "p99_jct", "makespan"} <= set(r) and r["avg_jct"] > 0
     assert out.exists()
-    bad = subprocess.run([sys.executable, "-m", "elasticlab", "simulate", "--workload", "nope.csv", "--policy",
-                          "fifo"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd + ["--workload", "nope.csv", "--policy", "fifo"], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode != 0 and "not found" in bad.stdout + bad.stderr

@@ -14,7 +14,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--policy", required=True, choices=_POLICIES)
     parser.add_argument("--cluster", default="16x4", help="NODESxGPUS_PER_NODE (default 16x4)")
     parser.add_argument("--interval", type=float, default=60.0, help="scheduling interval, s (default 60)")
-    parser.add_argument("--restart-delay", type=float, default=30.0, help="re-allocation delay, s (default 30)")
+    parser.add_argument("--restart-delay", type=float, default=30.0,
+                        help="re-allocation delay, s (default 30)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N jobs")
     parser.add_argument("--out", default=None, help="write the full result (jobs, utilisation) as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

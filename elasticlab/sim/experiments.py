@@ -12,7 +12,8 @@ from elasticlab.sim.engine import simulate
 from elasticlab.sim.synthetic import simulate_synthetic, synthetic_jobs
 from elasticlab.sim.traces import data_dir
 
-__all__ = ["artifact_avg_jct", "fidelity", "fidelity_all", "saxena_sweep", "saxena_null", "FIDELITY_TOLERANCE"]
+__all__ = ["artifact_avg_jct", "fidelity", "fidelity_all", "saxena_sweep", "saxena_null",
+           "FIDELITY_TOLERANCE"]
 
 # the artifact policies' names in paper-results, and how close ours must be on workload-6 (issue 10)
 _ARTIFACT_NAME = {"tiresias": "tiresias", "optimus": "optimus", "pollux": "pollux"}
@@ -20,10 +21,12 @@ FIDELITY_TOLERANCE = {"tiresias": 0.10, "optimus": 0.10, "pollux": 0.15}
 
 
 def artifact_avg_jct(policy: str, workload: str = "workload-6", load: str = "1.0") -> float:
-    """The artifact's published average JCT (s) of ``policy`` on ``workload`` (paper-results/results-jobload)."""
+    """The artifact's published average JCT (s) of ``policy`` on ``workload`` (results-jobload)."""
     if policy not in _ARTIFACT_NAME:
-        raise ValueError(f"the artifact has no results for policy {policy!r}; it has {sorted(_ARTIFACT_NAME)}")
-    path = data_dir() / "paper-results" / "results-jobload" / f"{_ARTIFACT_NAME[policy]}-{load}" / "summary.json"
+        raise ValueError(f"the artifact has no results for policy {policy!r}; it has "
+                         f"{sorted(_ARTIFACT_NAME)}")
+    path = data_dir() / "paper-results" / "results-jobload" / f"{_ARTIFACT_NAME[policy]}-{load}"
+    path = path / "summary.json"
     with open(path) as f:
         return float(json.load(f)["avgs"][workload])
 
@@ -50,7 +53,8 @@ def fidelity(workload: str = "workload-6", policies=("tiresias", "optimus", "pol
 
 
 def fidelity_all(workloads=tuple(f"workload-{i}" for i in range(1, 7)),
-                 policies=("tiresias", "optimus", "pollux", "goodput"), progress: bool = True) -> pd.DataFrame:
+                 policies=("tiresias", "optimus", "pollux", "goodput"),
+                 progress: bool = True) -> pd.DataFrame:
     """:func:`fidelity` over the six shared workloads (minutes on 2 cores)."""
     from tqdm.auto import tqdm
 
@@ -62,7 +66,8 @@ def saxena_sweep(interarrivals=(240.0, 120.0, 60.0, 30.0), admissions=("drop", "
                  horizon: float = 6 * 3600.0, seeds=(0,), batch_range: int = 8) -> pd.DataFrame:
     """Batch-elastic DP ("saxena") against the GPU-only DP ("gpu-elastic") on the same Poisson workloads, over
     a sweep of load (mean inter-arrival seconds) and both admission rules. Ratios > 1 favour elastic batch:
-    ``completed_ratio`` = completed(elastic)/completed(fixed), ``jct_ratio`` = avg JCT(fixed)/avg JCT(elastic)."""
+    ``completed_ratio`` = completed(elastic)/completed(fixed),
+    ``jct_ratio`` = avg JCT(fixed)/avg JCT(elastic)."""
     rows = []
     for seed in seeds:
         for ia in interarrivals:

@@ -50,6 +50,7 @@ class SimJob:
         self.max_profiled_replicas = 0
         self.grad_params = app.grad_stats(app.init_batch_size, 0)
         self.start_time: float | None = None
+        self.gpu_limit: int | None = None  # a hard cap on GPUs (the artifact pins NCF to 1 under Pollux)
 
     # ---- state
     @property
@@ -92,16 +93,15 @@ class SimJob:
         return fn.optimize(nodes, gpus, max_batch=app.max_batch_size, min_per_gpu_batch=app.min_local_bsz,
                            max_per_gpu_batch=app.max_local_bsz, accumulation=True)
 
-    def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
+    def goodput_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
-        """Predicted goodput (or throughput) at g = 0..max_gpus GPUs on ceil(g / gpus_per_node) nodes,
-        divided by that on 1 GPU (Pollux Eq. (8)); linear (= g) before the job has run. Fixed-batch jobs
-        use their batch split over g GPUs. Only g <= ``upto`` is evaluated (the rest is 0)."""
+        """Predicted goodput in M0-steps per second (progress rate) at g = 0..max_gpus GPUs on
+        ceil(g / gpus_per_node) nodes, best batch per g (fixed-batch jobs: their batch split over g GPUs).
+        Before the job has run, g times its predicted 1-GPU rate. Only g <= ``upto`` is evaluated."""
         mode = mode or self.batch_mode
-        g = np.arange(max_gpus + 1)
-        if self.max_profiled_replicas == 0:
-            return g.astype(float)
         top = max_gpus if upto is None else max(min(int(upto), max_gpus), 1)
+        if self.max_profiled_replicas == 0:
+            top = 1
         gg = np.arange(1, top + 1)
         nodes = np.ceil(gg / gpus_per_node)
         if mode in ("goodput", "throughput"):
@@ -113,16 +113,37 @@ class SimJob:
             good = fn.evaluate(nodes, gg, split[:, 0], split[:, 1])
             good = np.where(split[:, 0] * gg * (split[:, 1] + 1) >= self.app.init_batch_size, good, 0.0)
         out = np.zeros(max_gpus + 1)
-        if good[0] > 0:
-            out[1:top + 1] = good / good[0]
+        if self.max_profiled_replicas == 0:
+            upto_lin = max_gpus if upto is None else min(int(upto), max_gpus)
+            out[1:upto_lin + 1] = np.arange(1, upto_lin + 1) * good[0]
         else:
-            out[1:top + 1] = gg
+            out[1:top + 1] = good
+        return out / self.app.init_batch_size
+
+    def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
+                      upto: int | None = None) -> np.ndarray:
+        """:meth:`goodput_curve` divided by its 1-GPU value (Pollux Eq. (8)); linear (= g) before the job
+        has run. Only g <= ``upto`` is evaluated (the rest is 0)."""
+        if self.max_profiled_replicas == 0:
+            return np.arange(max_gpus + 1, dtype=float)
+        good = self.goodput_curve(max_gpus, gpus_per_node, mode, upto)
+        if good[1] > 0:
+            return good / good[1]
+        top = max_gpus if upto is None else max(min(int(upto), max_gpus), 1)
+        out = np.zeros(max_gpus + 1)
+        out[1:top + 1] = np.arange(1, top + 1)
         return out
+
+    def remaining_progress(self) -> float:
+        """Scale-invariant progress (M0-steps) left: known from the user's declared number of epochs."""
+        return max(self.app.max_progress - self.progress, 0.0)
 
     def max_replicas(self, cap: int = 64) -> int:
         """Pollux's exploration limit: at most twice the largest GPU count profiled so far (>= 1)."""
         app = self.app
         lim = min(max(2 * self.max_profiled_replicas, 1), cap)
+        if self.gpu_limit is not None:
+            lim = min(lim, self.gpu_limit)
         if self.batch_mode in ("goodput", "throughput"):
             lim = min(lim, app.max_batch_size // app.min_local_bsz)
         elif self.batch_mode == "fixed":
@@ -145,7 +166,7 @@ class SimJob:
 
     # ---- batch size
     def update_batch(self):
-        """Choose (per-GPU batch, accumulation steps) for the current placement (artifact update_local_bsz)."""
+        """Choose (per-GPU batch, accumulation steps) for the current placement (artifact §5.2 step 5)."""
         app = self.app
         r = self.gpus
         if r == 0:
@@ -162,7 +183,9 @@ class SimJob:
         if mode == "fixed":
             batch = self.target_batch
         else:
-            batch = max(app.init_batch_size, app.min_local_bsz * r) if mode != "initial" else app.init_batch_size
+            batch = app.init_batch_size
+            if mode != "initial":
+                batch = max(batch, app.min_local_bsz * r)
         self.atomic_bsz, self.accum_steps = app.batch_split(batch, r)
 
     # ---- dynamics

@@ -25,7 +25,8 @@ def summarize(jobs: pd.DataFrame, util: pd.DataFrame | None = None) -> dict:
         "avg_jct": float(np.mean(jct)) if len(jct) else float("nan"),
         "median_jct": float(np.median(jct)) if len(jct) else float("nan"),
         "p99_jct": float(np.percentile(jct, 99)) if len(jct) else float("nan"),
-        "makespan": float(done.completion_time.max() - jobs.submission_time.min()) if len(done) else float("nan"),
+        "makespan": (float(done.completion_time.max() - jobs.submission_time.min()) if len(done)
+                     else float("nan")),
         "restarts": int(jobs.restarts.sum()) if "restarts" in jobs else 0,
     }
     if util is not None and len(util):

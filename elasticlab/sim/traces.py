@@ -86,8 +86,8 @@ class Application:
         self.placements = pl
         self.scalability = pd.read_csv(tdir / "scalability.csv")
         self._by_placement = {
-            canonical_placement(int(c) for c in key): (g.local_bsz.to_numpy(float),
-                                                       g.step_time.to_numpy(float), g.sync_time.to_numpy(float))
+            canonical_placement(int(c) for c in key): (
+                g.local_bsz.to_numpy(float), g.step_time.to_numpy(float), g.sync_time.to_numpy(float))
             for key, g in pl.sort_values("local_bsz").groupby("placement")
         }
         xs, ys = ["num_nodes", "num_replicas", "local_bsz"], ["step_time", "sync_time"]

@@ -1,16 +1,16 @@
-"""goodput-DP: elasticlab's own policy -- goodput speedups weighted toward jobs with little attained service.
+"""goodput-DP: elasticlab's own policy -- maximise the jobs' total completion rate by DP.
 
-maximise  sum_j w_j * SPEEDUP_j(g_j) * penalty_j(g_j)  by ``dp_allocate``, where
-* SPEEDUP_j is Pollux's goodput speedup over 1 GPU (best batch per count, Pollux Eq. (8));
-* w_j = (1 + S_j / s0)^(-q), S_j the attained service in GPU-seconds: least-attained-service priority
-  (Tiresias's insight, no oracle needed), which approximates shortest-remaining-first on heavy-tailed
-  job sizes and so lowers the average JCT; q = 0 gives plain total goodput;
+maximise  sum_j w_j(g_j) * penalty_j(g_j)  by ``dp_allocate``, with (``weight=``)
+* "remaining" (default): w_j(g) = GOODPUT_j(g) / remaining progress_j = 1 / (predicted remaining time at
+  g GPUs): a goodput-aware shortest-remaining-time rule. Goodput is Pollux's (best batch per count, Eq. (1));
+  the remaining progress is known from the job's declared number of epochs (scale-invariant, so it does
+  not depend on the batch; no oracle of the statistical efficiency, unlike Optimus+Oracle);
+* "las": w_j(g) = SPEEDUP_j(g) (1 + S_j / s0)^(-q), S_j the attained GPU-seconds (least attained service,
+  for when job lengths are unknown);
 * penalty_j: Pollux's re-allocation penalty on every count other than the current one.
 Every job gets at least one GPU while GPUs last (FIFO), so nobody starves.
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -27,19 +27,22 @@ def _penalty(age, restarts, delay):
 class GoodputPolicy(Policy):
     name = "goodput"
     batch_mode = "goodput"
-    one_distributed_per_node = True
+    one_distributed_per_node = False
 
-    def __init__(self, q: float = 1.0, s0: float = 3600.0, restart_delay: float = 30.0,
-                 max_gpus_per_job: int = 64, min_one: bool = True):
+    def __init__(self, weight: str = "remaining", q: float = 1.0, s0: float = 3600.0,
+                 restart_delay: float = 30.0, max_gpus_per_job: int = 64, min_one: bool = True,
+                 interference_avoidance: bool = False):
+        if weight not in ("remaining", "las"):
+            raise ValueError(f"weight must be 'remaining' or 'las', got {weight!r}")
         if q < 0 or s0 <= 0:
             raise ValueError(f"need q >= 0 and s0 > 0, got q={q}, s0={s0}")
+        self.weight = weight
+        self.one_distributed_per_node = bool(interference_avoidance)
         self.q, self.s0, self.restart_delay = float(q), float(s0), float(restart_delay)
         self.max_gpus_per_job = int(max_gpus_per_job)
         self.min_one = bool(min_one)
-        self.round_times: list[float] = []
 
     def allocate(self, jobs, now, cluster):
-        t0 = time.perf_counter()
         total = cluster.total_gpus
         jobs = sorted(jobs, key=lambda j: (j.submission_time, j.name))
         if not jobs:
@@ -49,13 +52,17 @@ class GoodputPolicy(Policy):
         g = np.arange(total + 1)
         for i, job in enumerate(jobs):
             hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
-            s = job.speedup_curve(total, cluster.gpus_per_node, upto=hi[i])
-            w = (1.0 + job.attained_service / self.s0) ** (-self.q)
+            if self.weight == "remaining":
+                rate = job.goodput_curve(total, cluster.gpus_per_node, upto=hi[i])
+                s = rate / max(job.remaining_progress(), 1e-9)
+                w = 1.0
+            else:
+                s = job.speedup_curve(total, cluster.gpus_per_node, upto=hi[i])
+                w = (1.0 + job.attained_service / self.s0) ** (-self.q)
             pen = _penalty(job.age(now), job.restarts, self.restart_delay)
             U[i] = w * np.where(g == job.gpus, s, s * pen)
         lo = None
         if self.min_one:
             lo = (np.arange(len(jobs)) < total).astype(np.int64)
         alloc = dp_allocate(U, total, min_gpus=lo, max_gpus=hi)
-        self.round_times.append(time.perf_counter() - t0)
         return {j.name: int(a) for j, a in zip(jobs, alloc) if a > 0}

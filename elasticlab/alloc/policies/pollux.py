@@ -7,7 +7,10 @@ maximise  FITNESS_p = ((1/J) sum_j SPEEDUP_j(g_j)^p)^(1/p)  over GPU counts g_j,
 * per-job caps: twice the largest count profiled so far (prior-driven exploration), the batch limits.
 For p != 0 the power mean is monotone in sign(p) sum_j x_j^p, and for p = 0 in sum_j log x_j: the objective
 is a sum over jobs, so ``dp_allocate`` finds the exact optimum on GPU counts (instead of a genetic search
-over node matrices); placement on nodes follows, with at most one distributed job per node.
+over node matrices); placement on nodes follows; ``interference_avoidance=True`` allows at most one
+distributed job per node (off by default: the simulator models no interference slowdown, the artifact's
+default of 0.0, and our greedy placement loses GPUs to that constraint where Pollux's GA searches node
+matrices).
 """
 from __future__ import annotations
 
@@ -33,20 +36,22 @@ def power_utility(x, p: float):
 class PolluxPolicy(Policy):
     name = "pollux"
     batch_mode = "goodput"
-    one_distributed_per_node = True
+    one_distributed_per_node = False
 
-    def __init__(self, p: float = -1.0, restart_delay: float = 30.0, eps: float = 1e-3, max_gpus_per_job=64):
+    def __init__(self, p: float = -1.0, restart_delay: float = 30.0, eps: float = 1e-3, max_gpus_per_job=64,
+                 fair_share: bool = True, interference_avoidance: bool = False):
         if not math.isfinite(p):
             raise ValueError(f"p must be finite, got {p}")
+        self.fair_share = bool(fair_share)
+        self.one_distributed_per_node = bool(interference_avoidance)
         self.p = float(p)
         self.restart_delay = float(restart_delay)
         self.eps = float(eps)
         self.max_gpus_per_job = int(max_gpus_per_job)
-        self.round_times: list[float] = []
 
     def utility_table(self, jobs, now, cluster):
         total = cluster.total_gpus
-        fair = math.ceil(total / max(len(jobs), 1))
+        fair = math.ceil(total / max(len(jobs), 1)) if self.fair_share else 1
         U = np.empty((len(jobs), total + 1))
         hi = np.empty(len(jobs), dtype=np.int64)
         for i, job in enumerate(jobs):
@@ -61,12 +66,8 @@ class PolluxPolicy(Policy):
         return U, hi
 
     def allocate(self, jobs, now, cluster):
-        import time
-
-        t0 = time.perf_counter()
         if not jobs:
             return {}
         U, hi = self.utility_table(jobs, now, cluster)
         alloc = dp_allocate(U, cluster.total_gpus, max_gpus=hi)
-        self.round_times.append(time.perf_counter() - t0)
         return {j.name: int(a) for j, a in zip(jobs, alloc) if a > 0}
