@@ -169,6 +169,9 @@ class DynamicsExplorer:
                         "growth": [float(v) for v in g], "growth_spread": spread, "invariant_drift": drift,
                         "saxe_max_error": err}
         warn = "<b style='color:#d62728'>diverged: lower the LR</b> · " if tr.diverged else ""
+        if not tr.diverged and tr.loss[-1] > 0.99 * tr.loss[0]:
+            warn = ("<b>still on the plateau</b> (deep nets from small weights wait ~u0^{−(N−2)/N}): "
+                    "raise the init scale or the time · ")
         self.status.value = (f"<small>{warn}{self.summary['steps']} steps · loss {tr.loss[-1]:.3g}<br>"
                              f"growth spread {spread:.2%} · invariant drift {drift:.1e}<br>"
                              f"max |u − Saxe| / s_max {err:.1%}</small>")
