@@ -13,7 +13,7 @@ from .dynamic_sgd import DynamicSGD
 from .nqm import NoisyQuadratic
 from .wrapper import ElasticLR
 
-SPIKE_VARIANTS = ("immediate", "ramp", "none", "immediate_correct")
+SPIKE_VARIANTS = ("immediate", "ramp", "none", "immediate_correct", "adascale", "adascale_ramp")
 
 
 def batch_jump_run(variant="ramp", ramp_steps=None, k=8, dim=1000, seeds=20, steps_before=2000,
@@ -21,7 +21,9 @@ def batch_jump_run(variant="ramp", ramp_steps=None, k=8, dim=1000, seeds=20, ste
     """SGD with momentum on the NQM; the global batch jumps ``base_batch -> k * base_batch`` after
     ``steps_before`` steps. ``variant``: ``"immediate"`` (LR x k at once), ``"ramp"`` (Dynamic SGD over
     ``ramp_steps``, default 8k), ``"none"`` (LR unchanged), ``"immediate_correct"`` (LR x k at once with
-    Goyal's momentum correction). Returns the seed-mean loss curve and
+    Goyal's momentum correction), ``"adascale"`` / ``"adascale_ramp"`` (AdaScale's gain r from the exact
+    NQM statistics, at once / with the Dynamic SGD ramp: papers.md's cross-paper experiment). Returns the
+    seed-mean loss curve and
     ``peak_ratio`` = max loss in the ``window`` steps after the jump / mean loss of the ``window`` before,
     ``end_ratio`` = loss at the end of the window / before."""
     if variant not in SPIKE_VARIANTS:
@@ -33,7 +35,12 @@ def batch_jump_run(variant="ramp", ramp_steps=None, k=8, dim=1000, seeds=20, ste
     w = torch.nn.Parameter(torch.randn(seeds, dim, generator=gen, dtype=torch.float64))
     opt = torch.optim.SGD([w], lr=lr, momentum=momentum)
     rule = "identity" if variant == "none" else "linear"
-    ramp = {"immediate": None, "none": None, "ramp": DynamicSGD(steps=ramp_steps),
+    if variant.startswith("adascale"):
+        # exact statistics, the seeds pooled as one problem: |G|^2 and tr(Sigma)/M0
+        rule = AdaScale(lambda: (float(nqm.grad_sq(w.detach()).sum()), seeds * nqm.trace_cov() / base_batch),
+                        base_batch)
+    ramp = {"immediate": None, "none": None, "adascale": None, "ramp": DynamicSGD(steps=ramp_steps),
+            "adascale_ramp": DynamicSGD(steps=ramp_steps),
             "immediate_correct": DynamicSGD(steps=0, momentum="correct")}[variant]
     elr = ElasticLR(opt, base_batch, rule=rule, ramp=ramp)
     losses = np.empty(steps_before + window)
