@@ -1,15 +1,17 @@
-"""Pollux's goodput model (Qiao et al., OSDI 2021, §3-4): throughput x statistical efficiency.
+"""Pollux's goodput model (Qiao et al., OSDI 2021): throughput x statistical efficiency.
 
 Everything here is vectorised numpy: the allocator evaluates thousands of (nodes, GPUs) candidates per
 round. Notation: ``M0`` initial global batch, ``M`` global batch per optimizer step, ``K`` GPUs (replicas),
 ``N`` nodes, ``b`` per-GPU micro-batch, ``s`` accumulation steps, so ``M = K * b * (s + 1)``.
 
-- :func:`efficiency` -- Pollux Eq. (2), ``E(M) = (phi + M0) / (phi + M)``;
-- :class:`ThroughputModel` -- Pollux Eqs. (4)-(6), seven parameters ``theta_sys``;
+- :func:`efficiency` -- Pollux's EFFICIENCY_t, ``E(M) = (phi + M0) / (phi + M)``;
+- :class:`ThroughputModel` -- Pollux's THROUGHPUT (T_grad, T_sync, T_iter), seven parameters ``theta_sys``;
 - :func:`fit_throughput_model` -- RMSLE fit under bounds (L-BFGS-B) with the prior-driven pinning of
-  parameters that the observations cannot identify yet (Pollux §4.1);
+  parameters that the observations cannot identify yet (Pollux's prior-driven exploration);
 - :class:`GoodputFunction` -- goodput, the agent's ``(b, s)`` choice, and speedups for the scheduler;
-- :func:`fitness` -- the scheduler's power-mean objective (Pollux Eq. (9)), :func:`restart_penalty`.
+- :func:`fitness` -- the scheduler's power-mean objective FITNESS_p, :func:`restart_penalty`.
+
+Formulas as restated in shared/reference/papers.md (P4) and pollux-artifact.md §1.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ _GAMMA_MAX = 10.0
 
 
 def efficiency(phi, m0, m):
-    """Pollux Eq. (2): ``E(M) = (phi + M0) / (phi + M)``, vectorised over ``phi`` and ``m``.
+    """Pollux EFFICIENCY_t: ``E(M) = (phi + M0) / (phi + M)``, vectorised over ``phi`` and ``m``.
 
     ``phi`` is the (pre-conditioned) gradient noise scale tr(Sigma)/|G|^2 (McCandlish's B_simple);
     ``phi = inf`` (pure noise) gives 1 for every M. E(M0) = 1 and E < 1 for M > M0.
@@ -60,7 +62,7 @@ def efficiency(phi, m0, m):
 
 
 def gain(phi, m0, m):
-    """AdaScale's gain ratio r at scale S = M/M0 (Johnson et al. Eq. (2)), = S * E(M) (Pollux §3.2)."""
+    """AdaScale's gain ratio r at scale S = M/M0 (Johnson et al. 2020), = S * E(M) in Pollux's terms."""
     return efficiency(phi, m0, m) * (np.asarray(m, dtype=float) / m0)
 
 
@@ -152,7 +154,7 @@ def _check_positive(name, value):
 
 @dataclass(frozen=True)
 class ThroughputModel:
-    """Pollux's throughput model theta_sys (Eqs. (4)-(6)); times in seconds, batches in samples.
+    """Pollux's throughput model theta_sys; times in seconds, batches in samples.
 
     ``T_grad(b) = alpha_grad + beta_grad * b`` (one forward/backward of a micro-batch);
     ``T_sync`` = 0 on one GPU, ``alpha_local + beta_local * (K - 2)`` on one node, else
@@ -190,11 +192,11 @@ class ThroughputModel:
         return asdict(self)
 
     def grad_time(self, per_gpu_batch):
-        """Eq. (4): T_grad(b)."""
+        """T_grad(b) = alpha_grad + beta_grad * b."""
         return self.alpha_grad + self.beta_grad * np.asarray(per_gpu_batch, dtype=float)
 
     def sync_time(self, nodes, gpus):
-        """Eq. (5): T_sync(N, K), by the slowest link the job spans."""
+        """T_sync(N, K), by the slowest link the job spans."""
         nodes = np.asarray(nodes, dtype=float)
         gpus = np.asarray(gpus, dtype=float)
         extra = np.maximum(gpus - 2.0, 0.0)
@@ -203,11 +205,11 @@ class ThroughputModel:
         return np.where(gpus > 1, t, 0.0)
 
     def step_time(self, nodes, gpus, per_gpu_batch):
-        """Eq. (6) without accumulation: the overlapped optimizer step."""
+        """T_iter without accumulation: the overlapped optimizer step."""
         return _overlap(self.grad_time(per_gpu_batch), self.sync_time(nodes, gpus), self.gamma)
 
     def iter_time(self, nodes, gpus, per_gpu_batch, accum_steps=0):
-        """Eq. (6): ``T_iter = s * T_grad + T_step``, broadcast over all arguments."""
+        """``T_iter = s * T_grad + T_step``, broadcast over all arguments."""
         t_grad = self.grad_time(per_gpu_batch)
         t_step = _overlap(t_grad, self.sync_time(nodes, gpus), self.gamma)
         return np.asarray(accum_steps, dtype=float) * t_grad + t_step
@@ -356,7 +358,7 @@ def _one_blas_thread():
 
 
 def fit_throughput_model(observations, prior="pollux", init=None, node_slowdown=1.1) -> ThroughputModel:
-    """Fit theta_sys to observed step times by RMSLE under bounds (scipy L-BFGS-B), Pollux §4.1.
+    """Fit theta_sys to observed step times by RMSLE under bounds (scipy L-BFGS-B), as Pollux does.
 
     ``observations``: rows ``(nodes, gpus, per_gpu_batch, accum_steps, iter_time[, sync_time])`` (or an
     (n, 5|6) array, or a DataFrame with those columns). ``iter_time`` is one optimizer step including its
@@ -364,7 +366,7 @@ def fit_throughput_model(observations, prior="pollux", init=None, node_slowdown=
     sync times the per-micro-batch compute ``(iter_time - sync_time) / (s + 1)`` and the sync time are
     fitted too, as the artifact does.
 
-    ``prior="pollux"`` pins what the data cannot identify yet (prior-driven exploration, Pollux §4.1):
+    ``prior="pollux"`` pins what the data cannot identify yet (Pollux's prior-driven exploration):
     one per-GPU batch size seen -> ``alpha_grad`` = half the compute time; no multi-GPU single-node data ->
     ``alpha_local, beta_local`` = 0; no multi-node data -> ``alpha_node, beta_node`` at least
     ``node_slowdown`` x the local ones; nothing above 2 GPUs -> the betas = 0. ``prior=None`` fits all seven.
@@ -432,7 +434,7 @@ def fit_throughput_model(observations, prior="pollux", init=None, node_slowdown=
 
 
 class GoodputFunction:
-    """Pollux Eq. (1): ``GOODPUT(N, K, b, s) = THROUGHPUT * EFFICIENCY(M)`` in M0-equivalent samples/s.
+    """Pollux GOODPUT: ``GOODPUT(N, K, b, s) = THROUGHPUT * EFFICIENCY(M)`` in M0-equivalent samples/s.
 
     ``grad_stats``: phi, ``(sqr, var)`` or a GNS estimator object (see :func:`noise_scale`), or give
     Pollux's ``grad_sqr=`` and ``grad_var=`` instead; ``init_batch``: M0, the batch size the job's
@@ -494,7 +496,7 @@ class GoodputFunction:
     def optimize(self, nodes, gpus, *, max_batch=None, batch_range=None, max_per_gpu_batch=None,
                  min_per_gpu_batch=1, max_accum=None, accumulation=True, num_candidates=50,
                  force_accum_single_gpu=True, max_batch_size=None, atomic_bsz_range=None):
-        """The agent's choice (Pollux §4.1): best ``(goodput, per_gpu_batch, accum_steps)`` per allocation.
+        """PolluxAgent's choice: best ``(goodput, per_gpu_batch, accum_steps)`` per allocation.
 
         Candidates: ``num_candidates`` global batches on a geometric grid over ``batch_range`` (global,
         default ``(M0, max_batch)``; ``max_batch`` defaults to M0, i.e. no batch-size adaptation), from at
@@ -563,7 +565,7 @@ class GoodputFunction:
         return _Candidates(shape, n, k_safe, per_gpu, steps, total, ok)
 
     def _pick(self, c):
-        """Goodput of every candidate (Pollux Eq. (1)), then the best per allocation."""
+        """Goodput of every candidate (GOODPUT = THROUGHPUT x EFFICIENCY), then the best per allocation."""
         m = self.model
         t_grad = m.alpha_grad + m.beta_grad * c.per_gpu
         t_iter = c.steps * t_grad + _overlap(t_grad, m.sync_time(c.nodes, c.gpus), m.gamma)
@@ -581,7 +583,7 @@ class GoodputFunction:
         return g, b, s
 
     def speedup(self, nodes, gpus, *, base=(1, 1), **optimize_kw):
-        """Pollux Eq. (8): best goodput on (nodes, gpus) over best goodput on ``base`` = (nodes, gpus)."""
+        """Pollux SPEEDUP: best goodput on (nodes, gpus) over best goodput on ``base`` = (nodes, gpus)."""
         g, _, _ = self.optimize(nodes, gpus, **optimize_kw)
         g0, _, _ = self.optimize(base[0], base[1], **optimize_kw)
         if g0 <= 0:
@@ -644,7 +646,7 @@ def _allocation_grid(max_nodes, gpus_per_node):
 
 
 def fitness(speedups, p=-1.0, axis=-1):
-    """Pollux Eq. (9): power mean ``((1/J) sum_j SPEEDUP_j^p)^(1/p)`` over jobs (``axis``).
+    """Pollux FITNESS_p: power mean ``((1/J) sum_j SPEEDUP_j^p)^(1/p)`` over jobs (``axis``).
 
     p = 1 is the mean, p = 0 the geometric mean, p -> -inf the minimum (fairest); Pollux uses p = -1.
     Plain numpy (scipy.stats.pmean costs ~50x more per call, and allocators call this in their inner loop).
@@ -676,7 +678,7 @@ def fitness(speedups, p=-1.0, axis=-1):
 
 
 def restart_penalty(age, restarts, delay=30.0):
-    """Pollux §4.2 re-allocation penalty ``max(T - R * delta, 0) / (T + delta)`` on a job's speedup."""
+    """Pollux's re-allocation penalty ``max(T - R * delta, 0) / (T + delta)`` on a job's speedup."""
     age = np.asarray(age, dtype=float)
     restarts = np.asarray(restarts, dtype=float)
     if np.any(age < 0) or np.any(restarts < 0) or delay < 0:

@@ -1,8 +1,8 @@
 """AdaScale SGD (Johnson et al., ICML 2020): the gain ratio, its estimator, and the LR rule.
 
-``r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2)`` (Eq. (4)), sigma^2 = tr(Sigma) of one base-batch gradient,
+``r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2)``, sigma^2 = tr(Sigma) of one base-batch gradient,
 mu^2 = |grad F|^2. In noise-scale form (phi = B_simple, M0 = base batch) ``r = (1 + phi/M0) /
-(1 + phi/(S M0))``, so Pollux's efficiency is ``r / S`` (Pollux §3.2).
+(1 + phi/(S M0))``, so Pollux's efficiency is ``r / S`` (papers.md, cross-paper links).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .base import check_scale, register
 
 
 def gain_ratio(sigma2, mu2, scale):
-    """AdaScale Eq. (4), vectorised: ``(sigma2 + mu2) / (sigma2 / S + mu2)``, in [1, S] for S >= 1."""
+    """AdaScale's gain ratio, vectorised: ``(sigma2 + mu2) / (sigma2 / S + mu2)``, in [1, S] for S >= 1."""
     sigma2 = np.asarray(sigma2, dtype=float)
     mu2 = np.asarray(mu2, dtype=float)
     scale = np.asarray(scale, dtype=float)
@@ -40,7 +40,7 @@ def gain_from_noise_scale(phi, init_batch, scale):
 
 
 def adascale_moments(worker_grads):
-    """AdaScale §3.3 unbiased estimates ``(sigma2, mu2)`` from S >= 2 independent worker gradients.
+    """AdaScale's unbiased estimates ``(sigma2, mu2)`` from S >= 2 independent worker gradients.
 
     ``worker_grads``: array or tensor of shape (S, ...) (or a list of S same-shaped ones);
     ``sigma2 = 1/(S-1) sum_i |g_i|^2 - S/(S-1) |g_bar|^2``, ``mu2 = |g_bar|^2 - sigma2 / S``.
@@ -81,7 +81,7 @@ def _as_2d(worker_grads):
 
 class AdaScaleEstimator:
     """AdaScale's smoothed (sigma2, mu2): EMAs with theta = max(1 - S/1000, 0), plain means for the
-    first 1/(1 - theta) updates, readout clipped to sigma2 >= 1e-6, mu2 >= 0 (AdaScale §3.3).
+    first 1/(1 - theta) updates, readout clipped to sigma2 >= 1e-6, mu2 >= 0 (as AdaScale does).
 
     Exposes ``sqr`` / ``var`` (Pollux names, var at the base batch) and ``b_simple`` so it plugs into
     :class:`AdaScale` and :class:`elasticlab.goodput.GoodputFunction` like a GNS estimator.

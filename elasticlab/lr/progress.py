@@ -1,7 +1,7 @@
-"""Scale-invariant progress: AdaScale's tau (Alg. 1, ``tau += r_t``) = Pollux's statistical epochs.
+"""Scale-invariant progress: AdaScale's tau (``tau += r_t``) = Pollux's statistical epochs.
 
 One optimizer step at batch M advances ``gain`` steps at the initial batch M0 (``gain`` = AdaScale's r,
-or S under the perfect-scaling assumption); statistical epochs = ``tau * M0 / |X|`` (Pollux §3.2).
+or S under the perfect-scaling assumption); statistical epochs = ``tau * M0 / |X|`` (Pollux).
 """
 from __future__ import annotations
 

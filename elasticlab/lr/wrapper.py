@@ -3,7 +3,7 @@
 Per optimizer step the LR of every param group is ``lr_group * schedule(floor(tau)) * m_t``, where
 ``lr_group`` is whatever the group holds (so any torch LR scheduler keeps working: the scaled value is
 set just for the step and the group's own value restored afterwards, as AdaptDL does), ``schedule`` an
-optional function of scale-invariant progress tau (AdaScale Alg. 1: ``eta_t = r_t * lr(floor(tau_t))``),
+optional function of scale-invariant progress tau (AdaScale: ``eta_t = r_t * lr(floor(tau_t))``),
 and ``m_t`` the rule's multiplier at S = M/M0, ramped by :class:`~elasticlab.lr.dynamic_sgd.DynamicSGD`
 after a batch change when a ramp is given.
 """
@@ -144,8 +144,8 @@ class ElasticLR:
                 state["exp_avg"].zero_()
 
     def _correct_momentum(self, new_lrs):
-        """Goyal et al. §2.1: with ``p -= lr * v``, rescaling v by lr_old/lr_new at an LR change makes the
-        update equal to the lr-inside-momentum form, so stale gradients keep their old step size."""
+        """Goyal et al. 2017's momentum correction: with ``p -= lr * v``, rescaling v by lr_old/lr_new
+        makes the update equal to the lr-inside-momentum form, so stale gradients keep their old step."""
         index = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
         for group, _, buf in self._momentum_buffers():
             i = index[id(group)]
