@@ -4,8 +4,9 @@ When the global batch changes by a factor k at step t0, the multiplier moves lin
 to the rule's new one over T steps, ``m(t0 + tau) = m_old + (m_new - m_old) * tau / T`` for tau < T
 (T = ``steps``, default ``steps_per_k * max(k, 1/k)``, i.e. 8k for growth). The stale small-batch noise
 in the momentum buffer is then not amplified k-fold (Lin et al.'s diagnosis). ``momentum`` picks what
-happens to the optimizer's momentum at a change: ``"keep"``, ``"reset"`` (zero the buffers), or ``"correct"`` (rescale
-them by lr_old / lr_new at every LR change: Goyal et al. 2017's momentum correction).
+happens to the optimizer's momentum at a change: ``"keep"``, ``"reset"`` (zero the buffers), or
+``"correct"`` (rescale them by lr_old / lr_new at every LR change: Goyal et al. 2017's momentum
+correction).
 """
 from __future__ import annotations
 
