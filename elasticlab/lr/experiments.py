@@ -79,8 +79,8 @@ def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005,
                  final_window=0.05, scale_schedule=None):
     """Train the NQM at scale S (S workers of ``base_batch`` each) until the scale-invariant progress
     reaches ``t_si`` (AdaScale's stopping rule). ``rule="adascale"`` takes the gain r from the AdaScale
-    estimator over the S worker gradients (``oracle=True``: from the exact sigma^2 and mu^2); ``rule="linear"`` is
-    linear scaling without warm-up. LR: ``lr * decay^(tau / t_si)``. Returns the final loss (mean over
+    estimator over the S worker gradients (``oracle=True``: from the exact sigma^2 and mu^2);
+    ``rule="linear"`` is linear scaling without warm-up. LR: ``lr * decay^(tau / t_si)``. Returns the final loss (mean over
     the last ``final_window`` of tau, to average out step-to-step noise), iterations, mean gain, and the
     seed-mean loss after every step against tau. ``init="equal"``: w0 = 1/sqrt(h), every coordinate starts
     with loss 1/2 (slow directions matter); ``"ones"``: w0 = 1. ``scale_schedule``: elastic runs,
