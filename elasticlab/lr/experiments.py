@@ -78,13 +78,15 @@ def adascale_run(scale, rule="adascale", t_si=2000, dim=100, seeds=20, lr=0.005,
                  base_batch=1, momentum=0.9, h_min=1e-3, init="equal", seed=0, oracle=False,
                  final_window=0.05, scale_schedule=None):
     """Train the NQM at scale S (S workers of ``base_batch`` each) until the scale-invariant progress
-    reaches ``t_si`` (AdaScale's stopping rule). ``rule="adascale"`` takes the gain r from the AdaScale
-    estimator over the S worker gradients (``oracle=True``: from the exact sigma^2 and mu^2);
-    ``rule="linear"`` is linear scaling without warm-up. LR: ``lr * decay^(tau / t_si)``. Returns the final loss (mean over
-    the last ``final_window`` of tau, to average out step-to-step noise), iterations, mean gain, and the
-    seed-mean loss after every step against tau. ``init="equal"``: w0 = 1/sqrt(h), every coordinate starts
+    reaches ``t_si`` (AdaScale's stopping rule).
+
+    ``rule="adascale"`` takes the gain r from the AdaScale estimator over the S worker gradients
+    (``oracle=True``: from the exact sigma^2 and mu^2); ``rule="linear"`` is linear scaling without
+    warm-up. LR: ``lr * decay^(tau / t_si)``. ``init="equal"``: w0 = 1/sqrt(h), every coordinate starts
     with loss 1/2 (slow directions matter); ``"ones"``: w0 = 1. ``scale_schedule``: elastic runs,
-    ``[(tau_fraction, S), ...]`` switches to S once tau >= tau_fraction * t_si (AdaScale's Elastic runs)."""
+    ``[(tau_fraction, S), ...]`` switches to S once tau >= tau_fraction * t_si (AdaScale's Elastic runs).
+    Returns the final loss (mean over the last ``final_window`` of tau, to average out step-to-step
+    noise), iterations, mean gain, and the seed-mean loss after every step against tau."""
     scale = int(scale)
     if scale < 1:
         raise ValueError(f"scale must be an integer >= 1, got {scale}")
