@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .mlp import MLP, loss
+from .mlp import MLP
 
 __all__ = ["Trajectory", "train", "gradient", "record_steps"]
 
@@ -42,7 +42,6 @@ def _loss_grad(params, widths, w_off, b_off, X, Y, slope, Z, H, a_off, grad):
         else:
             h[:, :] = z
         hin = h
-    dL = widths[L]
     G = (hin - Y) / n
     val = 0.5 * n * np.sum(G * G)
     for j in range(L - 1, -1, -1):
@@ -69,7 +68,6 @@ def _loss_grad(params, widths, w_off, b_off, X, Y, slope, Z, H, a_off, grad):
                     if not zp[i, k] > 0.0:
                         Gp[i, k] *= slope
             G = Gp
-    _ = dL
     return val
 
 
@@ -219,5 +217,3 @@ def train(net: MLP, X, Y, lr: float, steps: int, record_every: int | None = None
     out = MLP(net.widths, net.slope, net.has_bias, p)
     return Trajectory(out, rec[:r], rec_params[:r], rec_loss[:r], lr, diverged=r < len(rec))
 
-
-_ = loss  # re-exported helper lives in mlp
