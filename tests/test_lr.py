@@ -160,6 +160,7 @@ def test_rules_and_composition_with_a_torch_scheduler():
         sched.step()
     assert used == pytest.approx([0.2, 0.2, 0.1, 0.1])  # sqrt(4) x the scheduler's LR
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)  # the scheduler's own value is kept
+    assert ElasticLR(opt, np.int64(32), rule="linear").scale == 1.0  # numpy integers are fine
     assert get_rule("linear").multiplier(4) == 4
     assert get_rule("identity").multiplier(4) == 1
     # a schedule over scale-invariant progress: lr(floor(tau)), tau counts S per step for linear
