@@ -3,13 +3,38 @@
 // Python module in csrc/bindings.cpp.
 #pragma once
 #include <ATen/ATen.h>
+#include <tuple>
 
 namespace elasticlab {
 
 // Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2.
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
+
+// Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),
+// by the Gram form sum_{t,s} (a_t.a_s)(d_t.d_s) (Li et al. 2022 ghost norm). Returns (B,).
+at::Tensor seq_linear_gram_norms_cpu(const at::Tensor& a, const at::Tensor& d);
+
+// The same norms by the outer-product form, tile by tile; with_grad also returns sum_b G_b (Dout, Din)
+// (the weight gradient), otherwise an empty tensor. Returns (norms (B,), grad).
+std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cpu(const at::Tensor& a, const at::Tensor& d,
+                                                              bool with_grad);
+
+// Per-example LayerNorm parameter gradients (Gray et al. 2024): x, d (B,T,D), mean, rstd (B,T).
+// Returns (gw (B,D) = sum_t d_t * (x_t - mean_t) * rstd_t, gb (B,D) = sum_t d_t).
+std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cpu(const at::Tensor& x, const at::Tensor& d,
+                                                             const at::Tensor& mean, const at::Tensor& rstd);
+
+// Shared argument checks (csrc/cpu/checks.cpp), raising errors that name the bad shapes.
+void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d);
+void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd);
+
 #ifdef ELASTICLAB_WITH_CUDA
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
+at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d);
+std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
+                                                               bool with_grad);
+std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cuda(const at::Tensor& x, const at::Tensor& d,
+                                                              const at::Tensor& mean, const at::Tensor& rstd);
 #endif
 
 }  // namespace elasticlab

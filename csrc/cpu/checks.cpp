@@ -1,0 +1,32 @@
+// Argument checks shared by the CPU and CUDA kernels (errors name the offending shapes and dtypes).
+#include "../ops.h"
+
+namespace elasticlab {
+
+void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d) {
+  TORCH_CHECK(a.dim() == 3 && d.dim() == 3, op, ": expected a (B,T,Din) and d (B,T,Dout), got shapes ",
+              a.sizes(), " and ", d.sizes());
+  TORCH_CHECK(a.size(0) == d.size(0) && a.size(1) == d.size(1), op, ": a and d disagree on (B,T): ",
+              a.sizes(), " vs ", d.sizes());
+  TORCH_CHECK(a.scalar_type() == d.scalar_type(), op, ": a and d must share a dtype, got ",
+              a.scalar_type(), " and ", d.scalar_type());
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, op,
+              ": expected float32 or float64, got ", a.scalar_type());
+  TORCH_CHECK(a.device() == d.device(), op, ": a and d on different devices");
+}
+
+void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd) {
+  TORCH_CHECK(x.dim() == 3 && d.sizes() == x.sizes(), "layernorm_per_example: expected x and d (B,T,D), got ",
+              x.sizes(), " and ", d.sizes());
+  TORCH_CHECK(mean.dim() == 2 && rstd.dim() == 2 && mean.size(0) == x.size(0) && mean.size(1) == x.size(1) &&
+                  rstd.sizes() == mean.sizes(),
+              "layernorm_per_example: expected mean and rstd (B,T) = ", x.sizes().slice(0, 2), ", got ",
+              mean.sizes(), " and ", rstd.sizes());
+  for (const auto* t : {&d, &mean, &rstd})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "layernorm_per_example: all inputs must be ",
+                x.scalar_type(), ", got ", t->scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "layernorm_per_example: expected float32 or float64, got ", x.scalar_type());
+}
+
+}  // namespace elasticlab
