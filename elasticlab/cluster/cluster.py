@@ -47,7 +47,7 @@ def _start_elastic_job(spec: JobSpec, n: int, batch: BatchConfig, slots: int, wo
                      policy=FixedGlobalBatch(batch.global_batch, spec.per_slot_batch[1], spec.lr_rule),
                      epochs=spec.epochs, max_steps=spec.max_steps, slots=slots, warm=max(spec.warm, n),
                      checkpoint_dir=str(ckpt), checkpoint_every=spec.checkpoint_every, record_samples=record,
-                     seed=spec.seed, timeout_s=spec.timeout_s, lr_rule=spec.lr_rule, goodput_refit_every=0)
+                     seed=spec.seed, timeout_s=spec.timeout_s, lr_rule=spec.lr_rule)
     return job.start()
 
 

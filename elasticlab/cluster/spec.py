@@ -1,7 +1,7 @@
 """What a user submits to a :class:`~elasticlab.cluster.LocalCluster`: a :class:`JobSpec`.
 
 A job names an :class:`~elasticlab.elastic.ElasticJob` entrypoint, the slots it may run on
-(``min_slots..max_slots``; ``slots`` is what it asks for under FIFO), and its batch-size range: the
+(``min_slots..max_slots``; ``slots``, default ``min_slots``, is what it asks for under FIFO), and its batch-size range: the
 initial global batch ``M0`` (what its LR was tuned for), the largest global batch ``max_batch`` and the
 per-slot range (a memory cap) -- Saxena et al.'s ``[b_min, b_max]`` and Pollux's ``M0, M_max, m_max``.
 """
@@ -32,7 +32,7 @@ class JobSpec:
     per_slot_batch: tuple[int, int] = (1, 256)
     min_slots: int = 1
     max_slots: int | None = None
-    slots: int = 1
+    slots: int | None = None
     epochs: int = 1
     max_steps: int | None = None
     lr_rule: str = "adascale"
@@ -66,7 +66,7 @@ class JobSpec:
             raise ValueError(f"job {self.name!r}: max_slots={self.max_slots} is below "
                              f"min_slots={self.min_slots}")
         self.max_slots = min(self.max_slots, pool)
-        _pos_int("slots", self.slots)
+        self.slots = self.min_slots if self.slots is None else _pos_int("slots", self.slots)
         if not self.min_slots <= self.slots <= self.max_slots:
             raise ValueError(f"job {self.name!r}: slots={self.slots} is outside [{self.min_slots}, "
                              f"{self.max_slots}]")

@@ -82,7 +82,7 @@ class LiveJob:
             return None
         return max(float(g), 0.0)
 
-    def refit(self, min_rows: int = 3, every: int = 4, max_rows: int = 400) -> None:
+    def refit(self, min_rows: int = 3, every: int = 4) -> None:
         """Refit the throughput model when ``every`` new step times have come in (Pollux §4.1)."""
         if self.handle is None:
             return
@@ -93,8 +93,8 @@ class LiveJob:
             return
         from elasticlab.goodput import fit_throughput_model
 
-        try:
-            self.model = fit_throughput_model(rows[-max_rows:])
+        try:  # one row per configuration (median step time): robust to a busy machine's outliers
+            self.model = fit_throughput_model(self.handle.step_times(aggregate=True))
             self._fit_rows = len(rows)
         except (ValueError, RuntimeError, FloatingPointError):
             pass  # keep the previous fit
