@@ -168,3 +168,26 @@ def test_exactly_once_from_sample_record_and_cleanup(run):
         job.resize(2)
     with pytest.raises(RuntimeError, match="stopped"):
         job.pause()
+
+
+def test_goodput_adaptive_policy_grows_the_batch(tmp_path):
+    """Pollux's agent in a live job: the throughput model is fitted from measured step times, the GNS comes
+    from the replicas' gradient norms, and the batch moves to the goodput-optimal one (digits' GNS of ~50
+    with per-step overheads that dominate make bigger batches pay)."""
+    from elasticlab.elastic import GoodputAdaptive
+
+    pol = GoodputAdaptive(base_batch=32, max_batch=512, per_worker_range=(8, 256))
+    job = ElasticJob(DIGITS, workers=2, slots=2, policy=pol, epochs=50, max_steps=400, checkpoint_every=0,
+                     checkpoint_dir=str(tmp_path), goodput_refit_s=0.5)
+    job.start()
+    try:
+        wait_until(lambda: any(e["kind"] == "adapt" for e in job.events())
+                   or job.state in ("failed", "finished"), 240, "a goodput adaptation")
+        adapt = next(e for e in job.events() if e["kind"] == "adapt")
+        assert adapt["global_batch"] > 32 and adapt["goodput"] > 0
+        wait_until(lambda: job.status()["global_batch"] == adapt["global_batch"], 60, "the new batch")
+        m = job.metrics()
+        assert any(r["predicted_goodput"] for r in m) and any(r["gns"] for r in m)
+        assert m[-1]["lr"] > m[0]["lr"]                        # AdaScale raises the LR with the batch
+    finally:
+        job.stop()

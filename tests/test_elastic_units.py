@@ -158,3 +158,23 @@ def test_entrypoint_names(tmp_path):
         entrypoint_name(local)
     with pytest.raises(ValueError, match="empty"):
         Task(model=torch.nn.Linear(1, 1), dataset=(torch.zeros(0, 1),), optimizer=torch.optim.SGD)
+
+
+def test_job_constructor_rejects_bad_settings(tmp_path):
+    from elasticlab.elastic import ElasticJob
+
+    digits = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+    cases = [({"workers": 0}, ">= 1, got 0"), ({"workers": 3, "slots": 2}, "3 exceeds the machine's 2"),
+             ({"schedule": "4:1,x"}, "bad schedule entry 'x'"),
+             ({"schedule": {5: 9}, "slots": 4}, "9 exceeds"),
+             ({"epochs": 0}, "epochs must be >= 1, got 0"), ({"device": "tpu"}, "'tpu'"),
+             ({"start_method": "fork"}, "'fork'"), ({"warm": 9, "slots": 4}, "warm=9")]
+    for kwargs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            ElasticJob(digits, checkpoint_dir=str(tmp_path), **kwargs)
+    job = ElasticJob(digits, checkpoint_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="not been started"):
+        job.pause()
+    job.stop()                                               # stopping a job never started is fine
+    with pytest.raises(RuntimeError, match="stopped"):
+        job.resize(1)

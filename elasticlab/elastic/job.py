@@ -39,12 +39,12 @@ from elasticlab.elastic.worker import CMD_CHECKPOINT, CMD_LEAVE, CMD_SET_BATCH, 
 TERMINAL = ("finished", "stopped", "failed")
 
 
-def default_slots() -> int:
+def default_slots(device: str | None = None) -> int:
     """Worker slots here: one per GPU, else two per CPU core (gloo tolerates 2x oversubscription)."""
     try:
         import torch
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and device != "cpu":
             return torch.cuda.device_count()
     except ImportError:  # pragma: no cover
         pass
@@ -107,9 +107,11 @@ class ElasticJob:
                  checkpoint_every: int = 20, record_samples: bool | str = False, seed: int = 0,
                  timeout_s: float = 30.0, threads: int = 1, lr_rule: str | None = None,
                  step_delay_s: float = 0.0, goodput_refit_s: float = 10.0, schedule=None,
-                 start_method: str = "forkserver"):
+                 start_method: str = "forkserver", device: str | None = None):
         self.entrypoint = entrypoint_name(entrypoint)
-        self.slots = int(slots) if slots is not None else default_slots()
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be None (CUDA when available), 'cpu' or 'cuda', got {device!r}")
+        self.slots = int(slots) if slots is not None else default_slots(device)
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots!r}")
         self._check_size(workers)
@@ -137,7 +139,7 @@ class ElasticJob:
                                        timeout_s=float(timeout_s),
                                        threads=int(threads), record_samples=bool(self.record_path),
                                        step_delay_s=float(step_delay_s),
-                                       ramp_per_k=getattr(self.policy, "ramp_per_k", 8))
+                                       ramp_per_k=getattr(self.policy, "ramp_per_k", 8), device=device)
         self.schedule = parse_schedule(schedule)
         for n in self.schedule.values():
             self._check_size(n)
@@ -527,8 +529,10 @@ class ElasticJob:
             self._events.emit("error", message=f"goodput policy failed: {e!r}")
             return
         if choice != current:
+            last = self.policy.last
             self._events.emit("adapt", step=rec["step"], global_batch=choice.global_batch,
-                              accum_steps=choice.accum_steps, **self.policy.last)
+                              accum_steps=choice.accum_steps, per_worker_batch=last.get("per_worker_batch"),
+                              goodput=last.get("goodput"), current_goodput=last.get("current_goodput"))
             with contextlib.suppress(RuntimeError):
                 self._request("set_batch", batch=choice)
 

@@ -38,7 +38,7 @@ CMD_NONE, CMD_LEAVE, CMD_SET_BATCH, CMD_CHECKPOINT = 0, 1, 2, 3
 def default_options(**over) -> dict:
     opts = {"seed": 0, "lr_rule": "constant", "ramp_per_k": 8, "epochs": 1, "max_steps": None,
             "checkpoint_every": 20, "keep_checkpoints": 3, "timeout_s": 30.0, "threads": 1,
-            "record_samples": False, "step_delay_s": 0.0, "schedule": None}
+            "record_samples": False, "step_delay_s": 0.0, "schedule": None, "device": None}
     opts.update(over)
     return opts
 
@@ -50,8 +50,11 @@ class Trainer:
         import torch
 
         self.task, self.opts = task, options
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        want = options.get("device")
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        cuda = torch.cuda.is_available() and want != "cpu"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.model = task.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = task.optimizer(self.params)
@@ -70,6 +73,7 @@ class Trainer:
         """Join a process group of ``world_size`` through ``store`` (a fresh one per generation)."""
         import torch.distributed as dist
 
+        self._use_device(rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=self.opts["timeout_s"]))
@@ -81,20 +85,31 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
+        self._use_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.opts["timeout_s"]))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._wrap()
-        gen = torch.tensor([time.time_ns() // 1000], dtype=torch.int64)
+        gen = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=self.device)
         dist.broadcast(gen, 0)
         self.generation = int(gen.item())
+
+    def _use_device(self, local_rank: int) -> None:
+        """One GPU per rank (NCCL refuses two ranks on one device); the model follows."""
+        import torch
+
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+            self.model.to(self.device)
 
     def _wrap(self) -> None:
         import torch
 
         from elasticlab.gns.ddp import ReplicaGradNorms
 
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.norms = ReplicaGradNorms(self.ddp)  # its comm hook records the local |g|^2 before averaging
 
     def leave(self) -> None:
@@ -191,9 +206,11 @@ class Trainer:
         if self.norms is not None:
             local_sq = self.norms.local_sq_norm
             self.norms._local.zero_()
-        vec = torch.tensor([loss_sum, local_sq, float(len(mine)), *map(float, control)], dtype=torch.float64)
+        vec = torch.tensor([loss_sum, local_sq, float(len(mine)), *map(float, control)], dtype=torch.float64,
+                           device=self.device)
         if self.ddp is not None:
             dist.all_reduce(vec)
+        vec = vec.cpu()
         with self.lr.applied() as lrs:
             self.optimizer.step()
         lr = float(lrs[0])
