@@ -24,18 +24,24 @@ def examples_path() -> str:
     return str(p)
 
 
-def three_jobs(quick: bool = False, record_samples: bool = True) -> list[JobSpec]:
-    """The three jobs (fresh specs). ``quick`` halves their work (epochs of digits)."""
+def three_jobs(quick: bool = False, record_samples: bool = True, work: float | None = None) -> list[JobSpec]:
+    """The three jobs (fresh specs). ``work`` scales their epochs of digits (``quick``: 0.5)."""
     ex = examples_path()
-    k = 2 if quick else 1
+    w = float(work if work is not None else (0.5 if quick else 1.0))
+    if not w > 0:
+        raise ValueError(f"work must be > 0, got {work!r}")
+
+    def ep(n):
+        return max(int(round(n * w)), 1)
+
     common = {"record_samples": record_samples, "lr_rule": "adascale", "checkpoint_every": 50,
               "initial_batch": 32}
     return [
-        JobSpec(f"{ex}:comm_bound", name="comm", epochs=max(6 // k, 1), max_batch=256,
+        JobSpec(f"{ex}:comm_bound", name="comm", epochs=ep(6), max_batch=256,
                 per_slot_batch=(4, 256), warm=2, **common),
-        JobSpec(f"{ex}:compute_bound", name="compute", epochs=max(4 // k, 1), max_batch=128,
+        JobSpec(f"{ex}:compute_bound", name="compute", epochs=ep(4), max_batch=128,
                 per_slot_batch=(4, 64), warm=3, **common),
-        JobSpec(f"{ex}:gns_growing", name="gns", epochs=max(6 // k, 1), max_batch=256,
+        JobSpec(f"{ex}:gns_growing", name="gns", epochs=ep(6), max_batch=256,
                 per_slot_batch=(4, 128), warm=2, **common),
     ]
 
