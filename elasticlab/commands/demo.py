@@ -41,14 +41,15 @@ def run(args) -> int:
     print(f"starting {job.warm} worker processes (importing torch takes a few seconds each)...")
     job.start()
     seen = 0
-    with tqdm(total=total, unit="step", dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=0.25) as bar:
         try:
             while job.state not in ("finished", "stopped", "failed"):
                 time.sleep(0.1)
                 st = job.status()
                 bar.update(st["step"] - bar.n)
                 if st["loss"] is not None:
-                    bar.set_postfix(workers=st["world_size"], loss=f"{st['loss']:.3f}",
+                    workers = st["world_size"] or st["target_world_size"]
+                    bar.set_postfix(workers=workers, loss=f"{st['loss']:.3f}",
                                     samples_s=f"{st['samples_per_s'] or 0:.0f}")
                 for e in job.events(seen):
                     seen += 1
