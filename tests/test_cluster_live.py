@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import pytest
+
 from elasticlab.cluster import LocalCluster
 from elasticlab.cluster.experiments import compare_policies, examples_path, warm_up
 
@@ -83,5 +85,33 @@ def test_switching_policy_live_resizes_a_running_job(tmp_path):
         assert cl.sample_check("a")["ok"]
         ws = [h["slots"].get("a") for h in cl.history()]
         assert 2 in ws and 1 in ws[ws.index(2):]
+    finally:
+        cl.stop()
+
+
+@pytest.mark.slow
+def test_cluster_drives_torchrun_agents_through_a_shrink_and_a_grow(tmp_path):
+    """A torchrun job (c10d rendezvous, one agent per slot on localhost) under equal shares: it starts
+    alone on 2 slots, shrinks to 1 when a second job arrives and grows back when that one finishes;
+    its sample record stays exactly-once across the membership changes."""
+    warm_up()
+    cl = LocalCluster(slots=2, policy="equal_share", interval=0.5, workdir=str(tmp_path))
+    try:
+        cl.submit(f"{EX}:compute_bound", name="tr", backend="torchrun", max_slots=2, epochs=3,
+                  checkpoint_every=5, record_samples=True, lr_rule="constant")
+        cl.start()
+        end = time.monotonic() + 300
+        while not any(r["name"] == "tr" and r["world_size"] == 2 for r in cl.jobs()):
+            assert time.monotonic() < end, (cl.jobs(), cl.job("tr") and cl.job("tr").events())
+            time.sleep(0.2)
+        cl.submit(f"{EX}:comm_bound", name="other", epochs=1, warm=1, lr_rule="constant")
+        assert cl.wait(timeout=400), cl.jobs()
+        s = cl.summary()
+        assert s["states"] == {"tr": "finished", "other": "finished"}, (s, cl.job("tr").events())
+        sizes = [h["slots"].get("tr") for h in cl.history() if h["slots"].get("tr")]
+        assert 2 in sizes and 1 in sizes[sizes.index(2):], sizes  # shrank after running on 2
+        rep = cl.sample_check("tr")
+        assert rep["ok"], {e: (len(v["missing"]), len(v["duplicates"])) for e, v in rep["epochs"].items()}
+        assert 1 in rep["world_sizes"] and 2 in rep["world_sizes"]
     finally:
         cl.stop()

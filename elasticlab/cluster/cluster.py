@@ -35,8 +35,14 @@ ADMISSION = ("queue", "drop")
 
 
 def _start_elastic_job(spec: JobSpec, n: int, batch: BatchConfig, slots: int, workdir: Path):
-    """The default job launcher: an :class:`~elasticlab.elastic.ElasticJob` on this machine."""
+    """The default job launcher: an :class:`~elasticlab.elastic.ElasticJob` on this machine, or torchrun
+    agents for ``backend="torchrun"``."""
     from elasticlab.elastic import ElasticJob, FixedGlobalBatch
+
+    if spec.backend == "torchrun":
+        from elasticlab.cluster.torchrun import start_torchrun_job
+
+        return start_torchrun_job(spec, n, batch, slots, workdir)
 
     ckpt = workdir / spec.name
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -106,8 +112,11 @@ class LocalCluster:
             self.policy_name, self.policy = name, pol
             self.batch_mode = BATCH_MODE[name]
             for j in getattr(self, "_jobs", {}).values():
-                j.batch_mode = self.batch_mode
+                j.batch_mode = self._mode_for(j.spec)
             self._dirty = True
+
+    def _mode_for(self, spec) -> str:
+        return "fixed" if spec.backend == "torchrun" else self.batch_mode
 
     def now(self) -> float:
         """Seconds since the cluster was created (the clock of events, JCTs and history)."""
@@ -142,7 +151,7 @@ class LocalCluster:
             except ValueError as e:
                 self._events.emit("refused", job=spec.name, reason=str(e))
                 raise
-            job = LiveJob(spec, self.now(), self.batch_mode)
+            job = LiveJob(spec, self.now(), self._mode_for(spec))
             self._jobs[spec.name] = job
             self._events.emit("submit", job=spec.name, entrypoint=spec.entrypoint, min_slots=spec.min_slots,
                               max_slots=spec.max_slots, initial_batch=spec.initial_batch,
@@ -409,7 +418,7 @@ class LocalCluster:
             cur = j.handle.status() if j.handle is not None else {}
             current = BatchConfig(cur["global_batch"], cur["accum_steps"]) \
                 if cur.get("global_batch") else None
-            batch = j.best_batch(n, self.batch_mode, current if n == cur.get("world_size") else None,
+            batch = j.best_batch(n, j.batch_mode, current if n == cur.get("world_size") else None,
                                  self.hysteresis) if n > 0 else None
             j.target = (n, batch)
             out[j.name] = {"slots": n, "global_batch": batch.global_batch if batch else None,
@@ -472,7 +481,8 @@ class LocalCluster:
                     self._request(j, "resize", partial(j.handle.resize, n, global_batch=batch.global_batch,
                                                                accum_steps=batch.accum_steps),
                                   n=n, batch=batch, from_size=ws)
-            elif n == ws and batch is not None and st.get("global_batch") and (
+            elif n == ws and batch is not None and st.get("global_batch") and \
+                    getattr(j.handle, "supports_batch", True) and (
                     batch.global_batch != st["global_batch"] or batch.accum_steps != st["accum_steps"]):
                 self._request(j, "set_batch", partial(j.handle.set_batch, batch.global_batch,
                                                               accum_steps=batch.accum_steps),

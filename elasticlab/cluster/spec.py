@@ -1,15 +1,19 @@
 """What a user submits to a :class:`~elasticlab.cluster.LocalCluster`: a :class:`JobSpec`.
 
 A job names an :class:`~elasticlab.elastic.ElasticJob` entrypoint, the slots it may run on
-(``min_slots..max_slots``; ``slots``, default ``min_slots``, is what it asks for under FIFO), and its batch-size range: the
-initial global batch ``M0`` (what its LR was tuned for), the largest global batch ``max_batch`` and the
-per-slot range (a memory cap) -- Saxena et al.'s ``[b_min, b_max]`` and Pollux's ``M0, M_max, m_max``.
+(``min_slots..max_slots``; ``slots``, default ``min_slots``, is what it asks for under FIFO), and its
+batch-size range: the initial global batch ``M0`` (what its LR was tuned for), the largest global batch
+``max_batch`` and the per-slot range (a memory cap) -- Saxena et al.'s ``[b_min, b_max]`` and Pollux's
+``M0, M_max, m_max``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from elasticlab.elastic.scaling import LR_RULES
+
+#: ``pool``: an ElasticJob (worker pool re-forming gloo groups); ``torchrun``: one torchrun agent per slot.
+BACKENDS = ("pool", "torchrun")
 
 
 def _pos_int(name: str, v, minimum: int = 1) -> int:
@@ -22,7 +26,8 @@ def _pos_int(name: str, v, minimum: int = 1) -> int:
 class JobSpec:
     """One job for the cluster (see the module docstring). ``work``: ``epochs`` (samples to process, the
     same under every policy -- P1's premise) or ``max_steps``. ``warm``: worker processes started ahead
-    (default ``max_slots``), so that growing the job does not wait for a process to import torch."""
+    (default ``max_slots``), so that growing the job does not wait for a process to import torch.
+    ``backend``: ``"pool"`` or ``"torchrun"`` (see :mod:`elasticlab.cluster.torchrun`; fixed batch)."""
 
     entrypoint: object
     name: str | None = None
@@ -41,9 +46,12 @@ class JobSpec:
     record_samples: bool | str = False
     seed: int = 0
     timeout_s: float = 30.0
+    backend: str = "pool"
 
     def validate(self, pool: int) -> JobSpec:
         """Check the spec against a pool of ``pool`` slots and fill defaults; ValueError names a bad value."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"job {self.name!r}: backend must be one of {BACKENDS}, got {self.backend!r}")
         _pos_int("initial_batch", self.initial_batch)
         if self.max_batch is None:
             self.max_batch = self.initial_batch
