@@ -169,5 +169,8 @@ def test_cli(fake_claims, tmp_path, capsys):
     assert main(["reproduce", "--only", "NOPE", "--out", str(out)]) == 2
     assert "NOPE" in capsys.readouterr().err
     assert main(["reproduce", "--quick"]) == 2
+    (tmp_path / "afile").write_text("x")
+    assert main(["reproduce", "--only", "ZZ-T1", "--out", str(tmp_path / "afile")]) == 2
+    assert "afile" in capsys.readouterr().err
     assert main(["reproduce", "--list"]) == 0
     assert "ZZ-T1" in capsys.readouterr().out

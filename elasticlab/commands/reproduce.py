@@ -44,6 +44,11 @@ def run(args) -> int:
     if not args.out:
         print("elasticlab reproduce: --out DIR is required (or --list)", file=sys.stderr)
         return 2
+    from pathlib import Path
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"elasticlab reproduce: --out must be a folder, but {args.out!r} is a file", file=sys.stderr)
+        return 2
     try:
         reps = repro.select(args.only, quick=args.quick)
     except ValueError as e:
