@@ -1,7 +1,8 @@
 """Scale-out: the same training script under torchrun, two elastic agents on localhost as two nodes.
 
-Agent A starts alone (``--nnodes=1:2``) and trains; agent B joins; torchrun restarts the workers at world
-size 2 and they resume from the newest valid checkpoint. The sample record proves that epoch 0 was
+Agent A starts alone (``--nnodes=1:2``) and trains; agent B joins; torchrun stops A's worker (SIGTERM, which
+the worker turns into a checkpoint at the next step boundary) and restarts the workers at world size 2,
+which resume from the newest valid checkpoint. The sample record proves that epoch 0 was
 consumed exactly once across the membership change (steps replayed after the restart replace the lost
 ones).
 """
@@ -72,3 +73,9 @@ def test_torchrun_two_agents_scale_out(tmp_path):
     assert rep["world_sizes"][:2] == [1, 2], rep["world_sizes"]     # scaled out from one node to two
     assert {r["rank"] for r in rows if r["world_size"] == 2} == {0, 1}
     assert sum(1 for p in ckdir.iterdir() if p.name.startswith("ckpt-")) >= 1
+    # the planned restart lost no step: torchrun's SIGTERM was relayed to a common step boundary
+    lines = (tmp_path / "a.log").read_text().splitlines() + (tmp_path / "b.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith('{"event"')]
+    leave = next(e for e in events if e["event"] == "leave")
+    resume2 = next(e for e in events if e["event"] == "resume" and e["world_size"] == 2)
+    assert resume2["step"] == leave["step"] > 0

@@ -66,6 +66,7 @@ class Trainer:
         self.step = 0
         self.rank, self.world_size, self.ddp, self.generation = 0, 1, None, 0
         self.norms = None
+        self._psn = None
         self._probe = task.batch(np.arange(min(task.probe_size, len(task))))
 
     # ---- group membership -------------------------------------------------------------------
@@ -161,6 +162,22 @@ class Trainer:
             self.lr.on_batch_change(batch.global_batch)
             self.batch = batch
 
+    def _per_example_norms(self):
+        """Per-example gradient norms (:class:`elasticlab.gns.PerSampleGradNorms`) for the GNS on one
+        worker, where there are no replicas to compare; None if the model has no layer it covers."""
+        if self._psn is False:
+            return None
+        if self._psn is None:
+            try:
+                from elasticlab.gns import PerSampleGradNorms
+
+                self._psn = PerSampleGradNorms(self.model, strict=False, fused=False)
+                if self._psn.skipped:  # norms of part of the model would bias the estimate
+                    self._psn = False
+            except Exception:
+                self._psn = False
+        return self._psn or None
+
     def probe_loss(self) -> float:
         """Loss on a fixed batch (the first ``probe_size`` samples), eval mode, no gradient."""
         import torch
@@ -186,10 +203,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         model = self.ddp if self.ddp is not None else self.model
+        per_example = R == 1 and s == 0 and n_global == M >= 2 and self._per_example_norms() is not None
         for j, mb in enumerate(micro_batches(mine, s)):
             sync = j == s
             ctx = model.no_sync() if (not sync and self.ddp is not None) else contextlib.nullcontext()
-            with ctx:
+            with ctx, (self._psn if per_example else contextlib.nullcontext()):
                 if len(mb):
                     loss = self.task.loss_fn(model, _to(self.task.batch(mb), self.device))
                     (loss * (R * len(mb) / n_global)).backward()
@@ -219,6 +237,8 @@ class Trainer:
         even = n_global == M and M % (R * (s + 1)) == 0
         if even and R > 1:  # replica two-batch form: B_small = M/R, B_big = M
             self.gns.update_two_batch(float(vec[1]) / R, global_sq, M / R, M)
+        elif per_example:  # one worker: the per-example form (McCandlish App. A.1, B_small = 1)
+            self.gns.update(self._psn.sq_norms(), global_sq)
         dt = time.perf_counter() - t0
         gns = self.gns.b_simple
         rec = {"step": self.step, "epoch": epoch, "time": time.time(), "loss": float(vec[0]) / n_global,
@@ -341,9 +361,13 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
 
     Run under ``torchrun --nnodes=MIN:MAX --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:PORT``: on a
     membership change torchrun restarts every worker at the new world size and each one resumes here,
-    losing at most the steps since the last checkpoint. Rank 0 prints one JSON line per step on stdout
-    when ``options["log_steps"]`` is set; the return value summarises the run.
+    losing at most the steps since the last checkpoint. A SIGTERM (how torchrun stops workers before a
+    restart) is relayed through the step's all-reduce: every rank stops at the same step boundary after
+    rank 0 has checkpointed, so a planned membership change loses no step. Rank 0 prints one JSON line
+    per step on stdout when ``options["log_steps"]`` is set; the return value summarises the run.
     """
+    import signal
+
     import torch
 
     from elasticlab.elastic.task import build
@@ -367,10 +391,12 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
         print(json.dumps({"event": "resume", "step": tr.step, "world_size": tr.world_size,
                           "checkpoint": str(path) if path else None, "corrupt": [str(p) for p, _ in bad],
                           "time": time.time()}), flush=True)
+    stop_requested = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     try:
         max_steps = opts["max_steps"]
         while tr.sampler.epoch < opts["epochs"] and (max_steps is None or tr.step < max_steps):
-            rec, _, mine = tr.train_step()
+            rec, cmd, mine = tr.train_step((CMD_LEAVE, 0, 0) if stop_requested else (CMD_NONE, 0, 0))
             if rec_fd is not None:
                 os.write(rec_fd, (json.dumps({"epoch": rec["epoch"], "step": rec["step"], "rank": tr.rank,
                                               "world_size": tr.world_size, "indices": mine.tolist(),
@@ -378,12 +404,18 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
             if tr.rank == 0:
                 if log_steps:
                     print(json.dumps({"event": "step", **rec}), flush=True)
-                if every and tr.step % every == 0:
+                if every and tr.step % every == 0 and cmd[0] == CMD_NONE:
                     ckdir.save(tr.state_dict(), tr.step)
+            if cmd[0] != CMD_NONE:  # a rank got SIGTERM (the sum counts them): checkpoint, leave together
+                if tr.rank == 0:
+                    print(json.dumps({"event": "leave", "step": tr.step, "time": time.time()}), flush=True)
+                break
         if tr.rank == 0:
             ckdir.save(tr.state_dict(), tr.step)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if rec_fd is not None:
             os.close(rec_fd)
         tr.leave()
-    return {"steps": tr.step, "resumed_from": resumed, "world_size": tr.world_size}
+    return {"steps": tr.step, "resumed_from": resumed, "world_size": tr.world_size,
+            "stopped_early": bool(stop_requested)}
