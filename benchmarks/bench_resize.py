@@ -91,15 +91,18 @@ def torchrun_restart(tmp: Path, batch: int, max_steps: int = 400):
         return subprocess.Popen(cmd, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 env=env, start_new_session=True)
 
-    def steps():
+    def events(kind):
         out = []
         for name in ("a", "b"):
             p = tmp / f"{name}.log"
             if p.exists():
                 for line in p.read_text().splitlines():
-                    if line.startswith('{"event": "step"'):
+                    if line.startswith('{"event": "%s"' % kind):
                         out.append(json.loads(line))
         return sorted(out, key=lambda r: r["time"])
+
+    def steps():
+        return events("step")
 
     procs = [agent("a")]
     try:
@@ -117,7 +120,11 @@ def torchrun_restart(tmp: Path, batch: int, max_steps: int = 400):
         s = steps()
         first2 = next(r for r in s if r["world_size"] == 2)
         last1 = max(r["time"] for r in s if r["world_size"] == 1 and r["time"] < first2["time"])
-        return {"launch_to_first_step_s": first2["time"] - t_launch, "training_gap_s": first2["time"] - last1}
+        leave = events("leave")
+        resume2 = [e for e in events("resume") if e["world_size"] == 2]
+        lost = leave[0]["step"] - resume2[0]["step"] if leave and resume2 else None
+        return {"launch_to_first_step_s": first2["time"] - t_launch, "training_gap_s": first2["time"] - last1,
+                "lost_steps": lost}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -143,14 +150,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         tr = torchrun_restart(Path(d), batch)
     print(f"  launch of B -> first step at world 2: {tr['launch_to_first_step_s']:.2f} s; "
-          f"training gap {tr['training_gap_s']:.2f} s", flush=True)
+          f"training gap {tr['training_gap_s']:.2f} s; steps lost {tr['lost_steps']}", flush=True)
     print("throughput at a fixed global batch of 64 (samples/s, median step):")
     for n, v in thr.items():
         print(f"  {n} workers: {v:8.0f}  (x{v / thr[1]:.2f} vs 1)")
     result = {"resize_latency_median_s": med, "resize_latencies_s": [round(x, 4) for x in lat],
               "target_s": 2.0, "meets_target": med < 2.0, "cold_restart_s": cold,
               "live_vs_cold_speedup": cold / med, "torchrun_restart_s": tr["launch_to_first_step_s"],
-              "torchrun_training_gap_s": tr["training_gap_s"],
+              "torchrun_training_gap_s": tr["training_gap_s"], "torchrun_lost_steps": tr["lost_steps"],
               "throughput_samples_per_s": {str(k): round(v, 1) for k, v in thr.items()},
               "load_average": os.getloadavg(), "quick": a.quick}
     print("RESULT " + json.dumps(result))
