@@ -145,3 +145,12 @@ def test_cuda_model_norms_match_cpu(fused):
     torch.testing.assert_close(out["cuda"][0], out["cpu"][0], rtol=1e-10, atol=0)
     for g1, g2 in zip(out["cuda"][1], out["cpu"][1]):
         torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_kernels_with_inputs_that_require_grad():
+    """The BLAS calls inside the kernels run on worker threads: inputs requiring grad must not trip them."""
+    a, d = seq(12, 4, 8, 3)
+    a.requires_grad_(True)
+    want = kernels.seq_linear_outer_norms_ref(a.detach(), d)[0]
+    torch.testing.assert_close(kernels.seq_linear_outer_norms(a, d, with_grad=True)[0], want)
+    torch.testing.assert_close(kernels.seq_linear_gram_norms(a, d), want)

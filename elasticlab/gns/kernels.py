@@ -95,7 +95,8 @@ def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | N
     """Per-example ‖Σ_t d_t a_tᵀ‖² by the Gram form (kernel ``seq_linear_gram_norms``)."""
     _check_seq(a, d, "seq_linear_gram_norms")
     op = _op("seq_linear_gram_norms", a, use_kernel)
-    return op(a, d) if op is not None else seq_linear_gram_norms_ref(a, d)
+    # Kernels get detached inputs: their BLAS calls run on OpenMP threads, where grad mode is on.
+    return op(a.detach(), d.detach()) if op is not None else seq_linear_gram_norms_ref(a, d)
 
 
 def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False,
@@ -106,7 +107,7 @@ def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = F
     op = _op("seq_linear_outer_norms", a, use_kernel)
     if op is None:
         return seq_linear_outer_norms_ref(a, d, with_grad)
-    norms, grad = op(a, d, with_grad)
+    norms, grad = op(a.detach(), d.detach(), with_grad)
     return norms, (grad if with_grad else None)
 
 
@@ -119,7 +120,7 @@ def layernorm_per_example(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, 
     op = _op("layernorm_per_example", x, use_kernel)
     if op is None:
         return layernorm_per_example_ref(x, d, mean.to(x.dtype), rstd.to(x.dtype))
-    return tuple(op(x, d, mean.to(x.dtype), rstd.to(x.dtype)))
+    return tuple(op(x.detach(), d.detach(), mean.detach().to(x.dtype), rstd.detach().to(x.dtype)))
 
 
 def use_gram(T: int, din: int, dout: int, fused_outer: bool = False) -> bool:

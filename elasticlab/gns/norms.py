@@ -3,8 +3,9 @@
 Inside the context, after ``loss.backward()``, ``sq_norms()`` is ‖∇θ ℓ_i‖² (B,) over all trainable
 parameters, where the loss is (1/B)·Σ ℓ_i (``"mean"``) or Σ ℓ_i (``"sum"``) over the batch dimension (dim 0
 of each layer's input). Per-example gradients are never materialised for the whole batch (McCandlish et al.
-App. A.1 needs only their norms). ``fused=True`` lets Linear/Conv/LayerNorm form their parameter gradients and norms in one
-backward (see :mod:`elasticlab.gns.fused`); other layers, and all with ``fused=False``, use hooks.
+App. A.1 needs only their norms). ``fused=True`` lets Linear/Conv/LayerNorm form their parameter gradients
+and norms in one backward (see :mod:`elasticlab.gns.fused`); other layers, and all with ``fused=False``, use
+hooks.
 """
 from __future__ import annotations
 
