@@ -97,7 +97,7 @@ def test_cluster_drives_torchrun_agents_through_a_shrink_and_a_grow(tmp_path):
     warm_up()
     cl = LocalCluster(slots=2, policy="equal_share", interval=0.5, workdir=str(tmp_path))
     try:
-        cl.submit(f"{EX}:compute_bound", name="tr", backend="torchrun", max_slots=2, epochs=3,
+        cl.submit(f"{EX}:compute_bound", name="tr", backend="torchrun", max_slots=2, epochs=12,
                   checkpoint_every=5, record_samples=True, lr_rule="constant")
         cl.start()
         end = time.monotonic() + 300

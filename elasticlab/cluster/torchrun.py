@@ -71,6 +71,7 @@ class TorchrunJob:
         self._last: dict = {}
         self._pending: tuple | None = None  # (future, n, from_size, t_request)
         self._done = 0
+        self._done_t: float | None = None
         self._error: str | None = None
         self._watch: threading.Thread | None = None
 
@@ -126,6 +127,7 @@ class TorchrunJob:
             elif ev == "done":
                 with self._lock:
                     self._done += 1
+                    self._done_t = self._done_t or time.monotonic()
         rc = p.wait()
         if rc != 0 and p.pid not in self._killed:
             with self._lock:
@@ -155,8 +157,14 @@ class TorchrunJob:
                 paused = self._state == "paused"
             if paused or not self._agents:
                 continue
+            if self._done_t is not None and time.monotonic() - self._done_t > 5.0:
+                # training is complete (a rank returned from torchrun_main); an agent that joined late
+                # would otherwise wait out torchrun's exit barrier
+                for p in self._agents:
+                    if p.poll() is None and p.pid not in self._killed:
+                        self._kill_agent(p)
             alive = [p for p in self._agents if p.pid not in self._killed]
-            if alive and all(p.poll() is not None for p in alive):
+            if all(p.poll() is not None for p in alive) and (alive or self._done):
                 ok = all(p.returncode == 0 for p in alive) and self._done > 0
                 with self._lock:
                     self._state = "finished" if ok else "failed"
@@ -194,8 +202,9 @@ class TorchrunJob:
         """Start or end agents so that ``n`` remain (the batch arguments are ignored: fixed batch)."""
         if not 1 <= n <= self.max_workers:
             raise ValueError(f"world size must be in [1, {self.max_workers}], got {n!r}")
-        if self.state not in ("running", "starting"):
-            raise RuntimeError(f"cannot resize: the job is {self.state}")
+        if self.state not in ("running", "starting") or self._done:
+            raise RuntimeError(f"cannot resize: the job is {self.state}" + (" (training complete)"
+                                                                            if self._done else ""))
         cur = self._alive()
         fut = self._future(n, int(self._last.get("world_size") or cur))
         if n > cur:
