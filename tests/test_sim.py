@@ -145,3 +145,24 @@ def test_cli_result_line(tmp_path):
     bad = subprocess.run(cmd + ["--workload", "nope.csv", "--policy", "fifo"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "not found" in bad.stdout + bad.stderr
+
+
+def test_artifact_numbers_and_fidelity_on_subset():
+    from elasticlab.sim.experiments import artifact_avg_jct, fidelity
+
+    assert artifact_avg_jct("tiresias") == pytest.approx(3469.69, abs=0.01)
+    assert artifact_avg_jct("optimus") == pytest.approx(5301.9, abs=0.1)
+    with pytest.raises(ValueError, match="no results"):
+        artifact_avg_jct("fifo")
+    df = fidelity("workload-6", ("tiresias",), limit=5)
+    assert len(df) == 1 and df.avg_jct.iloc[0] > 0 and "artifact_avg_jct" not in df
+
+
+@pytest.mark.slow
+@pytest.mark.repro
+def test_fidelity_workload6_full():
+    """Issue 10: Tiresias-like and Optimus-like within 10% of the artifact on workload-6, Pollux within 15%."""
+    from elasticlab.sim.experiments import fidelity
+
+    df = fidelity("workload-6", ("tiresias", "optimus", "pollux"))
+    assert df.within_tolerance.all(), df[["policy", "avg_jct", "artifact_avg_jct", "rel_error"]]
