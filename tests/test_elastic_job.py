@@ -177,8 +177,8 @@ def test_goodput_adaptive_policy_grows_the_batch(tmp_path):
     from elasticlab.elastic import GoodputAdaptive
 
     pol = GoodputAdaptive(base_batch=32, max_batch=512, per_worker_range=(8, 256))
-    job = ElasticJob(DIGITS, workers=2, slots=2, policy=pol, epochs=50, max_steps=400, checkpoint_every=0,
-                     checkpoint_dir=str(tmp_path), goodput_refit_s=0.5)
+    job = ElasticJob(DIGITS, workers=2, slots=2, policy=pol, epochs=1000, checkpoint_every=0,
+                     checkpoint_dir=str(tmp_path), goodput_refit_s=0.5, step_delay_s=0.005)
     job.start()
     try:
         wait_until(lambda: any(e["kind"] == "adapt" for e in job.events())

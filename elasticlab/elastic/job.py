@@ -504,6 +504,8 @@ class ElasticJob:
         try:
             model = gp.fit_throughput_model(rows)
             self._throughput = model
+            with self._lock:  # the newest step: a fit can take long enough for the GNS to appear meanwhile
+                rec = dict(self._last_rec or rec)
             gns = rec.get("gns")
             if gns is not None and math.isfinite(gns):
                 base = self._base_batch()
