@@ -52,6 +52,8 @@ def test_claim_modules_load():
     assert len(IDS) >= 12
     for r in repro.all_reproductions():
         assert r.paper and r.claim and r.target, r.id
+    # the list of unmeasured targets must not name a registered claim
+    assert not set(registry.NOT_REPRODUCED) & set(IDS)
 
 
 @pytest.fixture

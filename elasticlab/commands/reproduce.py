@@ -38,6 +38,8 @@ def run(args) -> int:
         for r in repro.all_reproductions():
             flags = "".join((" [slow]" if r.slow else "", " [timed]" if r.timed else ""))
             print(f"{r.id:8s} {r.claim[:90]}{flags}")
+        for k, why in repro.registry.NOT_REPRODUCED.items():
+            print(f"{k:8s} (not reproduced yet) {why}")
         for m, e in problems.items():
             print(f"(not loaded: {m}: {e})")
         return 0

@@ -91,3 +91,97 @@ def p5_t2(quick: bool) -> Outcome:
         f"std |G|^2 within {100 * flat:.1f}%",
         fig,
     )
+
+
+def gns_growth(
+    steps: int = 1500,
+    batch: int = 64,
+    lr: float = 0.1,
+    hidden: int = 32,
+    beta: float = 0.99,
+    window: float = 0.1,
+    seed: int = 0,
+) -> dict:
+    """P5-T4: a small MLP (64 -> hidden -> 10, ReLU) trained by SGD on sklearn's digits. Every step gives
+    the per-example estimates of |G|^2 and tr(Sigma) (:func:`elasticlab.gns.per_example_estimates` from
+    :class:`~elasticlab.gns.PerSampleGradNorms`); B_simple early and late is the ratio of their means over
+    a ``window`` of training centred on 10% and on 90% of the steps (McCandlish App. A.1: a ratio of
+    averages, never an average of ratios). The EMA curve of :class:`~elasticlab.gns.GNSEstimator` is
+    returned for plotting."""
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    from elasticlab.gns import GNSEstimator, PerSampleGradNorms, per_example_estimates
+
+    xs, ys = load_digits(return_X_y=True)
+    x = torch.tensor(xs / 16.0, dtype=torch.float32)
+    y = torch.tensor(ys)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    est = GNSEstimator(beta=beta)
+    g2, tr, ema, losses = (np.empty(steps) for _ in range(4))
+    with PerSampleGradNorms(model) as psn:
+        for t in range(steps):
+            idx = torch.randint(0, len(x), (batch,), generator=gen)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            sq = psn.sq_norms().detach().double()
+            grad_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
+            g2[t], tr[t] = per_example_estimates(float(sq.mean()), batch, grad_sq)
+            est.update(sq, grad_sq)
+            opt.step()
+            ema[t], losses[t] = est.b_simple, loss.item()
+    half = max(1, int(window * steps / 2))
+
+    def b_simple_at(frac):
+        c = int(frac * steps)
+        sl = slice(max(c - half, 0), c + half)
+        return float(tr[sl].mean() / g2[sl].mean())
+
+    early, late = b_simple_at(0.1), b_simple_at(0.9)
+    return {
+        "steps": steps,
+        "b_simple_at_10pct": early,
+        "b_simple_at_90pct": late,
+        "growth": late / early,
+        "loss_at_10pct": float(losses[int(0.1 * steps)]),
+        "loss_at_90pct": float(losses[int(0.9 * steps)]),
+        "b_simple_ema": ema,
+        "loss": losses,
+    }
+
+
+@reproduction(
+    "P5-T4",
+    claim="The gradient noise scale grows as training progresses and the loss falls (McCandlish et al.; "
+    "Pollux relies on growth by 10x or more).",
+    target="MLP 64-32-10 on sklearn digits, SGD, batch 64: B_simple (ratio of means over 10% of training) "
+    "at 90% of training > 2x its value at 10%",
+    needs=("elasticlab.gns",),
+)
+def p5_t4(quick: bool) -> Outcome:
+    r = gns_growth(steps=600 if quick else 1500)
+    passed = r["growth"] > 2.0
+    bs, loss = r.pop("b_simple_ema"), r.pop("loss")
+    steps = np.arange(len(bs))
+    fig = lines(
+        steps,
+        {"B_simple (EMA)": bs, "training loss x 100": 100 * loss},
+        log_y=True,
+        title="P5-T4: the simple noise scale during training (digits MLP)",
+        xaxis="SGD step",
+        yaxis="B_simple  /  loss x 100",
+        vlines=(0.1 * len(bs), 0.9 * len(bs)),
+    )
+    return Outcome(
+        r,
+        passed,
+        f"B_simple {r['b_simple_at_10pct']:.1f} -> {r['b_simple_at_90pct']:.1f} "
+        f"(x{r['growth']:.1f}) while the loss went {r['loss_at_10pct']:.2f} -> "
+        f"{r['loss_at_90pct']:.2f}",
+        fig,
+    )

@@ -11,7 +11,7 @@ import os
 import platform
 from pathlib import Path
 
-from .registry import Result
+from .registry import NOT_REPRODUCED, Result
 
 __all__ = ["write_report", "write_json", "render_html", "summary_table", "load_results"]
 
@@ -117,6 +117,11 @@ def render_html(
             f"<td>{status}</td><td>{r.seconds:.1f}</td></tr>"
         )
     parts.append("</tbody></table>")
+    gaps = {k: v for k, v in NOT_REPRODUCED.items() if k not in {r.id for r in results}}
+    if gaps:
+        parts.append("<p><b>Targets of papers.md not measured yet:</b></p><ul id='not-reproduced'>")
+        parts += [f"<li>{esc(k)}: {esc(v)}</li>" for k, v in sorted(gaps.items())]
+        parts.append("</ul>")
     first = True
     for r in results:
         parts.append(
