@@ -562,6 +562,9 @@ class ElasticJob:
         self._events.emit("fault", worker=w.id, pid=w.pid, exitcode=code, rank=w.rank, was=was,
                           generation=self._gen, step=self._last_step)
         if was == "active" and self._state in ("running", "draining"):
+            p = self._pending.pop("checkpoint", None)
+            if p and not p[0].done():
+                p[0].set_exception(RuntimeError(f"worker {w.id} died before the requested checkpoint"))
             with self._lock:
                 self._state = "draining"
                 self._drain_reason = self._drain_reason if self._drain_reason in ("stop", "finished") \
@@ -577,8 +580,8 @@ class ElasticJob:
             return
         if st == "starting":
             idle = [w for w in self._workers.values() if w.state == "idle"]
-            if len(idle) >= self._target:
-                self._form(self._target, None)
+            if len(idle) >= self._target:  # a checkpoint directory from an earlier run is resumed
+                self._form(self._target, *self._resume_from())
             elif self._error:
                 with self._lock:
                     self._state = "failed"
@@ -593,6 +596,8 @@ class ElasticJob:
             idle = [w for w in self._workers.values() if w.state == "idle"]
             if len(idle) >= self._target:
                 self._form(self._target, *self._resume_from())
+            else:  # replace any that died while starting
+                self._spawn_upto(self._target)
             return
         if st == "paused":
             self._take_requests()
@@ -658,8 +663,8 @@ class ElasticJob:
     def _send_rank0(self, control) -> None:
         r0 = next((w for w in self._active if w.rank == 0), None)
         if r0 is not None:
-            with contextlib.suppress(Exception):
-                r0.conn.send(control)
+            with contextlib.suppress(Exception):  # tagged: a generation ignores its predecessors' leftovers
+                r0.conn.send(("ctl", self._gen, *control))
 
     def _leave(self, reason: str) -> None:
         with self._lock:
@@ -754,6 +759,9 @@ class ElasticJob:
     def _decide_batch(self, n: int) -> BatchConfig | None:
         p = self._pending.get("resize")
         if p and p[1].get("batch") is not None:
+            return p[1]["batch"]
+        p = self._pending.get("set_batch")  # asked for, but the generation ended before it took effect
+        if p:
             return p[1]["batch"]
         if self.policy is None:
             return self._batch

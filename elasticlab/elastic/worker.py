@@ -288,8 +288,11 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
         try:
             _run_generation(trainer, conn, worker_id, msg[1])
         except Exception as e:
+            import traceback
+
+            where = "".join(traceback.format_exception(e)[-3:]).strip()
             with contextlib.suppress(Exception):
-                conn.send(("error", worker_id, gen, repr(e)))
+                conn.send(("error", worker_id, gen, f"{e!r}\n{where}"))
         finally:
             trainer.leave()
         with contextlib.suppress(Exception):
@@ -327,7 +330,9 @@ def _run_generation(tr: Trainer, conn, worker_id: int, j: dict) -> None:
             return
         control = (CMD_NONE, 0, 0)
         if rank == 0 and conn.poll():
-            control = conn.recv()
+            msg = conn.recv()
+            if msg[0] == "ctl" and msg[1] == gen:  # a control left over from an aborted generation is dropped
+                control = tuple(msg[2:])
         if rank == 0 and control[0] == CMD_NONE and schedule.get(tr.step + 1, world) != world:
             # a scheduled resize after step tr.step+1: leave after it, and tell the controller the size
             conn.send(("schedule", gen, tr.step + 1, schedule[tr.step + 1]))
