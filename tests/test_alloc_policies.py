@@ -94,3 +94,22 @@ def test_dp_policies_within_caps(name):
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy"):
         get_policy("slurm")
+
+
+def test_goodput_policy_prefers_short_jobs_and_validates():
+    with pytest.raises(ValueError, match="weight"):
+        get_policy("goodput", weight="magic")
+    with pytest.raises(ValueError, match="a must be"):
+        get_policy("goodput", a=0)
+    jobs = _jobs(2, mode="goodput")
+    for j in jobs:
+        j.reallocate((4,))
+        j.step(600)
+    jobs[0].progress = jobs[0].app.max_progress * 0.95
+    out = get_policy("goodput").allocate(jobs, 700, Cluster(3, 4))
+    assert out["j0"] == 4  # nearly done: a 30 s restart is not worth it, it keeps its GPUs
+    for j in jobs:  # both paused: the shorter remaining job gets at least as many GPUs
+        j.reallocate(())
+    jobs[0].progress = jobs[0].app.max_progress * 0.5
+    out = get_policy("goodput").allocate(jobs, 700, Cluster(3, 4))
+    assert out["j0"] >= out["j1"] >= 1
