@@ -49,7 +49,8 @@ def main(argv=None):
         for concave in (True, False):
             u = utility_table(jobs, gpus, concave=concave)
             med, best = best_time(lambda u=u, gpus=gpus: dp_allocate(u, gpus))
-            med_dp, _ = best_time(lambda u=u, gpus=gpus: dp_allocate(u, gpus, method="dp"), min_total=0.5, max_reps=20)
+            med_dp, _ = best_time(lambda u=u, gpus=gpus: dp_allocate(u, gpus, method="dp"),
+                                  min_total=0.5, max_reps=20)
             v_auto = allocation_value(u, dp_allocate(u, gpus))
             v_dp = allocation_value(u, dp_allocate(u, gpus, method="dp"))
             exact = abs(v_auto - v_dp) <= 1e-9 * max(1.0, abs(v_dp))
