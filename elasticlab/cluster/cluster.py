@@ -153,6 +153,7 @@ class LocalCluster:
                 raise
             job = LiveJob(spec, self.now(), self._mode_for(spec))
             self._jobs[spec.name] = job
+            job.count_samples()
             self._events.emit("submit", job=spec.name, entrypoint=spec.entrypoint, min_slots=spec.min_slots,
                               max_slots=spec.max_slots, initial_batch=spec.initial_batch,
                               max_batch=spec.max_batch)

@@ -10,6 +10,7 @@ best batch per slot count folded in), ``max_replicas`` (Pollux's exploration lim
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class LiveJob:
         self.last_step = 0
         self.error_seen_t: float | None = None
         self._n: int | None = None
+        self._counting = False
         self._metric_index = 0
         self._samples_done = 0
 
@@ -147,15 +149,16 @@ class LiveJob:
             rate1 = sps / ws / m0 if sps and ws else 1.0
             out[1:top + 1] = gg * rate1
             return out
-        if mode == "fixed":
-            fn = self.goodput_function(mode)
-            split = [self.fixed_split(int(k)) for k in gg]
-            b = np.array([c.per_worker_batch(int(k)) for c, k in zip(split, gg)])
-            s = np.array([c.accum_steps for c in split])
-            good = np.where(b >= self.spec.per_slot_batch[0], fn.evaluate(1, gg, b, s), 0.0)
-        else:
-            _, (good, _, _) = self._optimize(gg, mode)
-        out[1:top + 1] = good / m0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if mode == "fixed":
+                fn = self.goodput_function(mode)
+                split = [self.fixed_split(int(k)) for k in gg]
+                b = np.array([c.per_worker_batch(int(k)) for c, k in zip(split, gg)])
+                s = np.array([c.accum_steps for c in split])
+                good = np.where(b >= self.spec.per_slot_batch[0], fn.evaluate(1, gg, b, s), 0.0)
+            else:
+                _, (good, _, _) = self._optimize(gg, mode)
+        out[1:top + 1] = np.nan_to_num(np.asarray(good, dtype=float) / m0, nan=0.0, posinf=0.0)
         return out
 
     def speedup_curve(self, max_gpus: int, gpus_per_node: int = 1, mode: str | None = None,
@@ -169,13 +172,27 @@ class LiveJob:
             return out
         return good / good[1]
 
-    def dataset_size(self) -> int:
-        """Samples in the job's dataset (the task is built once, here, to count them)."""
-        if self._n is None:
+    def count_samples(self) -> None:
+        """Build the task once in a background thread to count its samples (never blocks a round)."""
+        if self._n is not None or self._counting:
+            return
+        self._counting = True
+
+        def count():
             from elasticlab.elastic.task import build
 
-            self._n = len(build(self.spec.entrypoint, self.spec.entry_kwargs))
-        return self._n
+            try:
+                self._n = len(build(self.spec.entrypoint, self.spec.entry_kwargs))
+            except Exception:
+                self._n = 0  # unknown: remaining_progress falls back to the same prior for every job
+
+        threading.Thread(target=count, name=f"count-{self.name}", daemon=True).start()
+
+    def dataset_size(self) -> int | None:
+        """Samples in the job's dataset; None until :meth:`count_samples` has counted them."""
+        if self._n is None:
+            self.count_samples()
+        return self._n or None
 
     def samples_done(self) -> int:
         """Samples processed so far (from the job's per-step records)."""
@@ -188,7 +205,10 @@ class LiveJob:
     def remaining_progress(self) -> float:
         """Work left in M0-steps: samples still to process (epochs x dataset, the job's declared work)
         over M0."""
-        total = self.spec.epochs * self.dataset_size()
+        n = self.dataset_size()
+        if n is None:  # not counted yet: work = epochs of a nominal 1000 samples
+            n = 1000
+        total = self.spec.epochs * n
         if self.spec.max_steps is not None:
             total = min(total, self.spec.max_steps * self.spec.initial_batch)
         return max(total - self.samples_done(), 0) / float(self.spec.initial_batch)
