@@ -176,7 +176,7 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool) -> dict:
+def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool, clock=time.perf_counter) -> dict:
     model, x, y = workload(name, quick)
     model, x, y = model.to(device), x.to(device), y.to(device)
     steps = {m: make_step(m, copy.deepcopy(model), x, y) for m in methods}   # one model per method
@@ -195,9 +195,9 @@ def time_methods(name: str, methods, device, iters: int, warmup: int, quick: boo
                     _sync(device)
                     dt = t0.elapsed_time(t1) / 1e3
                 else:
-                    t = time.perf_counter()
+                    t = clock()
                     steps[m]()
-                    dt = time.perf_counter() - t
+                    dt = clock() - t
                 if r >= warmup or (r == 0 and dt > 1.0):
                     times[m].append(dt)
                 if dt > 1.0:
@@ -270,6 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: process CPU time, steadier on a busy machine (use with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="small batches and few iterations (smoke test)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--mem-child", nargs=2, help=argparse.SUPPRESS)
@@ -292,11 +294,12 @@ def main(argv=None) -> int:
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, _C built {_ext.HAS_C}, "
           f"kernels {_ext.operators()}")
-    result = {"device": str(device), "threads": torch.get_num_threads(), "workloads": {}}
+    result = {"device": str(device), "threads": torch.get_num_threads(), "clock": args.clock, "workloads": {}}
     for w in args.workloads.split(","):
         errs = check_methods(w, methods, device)
         bad = {m: e for m, e in errs.items() if e > 1e-6}
-        med = time_methods(w, methods, device, iters, warmup, args.quick)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        med = time_methods(w, methods, device, iters, warmup, args.quick, clock)
         base = med["plain"]
         entry = {"baseline_ms": base * 1e3, "ratio": {}, "check_rel_err": errs}
         print(f"\n{w}: plain {base * 1e3:.2f} ms  (check vs torch.func, float64: "
