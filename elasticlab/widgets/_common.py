@@ -22,15 +22,42 @@ def color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
-def figure_widget(title: str, *, height: int = 260, xaxis: str = "", yaxis: str = "", **layout):
-    """An empty plotly ``FigureWidget`` with a compact layout (the live charts of the panels)."""
-    import plotly.graph_objects as go
+def subplots_figure(titles, rows: int, cols: int, *, height: int = 500, **kw):
+    """A plotly figure with a grid of titled subplots in the panels' compact style."""
+    from plotly.subplots import make_subplots
 
-    fig = go.FigureWidget()
-    fig.update_layout(title={"text": title, "x": 0.02, "font": {"size": 13}}, height=height,
-                      margin={"l": 50, "r": 15, "t": 35, "b": 35}, xaxis_title=xaxis, yaxis_title=yaxis,
-                      template="plotly_white", showlegend=False, **layout)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(titles), **kw)
+    fig.update_layout(height=height, margin={"l": 55, "r": 15, "t": 40, "b": 45}, template="plotly_white",
+                      showlegend=False)
+    fig.update_annotations(font_size=13)
     return fig
+
+
+class LiveFigure:
+    """A plotly figure shown in an ``ipywidgets.Output`` and redrawn by :meth:`show` (from any thread).
+
+    The panels draw their charts this way rather than with ``go.FigureWidget``: with plotly 7's anywidget
+    front end, FigureWidgets edited before or while the browser creates their view came up blank in
+    JupyterLab 4 (see tests/test_browser.py), whereas replacing the output's plotly mime bundle (rendered
+    by the jupyterlab-plotly extension) always shows the current figure. ``figure`` is an ordinary
+    ``go.Figure``: edit it, then call :meth:`show`.
+    """
+
+    def __init__(self, figure, **layout):
+        import ipywidgets as W
+
+        self.figure = figure
+        self.widget = W.Output(layout=W.Layout(**layout)) if layout else W.Output()
+        self.show()
+
+    def show(self) -> None:
+        import plotly.io as pio
+
+        spec = json.loads(pio.to_json(self.figure, validate=False))
+        spec["config"] = {"displaylogo": False, "responsive": True}
+        self.widget.outputs = ({"output_type": "display_data", "metadata": {},
+                                "data": {"application/vnd.plotly.v1+json": spec,
+                                         "text/plain": f"<plotly figure: {len(self.figure.data)} traces>"}},)
 
 
 def html_table(rows: list[dict], columns: list[str] | None = None, *, floatfmt: str = "{:.4g}") -> str:

@@ -14,7 +14,7 @@ import time
 
 import ipywidgets as W
 
-from elasticlab.widgets._common import Poller, figure_widget, write_json_atomic
+from elasticlab.widgets._common import LiveFigure, Poller, subplots_figure, write_json_atomic
 
 #: The charts: (metric key, title, y-axis label, step-shaped line?).
 CHARTS = (("loss", "Loss", "loss", False), ("samples_per_s", "Throughput", "samples/s", False),
@@ -109,19 +109,20 @@ class JobPanel:
         self.policy.observe(self._on_policy, names="value")
         self.lr_rule.observe(self._on_lr_rule, names="value")
 
-        # ---- charts ---------------------------------------------------------------------------
-        self.figures = {}
-        for key, title, ylab, stepped in CHARTS:
-            fig = figure_widget(title, height=230, xaxis="time since start (s)", yaxis=ylab)
-            fig.add_scatter(x=[], y=[], mode="lines", name=key,
+        # ---- charts: a 2x3 grid of subplots, redrawn on every refresh with new data ---------------
+        fig = subplots_figure([title for _, title, *_ in CHARTS], rows=2, cols=3, height=520)
+        for i, (key, _, ylab, stepped) in enumerate(CHARTS):
+            r, c = divmod(i, 3)
+            fig.add_scatter(x=[], y=[], mode="lines", name=key, row=r + 1, col=c + 1,
                             line={"shape": "hv" if stepped else "linear", "width": 2})
-            self.figures[key] = fig
-        charts = W.GridBox(list(self.figures.values()),
-                           layout=W.Layout(grid_template_columns="repeat(3, minmax(260px, 1fr))"))
+            fig.update_yaxes(title_text=ylab, row=r + 1, col=c + 1)
+        fig.update_xaxes(title_text="time since start (s)", row=2)
+        self.chart = LiveFigure(fig)
+        self.figure = fig
         controls = W.HBox([self.start_button, self.pause_button, self.stop_button, self.workers])
         choices = W.HBox([self.policy, self.lr_rule])
         self.widget = W.VBox([W.HTML("<b>elasticlab · elastic job</b>"), controls, choices,
-                              self.status_label, charts, W.HTML("<b>events</b>"), self.log])
+                              self.status_label, self.chart.widget, W.HTML("<b>events</b>"), self.log])
         self.widget.add_class("elasticlab-job-panel")
         self._poller = Poller(self.refresh, poll_s, name="elasticlab-jobpanel",
                               on_error=lambda tb: self._append_log(f"<span style='color:#c00'>panel error: "
@@ -265,19 +266,20 @@ class JobPanel:
 
     def _draw(self, st: dict) -> None:
         t = self._series["t"]
-        shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+        axes = [("x", "y")] + [(f"x{i + 1}", f"y{i + 1}") for i in range(1, len(CHARTS))]
+        shapes = [{"type": "line", "xref": ax, "yref": f"{ay} domain", "x0": x, "x1": x, "y0": 0, "y1": 1,
                    "line": {"color": "rgba(120,120,120,0.6)", "dash": "dot", "width": 1}}
-                  for x, _ in self._marks]
-        for key, title, *_ in CHARTS:
-            fig = self.figures[key]
-            ys = self._series[key]
-            last = next((y for y in reversed(ys) if y == y), None)
-            head = title if last is None else f"{title} (now {last:.4g})"
-            with fig.batch_update():
-                fig.data[0].x = t
-                fig.data[0].y = ys
-                fig.layout.shapes = shapes
-                fig.layout.title.text = head
+                  for x, _ in self._marks for ax, ay in axes]
+        fig = self.figure
+        with fig.batch_update():
+            for i, (key, title, *_) in enumerate(CHARTS):
+                ys = self._series[key]
+                last = next((y for y in reversed(ys) if y == y), None)
+                fig.data[i].x = t
+                fig.data[i].y = ys
+                fig.layout.annotations[i].text = title if last is None else f"{title} (now {last:.4g})"
+            fig.layout.shapes = shapes
+        self.chart.show()
 
     def _show_status(self, st: dict) -> None:
         state = st["state"]
