@@ -59,7 +59,8 @@ def _worker_context(start_method: str):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "elasticlab.elastic.worker"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "elasticlab.gns.ddp",
+                                    "elasticlab.lr", "elasticlab.elastic.worker"])
     return ctx
 
 

@@ -266,6 +266,7 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
     import torch
 
     torch.set_num_threads(int(options.get("threads", 1)))
+    import elasticlab.gns.ddp  # noqa: F401  (imported now, not on the first join: resizes stay fast)
     from elasticlab.elastic.task import build
 
     torch.manual_seed(options["seed"])
