@@ -16,10 +16,7 @@ from elasticlab.repro.registry import Outcome, Reproduction
 REPS = repro.all_reproductions()
 IDS = [r.id for r in REPS]
 # claims that do not reproduce today, with the reason; the report shows them as FAIL, pytest as xfail
-KNOWN_GAPS = {
-    "P4-T6": "our Pollux-objective DP policy cuts workload-6's average JCT by ~20% against our Tiresias, "
-    "not the paper's 32% (issue 10's own target for it is only 'within 15% of 2446 s')",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _marks(r):

@@ -164,7 +164,7 @@ def gns_growth(
     needs=("elasticlab.gns",),
 )
 def p5_t4(quick: bool) -> Outcome:
-    r = gns_growth(steps=600 if quick else 1500)
+    r = gns_growth(steps=600 if quick else 1000)
     passed = r["growth"] > 2.0
     bs, loss = r.pop("b_simple_ema"), r.pop("loss")
     steps = np.arange(len(bs))
