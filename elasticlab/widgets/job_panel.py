@@ -2,10 +2,11 @@
 
 A worker-count slider resizes the running job (``job.resize(n)``, applied at the next step boundary), a
 batch-policy choice replaces the job's policy (used at the next resize), and an LR-rule choice applies
-before the job starts (the workers carry the rule). Six plotly ``FigureWidget`` charts — loss,
-samples/s, gradient noise scale, global batch, LR and world size over time, with every new generation
-(resize, restart, resume) marked — and an event log are refreshed by a background thread polling
-``job.metrics()``/``job.events()``, so the kernel is never blocked.
+before the job starts (the workers carry the rule). Six plotly charts — loss, samples/s, gradient noise
+scale, global batch, LR and world size over time, with every new generation (resize, restart, resume)
+marked — and an event log are refreshed by a background thread polling ``job.metrics()``/``job.events()``,
+so the kernel is never blocked. (The charts are one plotly figure redrawn in an ``Output`` widget, see
+:class:`~elasticlab.widgets._common.LiveFigure`, because ``FigureWidget`` came up blank in JupyterLab 4.)
 """
 from __future__ import annotations
 
