@@ -161,7 +161,7 @@ def test_artifact_numbers_and_fidelity_on_subset():
 @pytest.mark.slow
 @pytest.mark.repro
 def test_fidelity_workload6_full():
-    """Issue 10: Tiresias-like and Optimus-like within 10% of the artifact on workload-6, Pollux within 15%."""
+    """Issue 10: Tiresias-/Optimus-like within 10% of the artifact on workload-6, Pollux within 15%."""
     from elasticlab.sim.experiments import fidelity
 
     df = fidelity("workload-6", ("tiresias", "optimus", "pollux"))
