@@ -3,7 +3,8 @@
 Every ``interval`` seconds (60): advance every submitted job (``SimJob.step``), ask the policy for GPU
 counts of the active jobs, place them on ``num_nodes`` x ``gpus_per_node`` GPUs, and re-allocate the jobs
 whose placement changed (each change costs the job ``restart_delay`` = 30 s). Ends when every job is done
-(or at ``max_time``).
+(or at ``max_time``). Under batch-adaptive policies NCF jobs keep the user's configuration (1 GPU, batch
+32768), as in the artifact.
 """
 from __future__ import annotations
 

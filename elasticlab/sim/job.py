@@ -5,6 +5,11 @@ global batch and epoch, goodput = gain / T_iter in M0-steps per second (AdaScale
 times scale); progress += goodput * dt; epoch boundaries and completion come from the validation tables.
 Any re-allocation costs ``restart_delay`` seconds without progress (GPU time is still charged).
 
+Simplification against the artifact: the scheduler's throughput model is fitted once per application to
+all its traces (``Application.throughput_model``) instead of refitted per job from its own observations;
+prior-driven exploration survives as the cap of twice the largest GPU count profiled (``max_replicas``).
+The gradient statistics the agent sees are the true ones, as in the artifact.
+
 ``batch_mode``: "fixed" (the user's batch from the workload), "goodput" (re-optimised for goodput with
 the fitted throughput model and the true GNS, Pollux agent), "throughput" (the largest-throughput batch in
 range, ignoring statistical efficiency: Saxena's objective), "initial" (M0 whatever the GPU count).
