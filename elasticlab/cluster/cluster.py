@@ -77,6 +77,9 @@ class LocalCluster:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
         if not hysteresis >= 1.0:
             raise ValueError(f"hysteresis must be >= 1, got {hysteresis!r}")
+        # torch is imported here, in the caller's thread: the loop and the sample counters use it from
+        # their own threads, and two threads importing torch for the first time at once abort the process
+        import torch.distributed  # noqa: F401
         self.slots = slots
         self.interval = float(interval)
         self.admission = admission

@@ -8,7 +8,7 @@ own: membership is torchrun's rendezvous.
 
 * grow: start more agents on the same rendezvous; torchrun restarts the workers at the new world size and
   they resume from the newest valid checkpoint (:func:`elasticlab.elastic.worker.torchrun_main`);
-* shrink: end the newest agents (never the first, which hosts the rendezvous store) with their workers;
+* shrink: end the newest agents with their workers (the rendezvous store is hosted by this object);
   the survivors' collectives fail, their agents re-rendezvous without them and resume likewise;
 * pause: end every agent; resume: a fresh rendezvous at ``n`` agents.
 
@@ -35,12 +35,6 @@ from pathlib import Path
 from elasticlab.elastic.records import EventLog, RecordLog
 
 
-def _free_port() -> int:
-    from torch.distributed.elastic.utils.distributed import get_free_port
-
-    return int(get_free_port())
-
-
 class TorchrunJob:
     """A job run by torchrun agents on this machine (see the module docstring)."""
 
@@ -64,6 +58,7 @@ class TorchrunJob:
         self._agents: list[subprocess.Popen] = []
         self._killed: set[int] = set()
         self._port = None
+        self._store = None
         self._round = 0
         self._lock = threading.RLock()
         self._metrics, self._events = RecordLog(), EventLog()
@@ -79,7 +74,8 @@ class TorchrunJob:
     def _command(self) -> list[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_workers}",
                "--nproc-per-node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{self._port}",
-               f"--rdzv_id=elasticlab-{self.name}-{self._round}", "--rdzv_conf", "last_call_timeout=1",
+               f"--rdzv_id=elasticlab-{self.name}-{self._round}",
+               "--rdzv_conf", "last_call_timeout=1,is_host=false",
                f"--max-restarts={self.max_restarts}", "--monitor-interval=0.2",
                "-m", "elasticlab.cluster.torchrun",
                "--entrypoint", self.entrypoint, "--entry-kwargs", json.dumps(self.entry_kwargs),
@@ -87,6 +83,17 @@ class TorchrunJob:
         if self.record_path:
             cmd += ["--record-samples", self.record_path]
         return cmd
+
+    def _host_store(self) -> None:
+        """The rendezvous store (torch's TCPStore on 127.0.0.1) lives here, not in an agent
+        (``is_host=false``), so that the scheduler may end any agent without ending the rendezvous."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=60))
+        self._port = int(self._store.port)
 
     def _add_agent(self) -> None:
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
@@ -98,12 +105,20 @@ class TorchrunJob:
         self._events.emit("agent_start", pid=p.pid, agents=self._alive())
 
     def _kill_agent(self, p: subprocess.Popen) -> None:
-        """SIGKILL an agent's process group (agent and worker): a graceful SIGTERM would close the whole
-        rendezvous for the other agents too."""
+        """SIGKILL an agent, then its workers (torchrun starts each worker in a session of its own): a
+        graceful SIGTERM would close the whole rendezvous for the other agents too."""
         self._killed.add(p.pid)
+        kids = []
+        with contextlib.suppress(Exception):
+            import psutil
+
+            kids = psutil.Process(p.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
-        self._events.emit("agent_stop", pid=p.pid)
+        for k in kids:
+            with contextlib.suppress(Exception):
+                k.kill()
+        self._events.emit("agent_stop", pid=p.pid, workers=[k.pid for k in kids])
 
     def _alive(self) -> int:
         return sum(1 for p in self._agents if p.poll() is None and p.pid not in self._killed)
@@ -180,7 +195,7 @@ class TorchrunJob:
             if self._state != "new":
                 raise RuntimeError(f"job already started (state {self._state!r})")
             self._state = "starting"
-        self._port = _free_port()
+        self._host_store()
         for _ in range(self._target):
             self._add_agent()
         self._watch = threading.Thread(target=self._watcher, daemon=True, name=f"torchrun-watch-{self.name}")
@@ -212,7 +227,7 @@ class TorchrunJob:
                 self._add_agent()
         elif n < cur:
             alive = [p for p in self._agents if p.poll() is None and p.pid not in self._killed]
-            for p in alive[n:]:  # the newest; the first agent hosts the rendezvous store
+            for p in alive[n:]:  # the newest ones
                 self._kill_agent(p)
         else:
             fut.set_result({"world_size": n, "step": self._last.get("step", 0), "latency_s": 0.0})
@@ -242,7 +257,7 @@ class TorchrunJob:
             raise RuntimeError(f"cannot resume: the job is {self.state}, not paused")
         n = int(n or self._target)
         self._round += 1
-        self._port = _free_port()
+        self._host_store()
         with self._lock:
             self._state = "running"
         fut = self._future(n, 0)
