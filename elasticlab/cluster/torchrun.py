@@ -345,9 +345,20 @@ def main(argv=None) -> int:
     ap.add_argument("--record-samples", default=None)
     ap.add_argument("--options", default="{}")
     a = ap.parse_args(argv)
+    opts = json.loads(a.options)
     out = torchrun_main(a.entrypoint, checkpoint_dir=a.checkpoint_dir, record_samples=a.record_samples,
-                        entry_kwargs=json.loads(a.entry_kwargs), log_steps=True, **json.loads(a.options))
-    print(json.dumps({"event": "done", **out}), flush=True)
+                        entry_kwargs=json.loads(a.entry_kwargs), log_steps=True, **opts)
+    # torchrun_main also returns when its agent ends it for a membership change (it checkpoints and
+    # leaves): the job is done only if the newest checkpoint has all its work
+    from elasticlab.elastic.checkpoint import CheckpointDir
+    from elasticlab.elastic.checkpoint import load as load_checkpoint
+
+    path, _ = CheckpointDir(a.checkpoint_dir).latest()
+    state = load_checkpoint(path) if path is not None else {"step": 0, "sampler": {"epoch": 0}}
+    max_steps = opts.get("max_steps")
+    complete = (max_steps is not None and int(state["step"]) >= max_steps) or \
+        int(state["sampler"]["epoch"]) >= int(opts.get("epochs", 1))
+    print(json.dumps({"event": "done" if complete else "left", **out}), flush=True)
     return 0
 
 
