@@ -45,7 +45,7 @@ def _wait_status(path: Path, pred, timeout: float) -> dict:
 def _shoot_output(page, css: str, path: Path) -> None:
     """Screenshot the output area of the cell that holds ``css`` (a panel's controls, charts and log)."""
     area = page.locator(".jp-Cell-outputArea", has=page.locator(css)).first
-    area.scroll_into_view_if_needed()
+    area.evaluate("e => e.scrollIntoView({block: \"start\"})")
     area.screenshot(path=str(path), timeout=120_000, animations="disabled")
 
 
@@ -74,9 +74,9 @@ def test_control_panel_resizes_job_from_browser(tmp_path):
             st = _wait_status(status_file, lambda s: s["state"] == "running" and s["world_size"] == 2
                               and s["step"] >= 3, timeout=240)
             pids |= {w["pid"] for w in st["workers"].values() if w.get("pid")}
-            panel.scroll_into_view_if_needed()  # Run All leaves the view at the last cell
+            panel.evaluate("e => e.scrollIntoView({block: \"start\"})")  # Run All leaves the view at the last cell
             page.locator(".elasticlab-job-status [data-world-size='2']").wait_for(state="attached",
-                                                                                 timeout=30_000)
+                                                                                 timeout=90_000)
             dismiss_toasts(page)
 
             # move the slider 2 -> 3 with the keyboard, as a user would
@@ -95,10 +95,10 @@ def test_control_panel_resizes_job_from_browser(tmp_path):
             assert len(active) == 3 and sorted(w["rank"] for w in active) == [0, 1, 2]
             # ... the status label in the page, and the world-size chart (its title and its data)
             page.locator(".elasticlab-job-status [data-world-size='3']").wait_for(state="attached",
-                                                                                 timeout=30_000)
+                                                                                 timeout=90_000)
             page.wait_for_function(
                 "() => [...document.querySelectorAll('.js-plotly-plot .annotation-text')]"
-                ".some(t => t.textContent.startsWith('World size (now 3)'))", timeout=60_000)
+                ".some(t => t.textContent.startsWith('World size (now 3)'))", timeout=90_000)
             ys = page.evaluate(
                 "() => { for (const p of document.querySelectorAll('.js-plotly-plot')) {"
                 " const tr = (p.data || []).find(d => d.name === 'world_size');"
@@ -114,7 +114,7 @@ def test_control_panel_resizes_job_from_browser(tmp_path):
             page.locator(".elasticlab-job-panel button:has-text('stop')").click()
             st = _wait_status(status_file, lambda s: s["state"] == "stopped", timeout=120)
             page.locator(".elasticlab-job-status [data-state='stopped']").wait_for(state="attached",
-                                                                                  timeout=30_000)
+                                                                                  timeout=90_000)
         except Exception:
             page.screenshot(path=str(SHOTS / "failure_04_elastic_control_panel.png"), timeout=60_000)
             raise
@@ -140,19 +140,19 @@ def test_allocation_and_simulation_panels_render(tmp_path):
                                    (".elasticlab-simulation-dashboard", "simulation_dashboard", 2)):
             box = page.locator(cls)
             box.wait_for(state="attached", timeout=240_000)
-            box.scroll_into_view_if_needed()
+            box.evaluate("e => e.scrollIntoView({block: \"start\"})")
             page.wait_for_function(
                 f"() => {{ const b = document.querySelector('{cls}');"
                 f" return b && b.querySelectorAll('.js-plotly-plot .main-svg').length >= {n_plots}; }}",
                 timeout=240_000)
             if name == "simulation_dashboard":  # its results table appears when the policies have run
                 box.locator(".elasticlab-sim-table table").wait_for(state="attached", timeout=240_000)
-            box.scroll_into_view_if_needed()
+            box.evaluate("e => e.scrollIntoView({block: \"start\"})")
             time.sleep(1.0)  # let plotly finish its transitions
             box.screenshot(path=str(SHOTS / f"{name}.png"), timeout=120_000, animations="disabled")
         # the explorer reacts to its capacity slider: totals change when the cluster shrinks
         box = page.locator(".elasticlab-allocation-explorer")
-        box.scroll_into_view_if_needed()
+        box.evaluate("e => e.scrollIntoView({block: \"start\"})")
         before = box.locator(".elasticlab-alloc-totals").inner_text()
         handle = box.locator(".elasticlab-capacity .noUi-handle")
         handle.focus()

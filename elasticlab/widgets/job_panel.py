@@ -49,11 +49,13 @@ class JobPanel:
 
     ``max_workers`` bounds the slider (default: the job's slots, at most 8). ``poll_s`` is the refresh
     period. ``status_file``, if given, receives ``job.status()`` as JSON at every refresh (for scripts and
-    tests that watch a job driven from the browser). ``window`` keeps the charts to the last that many steps.
+    tests that watch a job driven from the browser). ``window`` keeps the charts to the last that many steps;
+    they are redrawn at most every ``chart_every_s`` with at most ``max_points`` points per series.
     """
 
     def __init__(self, job, *, max_workers: int | None = None, poll_s: float = 0.5, status_file=None,
-                 window: int = 5000, autostart_poll: bool = True):
+                 window: int = 5000, chart_every_s: float = 2.0, max_points: int = 400,
+                 autostart_poll: bool = True):
         for name in ("start", "resize", "pause", "resume", "stop", "status", "metrics", "events"):
             if not callable(getattr(job, name, None)):
                 raise TypeError(f"JobPanel needs an ElasticJob-like object; "
@@ -65,6 +67,9 @@ class JobPanel:
         self.job = job
         self.status_file = status_file
         self.window = int(window)
+        self.chart_every_s, self.max_points = float(chart_every_s), max(10, int(max_points))
+        self._last_chart = 0.0
+        self._chart_stale = False
         slots = int(getattr(job, "slots", 8))
         self.max_workers = int(max_workers) if max_workers is not None else max(1, min(slots, 8))
         if self.max_workers < 1:
@@ -161,11 +166,11 @@ class JobPanel:
         """Stop the job (checkpoint and end its workers). ``block=False`` does it on a helper thread."""
         if block:
             self.job.stop()
-            self.refresh()
+            self.refresh(force=True)
         else:
             import threading
 
-            threading.Thread(target=lambda: (self.job.stop(), self.refresh()), daemon=True).start()
+            threading.Thread(target=lambda: (self.job.stop(), self.refresh(force=True)), daemon=True).start()
 
     def close(self):
         """Stop refreshing (the job itself keeps running; see :meth:`stop`)."""
@@ -230,7 +235,7 @@ class JobPanel:
         style = " style='color:#c00'" if k in ("fault", "error", "restart", "checkpoint_corrupt") else ""
         return f"<b{style}>{html.escape(k)}</b> {html.escape(fields)}"
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Pull new metrics and events from the job and update the charts, log and status (thread-safe
         enough for one poller: only this method writes the series)."""
         job = self.job
@@ -257,7 +262,11 @@ class JobPanel:
                 for k in self._series:
                     self._series[k] = self._series[k][-self.window:]
         st = job.status()
-        if new or evs:
+        self._chart_stale |= bool(new or evs)
+        # charts are redrawn at most every chart_every_s (a browser on a busy machine must keep up)
+        if self._chart_stale and (force or time.monotonic() - self._last_chart >= self.chart_every_s):
+            self._last_chart = time.monotonic()
+            self._chart_stale = False
             self._draw(st)
         self._show_status(st)
         if self.status_file:
@@ -266,7 +275,11 @@ class JobPanel:
         return None
 
     def _draw(self, st: dict) -> None:
-        t = self._series["t"]
+        n = len(self._series["t"])
+        keep = list(range(0, n, max(1, -(-n // self.max_points))))
+        if n and keep[-1] != n - 1:
+            keep.append(n - 1)
+        t = [self._series["t"][i] for i in keep]
         axes = [("x", "y")] + [(f"x{i + 1}", f"y{i + 1}") for i in range(1, len(CHARTS))]
         shapes = [{"type": "line", "xref": ax, "yref": f"{ay} domain", "x0": x, "x1": x, "y0": 0, "y1": 1,
                    "line": {"color": "rgba(120,120,120,0.6)", "dash": "dot", "width": 1}}
@@ -274,8 +287,9 @@ class JobPanel:
         fig = self.figure
         with fig.batch_update():
             for i, (key, title, *_) in enumerate(CHARTS):
-                ys = self._series[key]
-                last = next((y for y in reversed(ys) if y == y), None)
+                full = self._series[key]
+                ys = [full[i] for i in keep]
+                last = next((y for y in reversed(full) if y == y), None)
                 fig.data[i].x = t
                 fig.data[i].y = ys
                 fig.layout.annotations[i].text = title if last is None else f"{title} (now {last:.4g})"

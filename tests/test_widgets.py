@@ -1,0 +1,293 @@
+"""Control panels without a browser: their logic, their widgets' state, and their errors."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from elasticlab.widgets._common import LiveFigure, Poller, html_table, subplots_figure, write_json_atomic
+
+
+class FakeJob:
+    """An ElasticJob stand-in: records requests, produces metrics/events on demand."""
+
+    def __init__(self, workers=2):
+        self.slots, self.options, self.policy, self.entry_kwargs = 4, {"lr_rule": "constant"}, None, {}
+        self._state, self._ws, self._m, self._e = "new", workers, [], []
+        self.resizes = []
+        self.t0 = time.time()
+
+    def start(self):
+        self._state = "running"
+        self._e.append({"kind": "start", "time": self.t0, "t": 0.0})
+        self._e.append({"kind": "generation", "time": self.t0 + 0.1, "t": 0.1, "world_size": self._ws})
+
+    def step(self, n=1):
+        for _ in range(n):
+            k = len(self._m)
+            self._m.append({"step": k + 1, "epoch": 0, "time": self.t0 + 0.2 + 0.01 * k,
+                            "loss": 2.0 / (k + 1),
+                            "samples_per_s": 100.0 * self._ws, "world_size": self._ws, "global_batch": 64,
+                            "lr": 0.1, "gns": None if k < 2 else 50.0 + k})
+
+    def resize(self, n):
+        self.resizes.append(n)
+        self._ws = n
+        self._e.append({"kind": "generation", "time": time.time(), "t": 1.0, "world_size": n})
+        self._e.append({"kind": "resize", "time": time.time(), "t": 1.0, "from_size": 2, "to_size": n})
+        return ("future", n)
+
+    def pause(self):
+        self._state = "paused"
+
+    def resume(self, n=None):
+        self._state = "running"
+
+    def stop(self):
+        self._state = "stopped"
+
+    def status(self):
+        return {"state": self._state, "world_size": self._ws if self._state == "running" else 0,
+                "target_world_size": self._ws, "step": len(self._m), "epoch": 0, "global_batch": 64,
+                "per_worker_batch": 64 // self._ws, "accum_steps": 0, "generation": 1, "workers": {},
+                "lost_steps": 0, "error": None}
+
+    def metrics(self, since=0):
+        return [dict(r) for r in self._m[since:]]
+
+    def events(self, since=0):
+        return [dict(e) for e in self._e[since:]]
+
+
+def _arr(v) -> np.ndarray:
+    """A trace's array from plotly JSON: a list, or a typed array ``{"dtype", "bdata"}`` (base64)."""
+    if isinstance(v, dict) and "bdata" in v:
+        import base64
+
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]))
+    return np.asarray(v)
+
+
+def _plotly_spec(live: LiveFigure) -> dict:
+    (out,) = live.widget.outputs
+    return out["data"]["application/vnd.plotly.v1+json"]
+
+
+def test_job_panel_draws_metrics_and_resizes():
+    from elasticlab.widgets import JobPanel
+
+    job = FakeJob()
+    panel = JobPanel(job, autostart_poll=False, chart_every_s=0.0, status_file=None)
+    assert panel.workers.value == 2 and panel.start_button.disabled is False
+    panel.start()
+    job.step(5)
+    panel.refresh()
+    assert "data-state='running'" in panel.status_label.value
+    spec = _plotly_spec(panel.chart)
+    ws = next(t for t in spec["data"] if t["name"] == "world_size")
+    assert ws["y"] == [2] * 5
+    loss = next(t for t in spec["data"] if t["name"] == "loss")
+    assert loss["y"][0] == pytest.approx(2.0)
+    # GNS is None for the first steps: drawn as gaps (NaN -> null), not as zeros
+    gns = next(t for t in spec["data"] if t["name"] == "gns")
+    assert gns["y"][0] is None and gns["y"][-1] == pytest.approx(54.0)
+    # moving the slider resizes the job; the chart then shows the new world size and a marker line
+    panel.workers.value = 3
+    assert job.resizes == [3]
+    job.step(3)
+    panel.refresh()
+    spec = _plotly_spec(panel.chart)
+    ws = next(t for t in spec["data"] if t["name"] == "world_size")
+    assert ws["y"][-1] == 3 and 2 in ws["y"]
+    titles = [a["text"] for a in spec["layout"]["annotations"]]
+    assert "World size (now 3)" in titles
+    assert len(spec["layout"]["shapes"]) == 2 * 6  # two generations, marked on all six charts
+    assert "resize" in panel.log.value
+    panel.stop()
+    assert job.status()["state"] == "stopped" and panel.stop_button.disabled and panel.workers.disabled
+
+
+def test_job_panel_lr_rule_and_policy_choices():
+    from elasticlab.elastic.policies import FixedPerWorkerBatch
+    from elasticlab.widgets import JobPanel
+
+    job = FakeJob()
+    panel = JobPanel(job, autostart_poll=False)
+    panel.lr_rule.value = "sqrt"
+    assert job.options["lr_rule"] == "sqrt"
+    panel.policy.value = "fixed_per_worker"
+    assert isinstance(job.policy, FixedPerWorkerBatch) and job.policy.per_worker_batch == 32
+    assert job.options["lr_rule"] == "dynamic_sgd"  # the policy's own rule, before the start
+    panel.start()
+    panel.refresh()
+    assert panel.lr_rule.disabled
+    panel.lr_rule.value = "linear"  # ignored once running: the workers carry the rule
+    assert job.options["lr_rule"] == "dynamic_sgd"
+
+
+def test_job_panel_writes_status_file_and_downsamples(tmp_path):
+    from elasticlab.widgets import JobPanel
+
+    job = FakeJob()
+    path = tmp_path / "status.json"
+    panel = JobPanel(job, autostart_poll=False, status_file=path, chart_every_s=0.0, max_points=50)
+    panel.start()
+    job.step(1000)
+    panel.refresh()
+    st = json.loads(path.read_text())
+    assert st["state"] == "running" and st["panel_steps"] == 1000
+    spec = _plotly_spec(panel.chart)
+    loss = next(t for t in spec["data"] if t["name"] == "loss")
+    assert 40 <= len(loss["y"]) <= 52 and loss["y"][-1] == pytest.approx(2.0 / 1000)
+
+
+def test_job_panel_rejects_bad_input():
+    from elasticlab.widgets import JobPanel
+
+    with pytest.raises(TypeError, match="has no start"):
+        JobPanel(object())
+    with pytest.raises(ValueError, match="poll_s"):
+        JobPanel(FakeJob(), poll_s=0)
+    panel = JobPanel(FakeJob(), autostart_poll=False)
+    with pytest.raises(ValueError, match="workers must be"):
+        panel.resize(99)
+
+
+def test_poller_keeps_running_after_errors():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return len(calls) < 4 or False
+
+    errors = []
+    p = Poller(fn, 0.01, on_error=errors.append).start()
+    deadline = time.time() + 10
+    while p.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 4 and "boom" in p.error and len(errors) == 1
+    with pytest.raises(ValueError, match="interval_s"):
+        Poller(fn, 0)
+
+
+def test_common_helpers(tmp_path):
+    path = tmp_path / "a" / "s.json"
+    write_json_atomic(path, {"x": 1})
+    assert json.loads(path.read_text()) == {"x": 1} and list(path.parent.iterdir()) == [path]
+    assert "<td" in html_table([{"a": 1.23456, "b": "<x>"}]) and "&lt;x&gt;" in html_table([{"b": "<x>"}])
+    fig = subplots_figure(["one", "two"], rows=1, cols=2)
+    live = LiveFigure(fig)
+    fig.add_scatter(x=[1, 2], y=[3, 4], row=1, col=2)
+    live.show()
+    assert _plotly_spec(live)["data"][0]["y"] == [3, 4]
+
+
+def test_live_figure_updates_from_threads():
+    live = LiveFigure(subplots_figure(["a"], rows=1, cols=1))
+    live.figure.add_scatter(x=[], y=[])
+
+    def work(i):
+        for k in range(20):
+            live.figure.data[0].y = list(range(k))
+            live.show()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(_plotly_spec(live)["data"][0]["y"]) == 19
+
+
+def test_fitness_utility_orders_like_the_power_mean():
+    from elasticlab.goodput import fitness
+    from elasticlab.widgets.allocation import fitness_utility
+
+    rng = np.random.default_rng(0)
+    for p in (-2.0, -1.0, 0.0, 0.5, 1.0):
+        a, b = rng.uniform(0.5, 4, size=(2, 5))
+        ua, ub = fitness_utility(a, p).sum(), fitness_utility(b, p).sum()
+        assert (ua > ub) == (fitness(a, p) > fitness(b, p))
+    assert fitness_utility(np.array([0.0, 1.0]), -1.0)[0] == -np.inf
+    assert fitness_utility(np.array([0.0, 1.0]), 1.0)[0] == 0.0
+
+
+def test_allocation_dp_beats_baselines_on_fitness():
+    from elasticlab.widgets.allocation import allocate, job_table
+
+    table = job_table(("cifar10", "imagenet", "bert"))
+    res = allocate(table, capacity=8, p=-1.0, baselines=("gpu-elastic", "optimus"))
+    dp = res["allocations"]["dp"]
+    assert sum(dp.values()) <= 8 and min(dp.values()) >= 1
+    for m, tot in res["totals"].items():
+        assert tot["gpus"] <= 8
+        assert res["totals"]["dp"]["fitness"] >= tot["fitness"] - 1e-9, m
+    with pytest.raises(ValueError, match="every job needs a GPU"):
+        allocate(table, capacity=2, p=-1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        allocate(table, capacity=0, p=1.0)
+
+
+def test_allocation_explorer_sliders_recompute():
+    from elasticlab.widgets import AllocationExplorer
+
+    ex = AllocationExplorer(jobs=("cifar10", "imagenet", "bert"), capacity=12, max_capacity=16,
+                            baselines=("gpu-elastic",))
+    before = dict(ex.result["allocations"]["dp"])
+    assert sum(before.values()) == 12
+    ex.capacity.value = 4
+    after = ex.result["allocations"]["dp"]
+    assert sum(after.values()) <= 4 and after != before
+    assert "dp" in ex.totals.value
+    spec = _plotly_spec(ex.chart)
+    assert list(_arr(spec["data"][0]["y"])) == [after[n] for n in ex.result["jobs"]]
+    with pytest.raises(ValueError, match="capacity"):
+        AllocationExplorer(jobs=("cifar10", "imagenet"), capacity=1)
+
+
+def test_simulation_dashboard_runs_policies():
+    from elasticlab.widgets import SimulationDashboard
+
+    d = SimulationDashboard("workload-6", policies=("tiresias", "fifo"), cluster="2x4", limit=6)
+    d.run()
+    s = d.summary()
+    assert list(s.index) == ["tiresias", "fifo"] and (s.completed == 6).all()
+    assert d.progress.value == 2 and "tiresias" in d.table.value
+    spec = _plotly_spec(d.chart)
+    cdf = spec["data"][0]
+    assert len(_arr(cdf["x"])) == 6 and _arr(cdf["y"])[-1] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="unknown policies"):
+        SimulationDashboard(policies=("nope",))
+    with pytest.raises(ValueError, match="cluster"):
+        SimulationDashboard(cluster="big")
+
+
+def test_plotting_rejects_bad_input(tmp_path):
+    import plotly.graph_objects as go
+
+    from elasticlab.plotting import save_figure
+
+    with pytest.raises(ValueError, match="unsupported image format 'bmp'"):
+        save_figure(go.Figure(), tmp_path / "x.bmp")
+    with pytest.raises(ValueError, match="width"):
+        save_figure(go.Figure(), tmp_path / "x.png", width=0)
+    with pytest.raises(TypeError, match="plotly figure"):
+        save_figure(object(), tmp_path / "x.png")
+
+
+@pytest.mark.browser
+def test_plotting_exports_png_and_svg(tmp_path):
+    import plotly.graph_objects as go
+
+    from elasticlab.plotting import save_figures
+
+    figs = {"a": go.Figure(go.Scatter(y=[1, 3, 2])), "b": go.Figure(go.Bar(y=[2, 1]))}
+    out = save_figures(figs, tmp_path, format="png", width=300, height=200)
+    assert out["a"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = save_figures({"c": figs["b"]}, tmp_path, format="svg")["c"].read_text()
+    assert svg.lstrip().startswith("<svg")
