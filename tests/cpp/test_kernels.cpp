@@ -3,15 +3,32 @@
 #include <ATen/ATen.h>
 #include "ops.h"
 
+static int fail(const char* what) {
+  std::fprintf(stderr, "%s mismatch\n", what);
+  return 1;
+}
+
 int main() {
   at::manual_seed(0);
   auto x = at::randn({7, 3, 5}, at::kDouble);
-  auto got = elasticlab::row_sq_norms_cpu(x);
-  auto want = x.pow(2).sum({1, 2});
-  if (!at::allclose(got, want, 1e-12, 1e-12)) {
-    std::fprintf(stderr, "row_sq_norms_cpu mismatch\n");
-    return 1;
-  }
+  if (!at::allclose(elasticlab::row_sq_norms_cpu(x), x.pow(2).sum({1, 2}), 1e-12, 1e-12)) return fail("row_sq_norms");
+
+  // Sequence Linear: per-example G_b = d_b^T a_b; Gram form = outer form = explicit, and the fused grad.
+  auto a = at::randn({5, 70, 9}, at::kDouble), d = at::randn({5, 70, 4}, at::kDouble);
+  auto G = at::bmm(d.transpose(1, 2), a);
+  auto want = G.pow(2).sum({1, 2});
+  if (!at::allclose(elasticlab::seq_linear_gram_norms_cpu(a, d), want, 1e-10, 1e-10)) return fail("gram");
+  auto [n, g] = elasticlab::seq_linear_outer_norms_cpu(a, d, true);
+  if (!at::allclose(n, want, 1e-10, 1e-10)) return fail("outer norms");
+  if (!at::allclose(g, G.sum(0), 1e-10, 1e-10)) return fail("outer grad");
+
+  // LayerNorm per-example parameter gradients.
+  auto mean = x.mean({-1}), rstd = (x.var({-1}, /*unbiased=*/false, /*keepdim=*/false) + 1e-5).rsqrt();
+  auto dx = at::randn_like(x);
+  auto [gw, gb] = elasticlab::layernorm_per_example_cpu(x, dx, mean, rstd);
+  auto xhat = (x - mean.unsqueeze(-1)) * rstd.unsqueeze(-1);
+  if (!at::allclose(gw, (dx * xhat).sum(1), 1e-10, 1e-10) || !at::allclose(gb, dx.sum(1), 1e-10, 1e-10))
+    return fail("layernorm_per_example");
   std::printf("test_kernels: ok\n");
   return 0;
 }
