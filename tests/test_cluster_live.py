@@ -90,9 +90,6 @@ def test_switching_policy_live_resizes_a_running_job(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known bug: after the cluster grows a torchrun job back to 2 agents, "
-                   "training ends early (seen: step 247 of 684, record world sizes [1]); the shrink 2 -> 1 "
-                   "works and its record is exactly-once")
 def test_cluster_drives_torchrun_agents_through_a_shrink_and_a_grow(tmp_path):
     """A torchrun job (c10d rendezvous, one agent per slot on localhost) under equal shares: it starts
     alone on 2 slots, shrinks to 1 when a second job arrives and grows back when that one finishes;
