@@ -176,7 +176,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool, clock=time.perf_counter) -> dict:
+def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool,
+                 clock=time.perf_counter) -> dict:
     model, x, y = workload(name, quick)
     model, x, y = model.to(device), x.to(device), y.to(device)
     steps = {m: make_step(m, copy.deepcopy(model), x, y) for m in methods}   # one model per method

@@ -1,10 +1,11 @@
 """Fused forms: replacement forwards whose backward forms parameter gradients and per-example norms together.
 
-For a sequence Linear the weight gradient Σ_b G_b is formed from the per-example G_b = d_bᵀ a_b, so the norms
+A sequence Linear forms its weight gradient Σ_b G_b from the per-example G_b = d_bᵀ a_b, so the norms
 ‖G_b‖² cost a reduction instead of a second GEMM (the "book-keeping" idea of Bu et al. 2023; nanoGNS forms
-G_b the same way); a Conv forms its per-example weight gradients with one grouped convolution per chunk. LayerNorm's parameter gradients are
-the batch sums of its per-example ones (Gray et al. 2024). Input gradients come from ATen's own backward.
-Each backward hands {param: (B,) norms} of the loss as reduced to ``slot.record``.
+G_b the same way). A Conv forms its per-example weight gradients with one grouped convolution per chunk of
+the batch. LayerNorm's parameter gradients are the batch sums of its per-example ones (Gray et al. 2024).
+Input gradients come from ATen's own backward. Each backward hands {param: (B,) norms} of the loss as
+reduced to ``slot.record``.
 """
 from __future__ import annotations
 
