@@ -53,7 +53,10 @@ def has_kernel(name: str, device_type: str) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"elasticlab::{name}", key)
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"elasticlab::{name}", key)
+    except RuntimeError:  # an operator this build of _C does not define (e.g. an older build)
+        return False
 
 
 def kernel(name: str, device_type: str):
