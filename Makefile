@@ -5,6 +5,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PORT    ?= 8888
+# JupyterLab refuses to run as root unless told; containers and CI machines often are root.
+ROOTOPT := $(if $(filter 0,$(shell id -u)),--allow-root)
 STAMP   := $(VENV)/.elasticlab-installed
 CSRC    := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 EXT     := elasticlab/.built
@@ -31,7 +33,7 @@ build: $(EXT)
 lab: build
 	@echo "Starting JupyterLab on notebooks/ at http://127.0.0.1:$(PORT)/lab (the URL with its token follows)"
 	cd notebooks && ../$(BIN)/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT) \
-	    --ServerApp.root_dir=. --ServerApp.open_browser=False
+	    --ServerApp.root_dir=. --ServerApp.open_browser=False $(ROOTOPT)
 
 test: build
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
