@@ -2,6 +2,7 @@
 // two T x T Gram matrices at a time (BLAS for the blocks, a fused weighted dot for the reduction), so no
 // (B,T,T) tensor is formed and the symmetric half is skipped. Tasks (example, row block) run in parallel.
 #include "../ops.h"
+#include "reduce.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <vector>
@@ -29,12 +30,9 @@ at::Tensor seq_linear_gram_norms_cpu(const at::Tensor& a_in, const at::Tensor& d
         const int64_t W = T - t0, diag = t1 - t0;
         double acc = 0.0;
         for (int64_t i = 0; i < diag; ++i) {
-          scalar_t s_diag = 0, s_off = 0;
           const scalar_t* ra = pa + i * W;
           const scalar_t* rd = pd + i * W;
-          for (int64_t j = 0; j < diag; ++j) s_diag += ra[j] * rd[j];
-          for (int64_t j = diag; j < W; ++j) s_off += ra[j] * rd[j];
-          acc += static_cast<double>(s_diag) + 2.0 * static_cast<double>(s_off);
+          acc += cpu::dot(ra, rd, diag) + 2.0 * cpu::dot(ra + diag, rd + diag, W - diag);
         }
         partial[k] = acc;
       }

@@ -4,6 +4,7 @@
 // Parallel over examples with one gradient accumulator per thread, or over row tiles (each owning its
 // rows of the gradient) when examples are fewer than threads.
 #include "../ops.h"
+#include "reduce.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -16,21 +17,7 @@ namespace {
 // acc[i] += g[i] (when acc) and returns sum_i g[i]^2.
 template <typename scalar_t>
 double fold_tile(const scalar_t* g, scalar_t* acc, int64_t n) {
-  scalar_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  int64_t i = 0;
-  if (acc) {
-    for (; i + 4 <= n; i += 4) {
-      s0 += g[i] * g[i]; s1 += g[i + 1] * g[i + 1]; s2 += g[i + 2] * g[i + 2]; s3 += g[i + 3] * g[i + 3];
-      acc[i] += g[i]; acc[i + 1] += g[i + 1]; acc[i + 2] += g[i + 2]; acc[i + 3] += g[i + 3];
-    }
-    for (; i < n; ++i) { s0 += g[i] * g[i]; acc[i] += g[i]; }
-  } else {
-    for (; i + 4 <= n; i += 4) {
-      s0 += g[i] * g[i]; s1 += g[i + 1] * g[i + 1]; s2 += g[i + 2] * g[i + 2]; s3 += g[i + 3] * g[i + 3];
-    }
-    for (; i < n; ++i) s0 += g[i] * g[i];
-  }
-  return static_cast<double>(s0) + s1 + s2 + s3;
+  return acc ? cpu::add_and_sq_sum(g, acc, n) : cpu::sq_sum(g, n);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// CPU (OpenMP through at::parallel_for) per-row squared norms, accumulated in double for float inputs.
+// CPU (OpenMP through at::parallel_for) per-row squared norms, SIMD within chunks and double across them.
 #include "../ops.h"
+#include "reduce.h"
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
 
@@ -15,12 +16,9 @@ at::Tensor row_sq_norms_cpu(const at::Tensor& x_in) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_sq_norms_cpu", [&] {
     const scalar_t* px = x.data_ptr<scalar_t>();
     scalar_t* po = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        const scalar_t* row = px + b * D;
-        double acc = 0.0;
-        for (int64_t j = 0; j < D; ++j) acc += static_cast<double>(row[j]) * row[j];
-        po[b] = static_cast<scalar_t>(acc);
+        po[b] = static_cast<scalar_t>(cpu::sq_sum(px + b * D, D));
       }
     });
   });

@@ -27,6 +27,8 @@ class _LinearNorms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, slot):
         ctx.slot = slot
+        # ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it.
+        ctx.x_sq = row_sq(x) if x.dim() == 2 and ctx.needs_input_grad[1] else None
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
@@ -40,12 +42,13 @@ class _LinearNorms(torch.autograd.Function):
         norms = {}
         B = x.shape[0]
         if x.dim() == 2:
+            g_sq = row_sq(g) if (need_w or need_b) else None
             if need_w:
                 gw = g.t().mm(x)
-                norms["weight"] = row_sq(x) * row_sq(g)
+                norms["weight"] = (ctx.x_sq if ctx.x_sq is not None else row_sq(x)) * g_sq
             if need_b:
                 gb = g.sum(0)
-                norms["bias"] = row_sq(g)
+                norms["bias"] = g_sq
         else:
             a, d = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
             if need_w:
