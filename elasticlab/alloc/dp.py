@@ -23,31 +23,48 @@ _NEG = -np.inf
 
 
 @numba.njit(cache=True)
-def _row_range(u, j, lo, hi):
-    """First and last feasible count of row j inside [lo, hi], and whether the feasible set is contiguous."""
+def _scan_row(r, lo, hi, tol):
+    """One pass over row r on [lo, hi]: (first, last) feasible count, and whether the feasible counts are
+    contiguous with non-increasing marginal gains (the condition for the greedy path)."""
     a = -1
     b = -1
+    concave = True
+    gap = False
+    d_prev = np.inf
     for g in range(lo, hi + 1):
-        if u[j, g] > _NEG:
+        v = r[g]
+        if v > _NEG:
             if a < 0:
                 a = g
+            elif gap:
+                concave = False
+            else:
+                d = v - r[g - 1]
+                if d > d_prev + tol:
+                    concave = False
+                d_prev = d
             b = g
-    if a < 0:
-        return -1, -1, False
-    for g in range(a, b + 1):
-        if not (u[j, g] > _NEG):
-            return a, b, False
-    return a, b, True
+        elif a >= 0:
+            gap = True
+    return a, b, concave
 
 
 @numba.njit(cache=True)
-def _concave(u, j, a, b, tol):
-    for g in range(a + 1, b):
-        d_prev = u[j, g] - u[j, g - 1]
-        d_next = u[j, g + 1] - u[j, g]
-        if d_next > d_prev + tol:
-            return False
-    return True
+def _check_table(u):
+    """(code, j, g, scale): code 1 = NaN at (j, g), 2 = +inf at (j, g), else 0 and max |finite entry|."""
+    scale = 1.0
+    for j in range(u.shape[0]):
+        for g in range(u.shape[1]):
+            v = u[j, g]
+            if v != v:
+                return 1, j, g, scale
+            if v == np.inf:
+                return 2, j, g, scale
+            if v > _NEG:
+                m = abs(v)
+                if m > scale:
+                    scale = m
+    return 0, -1, -1, scale
 
 
 @numba.njit(cache=True)
@@ -97,13 +114,13 @@ def _solve(u, lo, hi, capacity, use_greedy, tol):
     min_total = 0
     n_conc = 0
     for j in range(J):
-        a, b, contiguous = _row_range(u, j, lo[j], hi[j])
+        a, b, concave = _scan_row(u[j], lo[j], hi[j], tol)
         if a < 0:
             return 1, alloc
         first[j] = a
         last[j] = b
         min_total += a
-        if use_greedy and contiguous and _concave(u, j, a, b, tol):
+        if use_greedy and concave:
             conc[j] = True
             n_conc += 1
     if min_total > capacity:
@@ -223,11 +240,11 @@ def _validate(utility, capacity, min_gpus, max_gpus):
     capacity = int(capacity)
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    if np.isnan(u).any():
-        j, g = np.argwhere(np.isnan(u))[0]
+    u = np.ascontiguousarray(u)
+    code, j, g, scale = _check_table(u)
+    if code == 1:
         raise ValueError(f"utility contains NaN (first at job {j}, {g} GPUs)")
-    if np.isposinf(u).any():
-        j, g = np.argwhere(np.isposinf(u))[0]
+    if code == 2:
         raise ValueError(f"utility contains +inf (first at job {j}, {g} GPUs); -inf marks infeasible counts")
     J, W = u.shape
     top = min(W - 1, capacity)
@@ -255,7 +272,7 @@ def _validate(utility, capacity, min_gpus, max_gpus):
         raise ValueError(
             f"infeasible: job {j} needs at least {lo[j]} GPUs but at most {hi[j]} are possible "
             f"(max_gpus, table width {W} and capacity {capacity})")
-    return np.ascontiguousarray(u), capacity, lo, hi
+    return u, capacity, lo, hi, scale
 
 
 def dp_allocate(utility, capacity, min_gpus=None, max_gpus=None, *, method="auto", tol=1e-12):
@@ -269,13 +286,12 @@ def dp_allocate(utility, capacity, min_gpus=None, max_gpus=None, *, method="auto
     """
     if method not in ("auto", "dp"):
         raise ValueError(f"method must be 'auto' or 'dp', got {method!r}")
-    u, capacity, lo, hi = _validate(utility, capacity, min_gpus, max_gpus)
+    u, capacity, lo, hi, scale = _validate(utility, capacity, min_gpus, max_gpus)
     if u.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
     if np.any(lo > hi):
         j = int(np.flatnonzero(lo > hi)[0])
         raise ValueError(f"infeasible: job {j} cannot get {lo[j]} GPUs within capacity {capacity}")
-    scale = float(np.max(np.abs(u[np.isfinite(u)]), initial=1.0))
     status, alloc = _solve(u, lo, hi, capacity, method == "auto", tol * scale)
     if status:
         raise ValueError(
@@ -293,14 +309,14 @@ def allocation_value(utility, alloc) -> float:
 
 def is_concave_row(row, tol=1e-12) -> bool:
     """True when the finite entries of ``row`` are contiguous with non-increasing marginal gains."""
-    r = np.asarray(row, dtype=np.float64)[None, :]
-    a, b, cont = _row_range(r, 0, 0, r.shape[1] - 1)
-    return bool(a >= 0 and cont and _concave(r, 0, a, b, tol))
+    r = np.ascontiguousarray(row, dtype=np.float64)
+    a, _, concave = _scan_row(r, 0, r.shape[0] - 1, tol)
+    return bool(a >= 0 and concave)
 
 
 def dp_allocate_reference(utility, capacity, min_gpus=None, max_gpus=None):
     """Pure-Python DP (same recurrence, no compilation, no greedy path): the baseline of bench_alloc.py."""
-    u, capacity, lo, hi = _validate(utility, capacity, min_gpus, max_gpus)
+    u, capacity, lo, hi, _ = _validate(utility, capacity, min_gpus, max_gpus)
     J = u.shape[0]
     rows = u.tolist()
     P = [0.0] + [_NEG] * capacity
