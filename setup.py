@@ -37,7 +37,8 @@ def extension():
     cpu_sources = _rel(glob.glob(os.path.join(HERE, "csrc", "*.cpp")) +
                        glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
     cxx = ["-O3", "-fopenmp"]
-    kwargs = dict(name="elasticlab._C", extra_link_args=["-fopenmp"], include_dirs=[os.path.join(HERE, "csrc")])
+    kwargs = dict(name="elasticlab._C", extra_link_args=["-fopenmp"],
+                  include_dirs=[os.path.join(HERE, "csrc")])
     if _want_cuda():
         cuda_sources = _rel(glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu")) +
                             glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cpp")))

@@ -85,7 +85,8 @@ def main(argv=None):
             raise SystemExit(f"{name}: numba and numpy trajectories differ (relative {err:.2e})")
         result[name] = {"steps": steps, "numba_s": t_nb, "numpy_s": t_np, "speedup": t_np / t_nb,
                         "us_per_step_numba": 1e6 * t_nb / steps, "max_rel_diff": err}
-        print(f"{name:22s} numba {t_nb * 1e3:8.1f} ms  numpy {t_np * 1e3:8.1f} ms  speed-up {t_np / t_nb:5.1f}x"
+        print(f"{name:22s} numba {t_nb * 1e3:8.1f} ms  numpy {t_np * 1e3:8.1f} ms"
+              f"  speed-up {t_np / t_nb:5.1f}x"
               f"  ({1e6 * t_nb / steps:.1f} µs/step, agree to {err:.1e})")
     print("RESULT " + json.dumps(result))
 

@@ -97,7 +97,7 @@ def torchrun_restart(tmp: Path, batch: int, max_steps: int = 400):
             p = tmp / f"{name}.log"
             if p.exists():
                 for line in p.read_text().splitlines():
-                    if line.startswith('{"event": "%s"' % kind):
+                    if line.startswith(f'{{"event": "{kind}"'):
                         out.append(json.loads(line))
         return sorted(out, key=lambda r: r["time"])
 

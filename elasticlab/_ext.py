@@ -45,7 +45,7 @@ def operators() -> list[str]:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_kernel(name: str, device_type: str) -> bool:
     """Whether operator ``elasticlab::name`` has a kernel for ``device_type`` ("cpu" or "cuda")."""
     if not HAS_C:

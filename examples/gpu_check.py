@@ -10,7 +10,8 @@ from elasticlab.elastic import ElasticJob, check_exactly_once
 
 if __name__ == "__main__":
     print("cuda", torch.cuda.is_available(), torch.cuda.device_count(), torch.__version__)
-    job = ElasticJob("examples/digits.py:make_task", workers=1, global_batch=64, epochs=2, checkpoint_every=10,
+    job = ElasticJob("examples/digits.py:make_task", workers=1, global_batch=64, epochs=2,
+                     checkpoint_every=10,
                      record_samples=True)
     print("slots", job.slots)
     try:

@@ -74,7 +74,8 @@ def test_control_panel_resizes_job_from_browser(tmp_path):
             st = _wait_status(status_file, lambda s: s["state"] == "running" and s["world_size"] == 2
                               and s["step"] >= 3, timeout=240)
             pids |= {w["pid"] for w in st["workers"].values() if w.get("pid")}
-            panel.evaluate("e => e.scrollIntoView({block: \"start\"})")  # Run All leaves the view at the last cell
+            # Run All leaves the view at the last cell
+            panel.evaluate("e => e.scrollIntoView({block: \"start\"})")
             page.locator(".elasticlab-job-status [data-world-size='2']").wait_for(state="attached",
                                                                                  timeout=90_000)
             dismiss_toasts(page)

@@ -1,13 +1,18 @@
 """The package, its compiled extension and the CLI."""
+import os
+import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from elasticlab import _ext
 from elasticlab.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_extension_is_built_and_registers_cpu_kernels():
@@ -54,5 +59,15 @@ def test_info_command(capsys):
 
 
 def test_console_script_equals_module():
-    out = subprocess.run([sys.executable, "-m", "elasticlab", "info"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "elasticlab", "info"], capture_output=True, text=True,
+                         check=True)
     assert "torch" in out.stdout
+
+
+def test_ruff_clean():
+    """The tree passes the ruff settings of pyproject.toml (ruff comes with the test extra)."""
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff not installed")
+    out = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
