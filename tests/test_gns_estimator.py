@@ -122,3 +122,25 @@ def test_population_truth_is_exact():
     g, truth = linear_regression_population(size=1000, seed=3)
     cov = np.cov(g.T, bias=True)
     assert truth["trace_cov"] == pytest.approx(np.trace(cov))
+
+
+def test_two_batch_form_with_unequal_replica_batches_is_unbiased():
+    """Replicas with unequal batches b_r (e.g. 64 samples on 3 workers: 22, 21, 21): the mean over replicas of
+    ‖ḡ_r‖² has expectation ‖G‖² + tr Σ·mean(1/b_r), so the two-batch form with B_small = harmonic mean of
+    the b_r (as the elastic workers use it) is unbiased; the arithmetic mean would bias tr Σ."""
+    rng = np.random.default_rng(0)
+    d, sizes = 20, np.array([22, 21, 21, 3])
+    G = rng.normal(size=d) * 0.3
+    scale = rng.uniform(0.5, 2.0, size=d)              # tr Σ = Σ scale²
+    true_g2, true_s = float(G @ G), float((scale ** 2).sum())
+    n, trials = int(sizes.sum()), 8000
+    x = G + rng.normal(size=(trials, n, d)) * scale     # per-example gradients
+    bounds = np.cumsum(sizes)[:-1]
+    reps = np.split(x, bounds, axis=1)
+    small = np.mean([np.square(r.mean(1)).sum(-1) for r in reps], axis=0)
+    big = np.square(x.mean(1)).sum(-1)
+    harmonic = len(sizes) / np.sum(1.0 / sizes)
+    g2, s = two_batch_estimates(small, big, harmonic, n)
+    assert abs(s.mean() - true_s) < 0.03 * true_s and abs(g2.mean() - true_g2) < 0.1 * true_g2
+    _, s_arith = two_batch_estimates(small, big, n / len(sizes), n)
+    assert abs(s_arith.mean() - true_s) > 0.2 * true_s    # the naive B_small is visibly biased here

@@ -72,8 +72,12 @@ def _arr(v) -> np.ndarray:
 
 
 def _plotly_spec(live: LiveFigure) -> dict:
-    (out,) = live.widget.outputs
-    return out["data"]["application/vnd.plotly.v1+json"]
+    """The figure as the front end gets it: the Output's plotly mime bundle, or the FigureWidget's state
+    (its edits reach the browser as messages; tests/test_browser.py checks the browser's side)."""
+    if live.backend == "output":
+        (out,) = live.widget.outputs
+        return out["data"]["application/vnd.plotly.v1+json"]
+    return json.loads(live.figure.to_json())
 
 
 def test_job_panel_draws_metrics_and_resizes():
@@ -180,15 +184,27 @@ def test_common_helpers(tmp_path):
     write_json_atomic(path, {"x": 1})
     assert json.loads(path.read_text()) == {"x": 1} and list(path.parent.iterdir()) == [path]
     assert "<td" in html_table([{"a": 1.23456, "b": "<x>"}]) and "&lt;x&gt;" in html_table([{"b": "<x>"}])
-    fig = subplots_figure(["one", "two"], rows=1, cols=2)
-    live = LiveFigure(fig)
-    fig.add_scatter(x=[1, 2], y=[3, 4], row=1, col=2)
+
+
+@pytest.mark.parametrize("backend", ["figurewidget", "output"])
+def test_live_figure_backends(backend, monkeypatch):
+    import plotly.graph_objects as go
+
+    monkeypatch.setenv("ELASTICLAB_CHARTS", backend)
+    live = LiveFigure(subplots_figure(["one", "two"], rows=1, cols=2))
+    assert live.backend == backend
+    assert isinstance(live.figure, go.FigureWidget) == (backend == "figurewidget")
+    live.figure.add_scatter(x=[1, 2], y=[3, 4], row=1, col=2)
     live.show()
     assert _plotly_spec(live)["data"][0]["y"] == [3, 4]
+    monkeypatch.setenv("ELASTICLAB_CHARTS", "svg")
+    with pytest.raises(ValueError, match="svg"):
+        LiveFigure(subplots_figure(["a"], rows=1, cols=1))
 
 
-def test_live_figure_updates_from_threads():
-    live = LiveFigure(subplots_figure(["a"], rows=1, cols=1))
+@pytest.mark.parametrize("backend", ["figurewidget", "output"])
+def test_live_figure_updates_from_threads(backend):
+    live = LiveFigure(subplots_figure(["a"], rows=1, cols=1), backend=backend)
     live.figure.add_scatter(x=[], y=[])
 
     def work(i):

@@ -224,8 +224,11 @@ class Trainer:
         if self.norms is not None:
             local_sq = self.norms.local_sq_norm
             self.norms._local.zero_()
-        vec = torch.tensor([loss_sum, local_sq, float(len(mine)), *map(float, control)], dtype=torch.float64,
-                           device=self.device)
+        # This replica's mean gradient ḡ_r over its b_r samples: its local gradient is (R·b_r/n)·ḡ_r.
+        b_r = len(mine)
+        mean_sq = local_sq * (n_global / (R * b_r)) ** 2 if b_r else 0.0
+        vec = torch.tensor([loss_sum, mean_sq, 1.0 / b_r if b_r else 0.0, float(b_r > 0),
+                            *map(float, control)], dtype=torch.float64, device=self.device)
         if self.ddp is not None:
             dist.all_reduce(vec)
         vec = vec.cpu()
@@ -234,9 +237,13 @@ class Trainer:
         lr = float(lrs[0])
         self.sampler.advance(M)
         self.step += 1
-        even = n_global == M and M % (R * (s + 1)) == 0
-        if even and R > 1:  # replica two-batch form: B_small = M/R, B_big = M
-            self.gns.update_two_batch(float(vec[1]) / R, global_sq, M / R, M)
+        n_rep = int(round(float(vec[3])))
+        if R > 1 and n_rep >= 2:
+            # Replica two-batch form (McCandlish App. A.1) with unequal replica batches b_r: the mean of
+            # ‖ḡ_r‖² has expectation ‖G‖² + tr Σ·mean(1/b_r), so B_small is the harmonic mean of the b_r.
+            b_small = n_rep / float(vec[2])
+            if b_small < n_global:
+                self.gns.update_two_batch(float(vec[1]) / n_rep, global_sq, b_small, n_global)
         elif per_example:  # one worker: the per-example form (McCandlish App. A.1, B_small = 1)
             self.gns.update(self._psn.sq_norms(), global_sq)
         dt = time.perf_counter() - t0
@@ -246,7 +253,7 @@ class Trainer:
                "per_worker_batch": self.batch.per_worker_batch(R), "accum_steps": s, "global_batch": M,
                "samples": n_global, "lr": lr, "gns": gns if math.isfinite(gns) else None,
                "generation": self.generation}
-        return rec, [int(round(float(v))) for v in vec[3:]], mine
+        return rec, [int(round(float(v))) for v in vec[4:]], mine
 
 
 def _to(batch, device):

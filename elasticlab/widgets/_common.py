@@ -33,24 +33,44 @@ def subplots_figure(titles, rows: int, cols: int, *, height: int = 500, **kw):
     return fig
 
 
-class LiveFigure:
-    """A plotly figure shown in an ``ipywidgets.Output`` and redrawn by :meth:`show` (from any thread).
+def chart_backend() -> str:
+    """How panels draw live charts: ``"figurewidget"`` (plotly's ``go.FigureWidget``, the default) or
+    ``"output"`` (a plotly mime bundle in an ``ipywidgets.Output``; ``ELASTICLAB_CHARTS=output``), for
+    front ends without the anywidget extension (e.g. some notebook viewers)."""
+    v = os.environ.get("ELASTICLAB_CHARTS", "figurewidget").strip().lower()
+    if v not in ("figurewidget", "output"):
+        raise ValueError(f"ELASTICLAB_CHARTS must be 'figurewidget' or 'output', got {v!r}")
+    return v
 
-    The panels draw their charts this way rather than with ``go.FigureWidget``: with plotly 7's anywidget
-    front end, FigureWidgets edited before or while the browser creates their view came up blank in
-    JupyterLab 4 (see tests/test_browser.py), whereas replacing the output's plotly mime bundle (rendered
-    by the jupyterlab-plotly extension) always shows the current figure. ``figure`` is an ordinary
-    ``go.Figure``: edit it, then call :meth:`show`.
+
+class LiveFigure:
+    """A live plotly chart that panels edit from any thread.
+
+    By default ``figure`` becomes a ``go.FigureWidget`` (anywidget front end): edits made under
+    ``figure.batch_update()`` reach the browser as one message, and :meth:`show` has nothing to do.
+    With ``backend="output"`` ``figure`` stays an ordinary ``go.Figure`` shown in an ``ipywidgets.Output``
+    whose plotly mime bundle :meth:`show` replaces after each edit.
     """
 
-    def __init__(self, figure, **layout):
+    def __init__(self, figure, backend: str | None = None, **layout):
         import ipywidgets as W
+        import plotly.graph_objects as go
 
-        self.figure = figure
-        self.widget = W.Output(layout=W.Layout(**layout)) if layout else W.Output()
-        self.show()
+        self.backend = backend or chart_backend()
+        if self.backend == "figurewidget":
+            self.figure = go.FigureWidget(figure)
+            self.widget = W.Box([self.figure], layout=W.Layout(**layout)) if layout else self.figure
+        elif self.backend == "output":
+            self.figure = figure
+            self.widget = W.Output(layout=W.Layout(**layout)) if layout else W.Output()
+            self.show()
+        else:
+            raise ValueError(f"backend must be 'figurewidget' or 'output', got {self.backend!r}")
 
     def show(self) -> None:
+        """Push the current figure to the browser (FigureWidget: already synced, nothing to do)."""
+        if self.backend == "figurewidget":
+            return
         import plotly.io as pio
 
         spec = json.loads(pio.to_json(self.figure, validate=False))

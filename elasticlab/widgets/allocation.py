@@ -149,7 +149,7 @@ class AllocationExplorer:
         fig.update_yaxes(title_text="GPUs", row=1, col=1)
         fig.update_yaxes(title_text="base-batch steps/s", row=1, col=2)
         self.chart = LiveFigure(fig)
-        self.figure = fig
+        self.figure = self.chart.figure
         self.result: dict | None = None
         self.capacity.observe(lambda _: self.update(), names="value")
         self.p.observe(lambda _: self.update(), names="value")

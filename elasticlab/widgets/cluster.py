@@ -12,12 +12,7 @@ import html
 
 import ipywidgets as W
 
-from elasticlab.widgets._common import Poller, html_table
-
-try:  # the panels' way of drawing live charts (a plotly figure re-shown in an Output widget)
-    from elasticlab.widgets._common import LiveFigure
-except ImportError:  # pragma: no cover - older helper module
-    LiveFigure = None
+from elasticlab.widgets._common import LiveFigure, Poller, html_table
 
 _COLUMNS = ["name", "state", "slots", "global_batch", "accum_steps", "step", "epoch", "gns", "goodput",
             "jct", "restarts"]
@@ -82,11 +77,11 @@ class ClusterPanel:
         # ---- views -----------------------------------------------------------------------------
         import plotly.graph_objects as go
 
-        self.figure = go.Figure()
-        self.figure.update_layout(title={"text": "slots per job over time", "x": 0.02, "font": {"size": 13}},
+        fig = go.Figure()
+        fig.update_layout(title={"text": "slots per job over time", "x": 0.02, "font": {"size": 13}},
                                   height=220, margin={"l": 80, "r": 15, "t": 35, "b": 35},
                                   xaxis_title="time (s)", template="plotly_white")
-        self.figure.add_heatmap(x=[], y=[], z=[], colorscale="Blues", zmin=0, zmax=cluster.slots,
+        fig.add_heatmap(x=[], y=[], z=[], colorscale="Blues", zmin=0, zmax=cluster.slots,
                                 colorbar={"title": "slots", "len": 0.9}, xgap=0, ygap=2,
                                 hovertemplate="%{y} at %{x:.1f}s: %{z} slots<extra></extra>")
         self.table = W.HTML(value="")
@@ -96,8 +91,9 @@ class ClusterPanel:
         form = W.VBox([W.HBox([self.kind, self.entrypoint, self.name]),
                        W.HBox([self.slot_range, self.initial_batch, self.max_batch, self.epochs,
                                self.submit_button]), self.message])
-        self.chart = LiveFigure(self.figure) if LiveFigure is not None else None
-        chart = self.chart.widget if self.chart is not None else go.FigureWidget(self.figure)
+        self.chart = LiveFigure(fig)
+        self.figure = self.chart.figure
+        chart = self.chart.widget
         self.widget = W.VBox([W.HTML("<b>elasticlab · local cluster</b>"), W.HBox([self.policy]),
                               self.metrics_label, chart, self.table,
                               W.HTML("<b>submit a job</b>"), form, W.HTML("<b>events</b>"), self.log])
@@ -177,11 +173,11 @@ class ClusterPanel:
             if times:  # extend the last column to now, so the current allocation shows
                 times = [*times, cl.now()]
                 z = [[*row, row[-1]] for row in z]
-            hm = self.figure.data[0]
-            hm.x, hm.y, hm.z = times, names, z
-            self.figure.layout.height = max(160, 60 + 32 * len(names))
-            if self.chart is not None:
-                self.chart.show()
+            with self.figure.batch_update():
+                hm = self.figure.data[0]
+                hm.x, hm.y, hm.z = times, names, z
+                self.figure.layout.height = max(160, 60 + 32 * len(names))
+            self.chart.show()
 
     def close(self) -> None:
         """Stop the poller (the cluster keeps running)."""

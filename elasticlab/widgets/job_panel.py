@@ -5,8 +5,8 @@ batch-policy choice replaces the job's policy (used at the next resize), and an 
 before the job starts (the workers carry the rule). Six plotly charts — loss, samples/s, gradient noise
 scale, global batch, LR and world size over time, with every new generation (resize, restart, resume)
 marked — and an event log are refreshed by a background thread polling ``job.metrics()``/``job.events()``,
-so the kernel is never blocked. (The charts are one plotly figure redrawn in an ``Output`` widget, see
-:class:`~elasticlab.widgets._common.LiveFigure`, because ``FigureWidget`` came up blank in JupyterLab 4.)
+so the kernel is never blocked. (The charts are one plotly ``FigureWidget``, see
+:class:`~elasticlab.widgets._common.LiveFigure`.)
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class JobPanel:
             fig.update_yaxes(title_text=ylab, row=r + 1, col=c + 1)
         fig.update_xaxes(title_text="time since start (s)", row=2)
         self.chart = LiveFigure(fig)
-        self.figure = fig
+        self.figure = self.chart.figure
         controls = W.HBox([self.start_button, self.pause_button, self.stop_button, self.workers])
         choices = W.HBox([self.policy, self.lr_rule])
         self.widget = W.VBox([W.HTML("<b>elasticlab · elastic job</b>"), controls, choices,

@@ -92,8 +92,8 @@ class SimulationDashboard:
         fig.update_xaxes(title_text="time (hours)", row=1, col=2)
         fig.update_yaxes(title_text="GPUs busy", range=[0, 1.02], row=1, col=2)
         fig.update_layout(showlegend=True, legend={"orientation": "h", "y": -0.2})
-        self.figure = fig
         self.chart = LiveFigure(fig)
+        self.figure = self.chart.figure
         self.results: dict = {}
         self._thread: threading.Thread | None = None
         self.run_button.on_click(lambda _: self.run(block=False))
