@@ -178,3 +178,30 @@ def test_job_constructor_rejects_bad_settings(tmp_path):
     job.stop()                                               # stopping a job never started is fine
     with pytest.raises(RuntimeError, match="stopped"):
         job.resize(1)
+
+
+def test_single_worker_gns_is_the_same_with_gradient_accumulation():
+    """One worker: the per-example GNS update uses every micro-batch's per-example norms, so a step split
+    into 4 micro-batches (accumulation) feeds the estimator exactly what one full batch does."""
+    import importlib.util
+    import pathlib
+
+    from elasticlab.elastic.policies import BatchConfig
+    from elasticlab.elastic.worker import Trainer, default_options
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+    spec = importlib.util.spec_from_file_location("digits_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    states = []
+    for accum in (0, 3):
+        torch.manual_seed(0)
+        tr = Trainer(mod.make_task(), default_options())
+        tr.set_batch(BatchConfig(32, accum))
+        rec, _, mine = tr.train_step()
+        assert len(mine) == 32 and rec["accum_steps"] == accum
+        assert tr.gns.num_updates == 1, f"accum_steps={accum}: the GNS estimator was not updated"
+        states.append((tr.gns.grad_sq, tr.gns.trace_cov, rec["loss"]))
+    (g0, s0, l0), (g3, s3, l3) = states
+    assert l0 == pytest.approx(l3, rel=1e-6)
+    assert s0 == pytest.approx(s3, rel=1e-5) and g0 == pytest.approx(g3, rel=1e-4, abs=1e-9)

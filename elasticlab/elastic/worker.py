@@ -203,15 +203,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         model = self.ddp if self.ddp is not None else self.model
-        per_example = R == 1 and s == 0 and n_global == M >= 2 and self._per_example_norms() is not None
+        per_example = R == 1 and n_global == M >= 2 and self._per_example_norms() is not None
+        example_sq = []  # per-example ‖∇ℓ_i‖² of each micro-batch (one worker, with or without accumulation)
         for j, mb in enumerate(micro_batches(mine, s)):
             sync = j == s
             ctx = model.no_sync() if (not sync and self.ddp is not None) else contextlib.nullcontext()
             with ctx, (self._psn if per_example else contextlib.nullcontext()):
                 if len(mb):
                     loss = self.task.loss_fn(model, _to(self.task.batch(mb), self.device))
-                    (loss * (R * len(mb) / n_global)).backward()
+                    weight = R * len(mb) / n_global
+                    (loss * weight).backward()
                     loss_sum += float(loss.detach()) * len(mb)
+                    if per_example:  # the norms are of the weighted loss: undo the weight
+                        example_sq.append(self._psn.sq_norms() / weight ** 2)
                 else:  # no sample left for this rank (epoch tail): a zero-weight pass keeps DDP in step
                     dummy = mine[:1] if len(mine) else np.arange(1)
                     loss = self.task.loss_fn(model, _to(self.task.batch(dummy), self.device))
@@ -244,8 +248,8 @@ class Trainer:
             b_small = n_rep / float(vec[2])
             if b_small < n_global:
                 self.gns.update_two_batch(float(vec[1]) / n_rep, global_sq, b_small, n_global)
-        elif per_example:  # one worker: the per-example form (McCandlish App. A.1, B_small = 1)
-            self.gns.update(self._psn.sq_norms(), global_sq)
+        elif per_example and example_sq:  # one worker: per-example form (McCandlish App. A.1, B_small = 1)
+            self.gns.update(torch.cat(example_sq), global_sq)
         dt = time.perf_counter() - t0
         gns = self.gns.b_simple
         rec = {"step": self.step, "epoch": epoch, "time": time.time(), "loss": float(vec[0]) / n_global,
