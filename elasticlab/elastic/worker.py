@@ -227,7 +227,7 @@ class Trainer:
         local_sq = global_sq
         if self.norms is not None:
             local_sq = self.norms.local_sq_norm
-            self.norms._local.zero_()
+            self.norms.reset()
         # This replica's mean gradient ḡ_r over its b_r samples: its local gradient is (R·b_r/n)·ḡ_r.
         b_r = len(mine)
         mean_sq = local_sq * (n_global / (R * b_r)) ** 2 if b_r else 0.0

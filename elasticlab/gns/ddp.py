@@ -69,6 +69,10 @@ class ReplicaGradNorms:
         """‖g_local‖² of this replica's gradient in the last synchronised backward."""
         return float(self._local)
 
+    def reset(self) -> None:
+        """Forget the recorded ‖g_local‖² (callers that fold it themselves do this after each step)."""
+        self._local.zero_()
+
     def update(self, estimator: GNSEstimator, local_batch: int) -> bool:
         """Fold the two-batch estimate of the last backward into ``estimator`` and reset."""
         world = dist.get_world_size(self.group)
@@ -83,5 +87,5 @@ class ReplicaGradNorms:
                              f"{world} x {local_batch}); the two-batch estimator needs equal ones")
         small = float(t[0]) / world
         big = _grad_sq(self.model.parameters())
-        self._local.zero_()
+        self.reset()
         return estimator.update_two_batch(small, big, local_batch, world * local_batch)
