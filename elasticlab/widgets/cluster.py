@@ -86,7 +86,7 @@ class ClusterPanel:
                                 hovertemplate="%{y} at %{x:.1f}s: %{z} slots<extra></extra>")
         self.table = W.HTML(value="")
         self.metrics_label = W.HTML(value="")
-        self.log = W.HTML(value="", layout=W.Layout(max_height="150px", overflow_y="auto",
+        self.log = W.HTML(value="", layout=W.Layout(max_height="150px", overflow="hidden auto",
                                                     border="1px solid #ddd", padding="2px 6px"))
         form = W.VBox([W.HBox([self.kind, self.entrypoint, self.name]),
                        W.HBox([self.slot_range, self.initial_batch, self.max_batch, self.epochs,

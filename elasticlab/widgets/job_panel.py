@@ -104,7 +104,7 @@ class JobPanel:
                                   description="LR rule", layout=W.Layout(width="230px"))
         self.status_label = W.HTML(value="")
         self.status_label.add_class("elasticlab-job-status")
-        self.log = W.HTML(value="", layout=W.Layout(max_height="160px", overflow_y="auto",
+        self.log = W.HTML(value="", layout=W.Layout(max_height="160px", overflow="hidden auto",
                                                     border="1px solid #ddd", padding="2px 6px"))
         self.log.add_class("elasticlab-job-log")
 
