@@ -243,6 +243,13 @@ def test_allocation_dp_beats_baselines_on_fitness():
     for m, tot in res["totals"].items():
         assert tot["gpus"] <= 8
         assert res["totals"]["dp"]["fitness"] >= tot["fitness"] - 1e-9, m
+    # p = 1: the DP maximises the plain sum of speedups (Pollux Eq. (8)), which the chart shows
+    res1 = allocate(table, capacity=8, p=1.0, baselines=("gpu-elastic", "optimus"))
+    names, speed = res1["jobs"], res1["speedup"]
+    for m, tot in res1["totals"].items():
+        g = [res1["allocations"][m][n] for n in names]
+        assert tot["speedup"] == pytest.approx(sum(speed[j, gj] for j, gj in enumerate(g)))
+        assert res1["totals"]["dp"]["speedup"] >= tot["speedup"] - 1e-9, m
     with pytest.raises(ValueError, match="every job needs a GPU"):
         allocate(table, capacity=2, p=-1.0)
     with pytest.raises(ValueError, match="capacity"):

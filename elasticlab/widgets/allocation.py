@@ -70,7 +70,9 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
 
     ``table``: jobs as from :func:`job_table`. Totals per method: ``goodput`` (sum of predicted goodputs,
     in base-batch steps/s, each job at its best batch for its GPUs), ``throughput`` (the same at
-    statistical efficiency 1), ``fitness`` (Pollux Eq. (9) at this p) and ``gpus`` used."""
+    statistical efficiency 1), ``speedup`` and ``throughput_speedup`` (the same per job divided by its 1-GPU
+    value, Pollux Eq. (8), then summed: comparable across jobs whose step rates differ by orders of
+    magnitude), ``fitness`` (Pollux Eq. (9) at this p) and ``gpus`` used."""
     from elasticlab.alloc import dp_allocate
     from elasticlab.alloc.policies import Cluster, get_policy
     from elasticlab.goodput import fitness
@@ -88,6 +90,7 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
     good = np.stack([j.goodput_curve(capacity, gpus_per_node) for j in jobs])
     thr = np.stack([j.goodput_curve(capacity, gpus_per_node, mode="throughput") for j in jobs])
     speed = np.stack([j.speedup_curve(capacity, gpus_per_node) for j in jobs])
+    thr_speed = np.stack([j.speedup_curve(capacity, gpus_per_node, mode="throughput") for j in jobs])
     out = {"dp": dict(zip(names, dp_allocate(fitness_utility(speed, p), capacity).tolist()))}
     nodes = -(-capacity // gpus_per_node)
     for name in baselines:
@@ -106,7 +109,8 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
         g = np.array([alloc[n] for n in names])
         s = speed[idx, g]
         totals[method] = {"gpus": int(g.sum()), "goodput": float(good[idx, g].sum()),
-                          "throughput": float(thr[idx, g].sum()),
+                          "throughput": float(thr[idx, g].sum()), "speedup": float(s.sum()),
+                          "throughput_speedup": float(thr_speed[idx, g].sum()),
                           "fitness": float(fitness(s, p)) if p > 0 or np.all(s > 0) else 0.0}
     return {"jobs": names, "allocations": out, "totals": totals, "speedup": speed}
 
@@ -138,16 +142,19 @@ class AllocationExplorer:
         self.totals.add_class("elasticlab-alloc-totals")
         self.message = W.HTML()
         methods = ["dp", *self.baselines]
-        fig = subplots_figure(["GPUs per job", "Total goodput and throughput"], rows=1, cols=2, height=420,
+        fig = subplots_figure(["GPUs per job", "Sum of speedups (goodput, throughput)"], rows=1, cols=2,
+                              height=420,
                               column_widths=[0.65, 0.35])
         for i, m in enumerate(methods):
             fig.add_bar(x=[j.name for j in self.jobs], y=[0] * len(self.jobs), name=m, marker_color=color(i),
                         row=1, col=1)
-        fig.add_bar(x=methods, y=[0] * len(methods), name="goodput", marker_color="#2ca02c", row=1, col=2)
-        fig.add_bar(x=methods, y=[0] * len(methods), name="throughput", marker_color="#bbbbbb", row=1, col=2)
+        fig.add_bar(x=methods, y=[0] * len(methods), name="goodput speedup", marker_color="#444444",
+                    row=1, col=2)
+        fig.add_bar(x=methods, y=[0] * len(methods), name="throughput speedup", marker_color="#bbbbbb",
+                    row=1, col=2)
         fig.update_layout(barmode="group", showlegend=True, legend={"orientation": "h", "y": -0.15})
         fig.update_yaxes(title_text="GPUs", row=1, col=1)
-        fig.update_yaxes(title_text="base-batch steps/s", row=1, col=2)
+        fig.update_yaxes(title_text="Σ_j speedup over 1 GPU", row=1, col=2)
         self.chart = LiveFigure(fig)
         self.figure = self.chart.figure
         self.result: dict | None = None
@@ -169,13 +176,14 @@ class AllocationExplorer:
                 alloc = res["allocations"].get(m, {})
                 fig.data[i].y = [alloc.get(j.name, 0) if "error" not in alloc else 0 for j in self.jobs]
             tot = res["totals"]
-            fig.data[len(methods)].y = [tot.get(m, {}).get("goodput", 0.0) for m in methods]
-            fig.data[len(methods) + 1].y = [tot.get(m, {}).get("throughput", 0.0) for m in methods]
+            fig.data[len(methods)].y = [tot.get(m, {}).get("speedup", 0.0) for m in methods]
+            fig.data[len(methods) + 1].y = [tot.get(m, {}).get("throughput_speedup", 0.0) for m in methods]
             fig.layout.annotations[0].text = (f"GPUs per job ({self.capacity.value} GPUs, "
                                               f"p = {self.p.value:g})")
         self.chart.show()
         rows = [{"method": m, **res["totals"][m]} for m in methods if m in res["totals"]]
-        self.totals.value = html_table(rows, ["method", "gpus", "goodput", "throughput", "fitness"])
+        self.totals.value = html_table(rows, ["method", "gpus", "speedup", "throughput_speedup", "fitness",
+                                              "goodput", "throughput"])
         errs = [f"{m}: {html.escape(a['error'])}" for m, a in res["allocations"].items() if "error" in a]
         self.message.value = ("<small style='color:#a00'>" + "<br>".join(errs) + "</small>") if errs else ""
         return res
