@@ -1,5 +1,6 @@
 """P5 (McCandlish et al. 2018, App. A.1; Gray et al. 2024, Fig. 2): the two-batch and per-example GNS
-estimators on synthetic linear regression with a known B_simple (papers.md P5-T1, P5-T2).
+estimators on synthetic linear regression with a known B_simple (papers.md P5-T1, P5-T2); the GNS
+growing in training (P5-T4), the steps/examples trade-off (P5-T3) and the LayerNorm-GNS proxy (P5-T5).
 Experiments: :mod:`elasticlab.gns.experiments`."""
 
 from __future__ import annotations
@@ -199,5 +200,98 @@ def p5_t4(quick: bool) -> Outcome:
         f"B_simple {r['b_simple_at_10pct']:.1f} -> {r['b_simple_at_90pct']:.1f} "
         f"(x{r['growth']:.1f}) while the loss went {r['loss_at_10pct']:.2f} -> "
         f"{r['loss_at_90pct']:.2f}",
+        fig,
+    )
+
+
+@reproduction(
+    "P5-T3",
+    claim="Steps and examples to reach a target loss trade off as (S/S_min - 1)(E/E_min - 1) = 1 "
+    "(McCandlish Eq. 2.11), with B_crit = E_min/S_min (Eq. 2.12) close to the training-averaged B_simple.",
+    target="streaming least squares (D=16, H eigenvalues 1 -> 0.1, label noise 0.1), SGD with the LR tuned "
+    "on a log grid per batch B in {1, ..., 1024} to 1% of the initial excess loss: the fit S = S_min(1 + "
+    "B_crit/B) has R^2 > 0.95 in log S and every point within 15% of it; B_crit within 2x of B_simple "
+    "(GNSEstimator, per-example norms along the largest batch's run)",
+    needs=_NEEDS,
+)
+def p5_t3(quick: bool) -> Outcome:
+    from elasticlab.gns.experiments import steps_examples_tradeoff
+
+    if quick:
+        r = steps_examples_tradeoff(batches=(1, 4, 16, 64, 256, 1024), n_lrs=24, replicas=16)
+    else:
+        r = steps_examples_tradeoff(n_lrs=48, replicas=64)
+    worst = float(np.max(np.abs(r["ratio_to_fit"] - 1.0)))
+    # (S/S_min - 1)(E/E_min - 1) itself is ill-conditioned far from B_crit (one factor -> 0): reported only
+    r["product_median_deviation"] = float(np.median(np.abs(r["product"] - 1.0)))
+    ratio = r["crit_over_simple"]
+    passed = r["r2_log"] > 0.95 and worst <= 0.15 and 0.5 <= ratio <= 2.0
+    b = np.logspace(-0.5, np.log10(4 * r["batches"][-1]), 200)
+    s_fit = r["s_min"] * (1 + r["b_crit"] / b)
+    fig = lines(
+        None,
+        {"measured (S(B), E(B))": (r["examples"], r["steps"]), "fit S_min(1 + B_crit/B)": (b * s_fit, s_fit)},
+        dashed=("fit S_min(1 + B_crit/B)",),
+        log_x=True,
+        log_y=True,
+        title=f"P5-T3: steps vs examples to the target loss (B = {int(r['batches'][0])} ... "
+        f"{int(r['batches'][-1])})",
+        xaxis="examples E",
+        yaxis="steps S",
+        vlines=(r["e_min"],),
+        hlines=((r["s_min"], "S_min"),),
+    )
+    return Outcome(
+        r,
+        passed,
+        f"R^2(log S) {r['r2_log']:.4f}, worst point {100 * worst:.1f}% off the fit; S_min {r['s_min']:.2f}, "
+        f"E_min {r['e_min']:.0f}, B_crit {r['b_crit']:.1f} vs B_simple {r['b_simple']:.1f} "
+        f"(x{ratio:.2f}); median |(S/S_min-1)(E/E_min-1) - 1| {r['product_median_deviation']:.2f}",
+        fig,
+    )
+
+
+@reproduction(
+    "P5-T5",
+    claim="The LayerNorm-only gradient noise scale tracks the total GNS of a transformer over training "
+    "(Gray et al. 2024): per-example norms of the normalisation layers suffice.",
+    target="char-level transformer (2 layers, d=64, AdamW, stdlib source text), per-example norms of every "
+    "parameter (PerSampleGradNorms): Pearson r between the LayerNorm-only and the total EMA B_simple over "
+    "training > 0.9",
+    needs=("elasticlab.gns",),
+)
+def p5_t5(quick: bool) -> Outcome:
+    from elasticlab.gns.experiments import layernorm_gns_proxy
+
+    # a 114k-parameter model: more threads only add synchronisation on a small or shared machine
+    with _threads(1):
+        if quick:
+            r = layernorm_gns_proxy(steps=120, batch=16, context=32)
+        else:
+            r = layernorm_gns_proxy(steps=500, batch=32, context=64)
+    corr = r["correlation"]["layernorm"]
+    passed = corr > 0.9
+    total, groups, loss = r.pop("b_simple_total"), r.pop("b_simple_groups"), r.pop("loss")
+    skip = r["skip"]
+    steps = np.arange(len(total))
+    ys = {"total": total[skip:], "LayerNorm only": groups["layernorm"][skip:],
+          "Linear only": groups["linear"][skip:], "Embedding only": groups["embedding"][skip:]}
+    fig = lines(
+        steps[skip:],
+        ys,
+        log_y=True,
+        title=f"P5-T5: EMA B_simple of each layer type over training (r = {corr:.3f})",
+        xaxis="AdamW step",
+        yaxis="B_simple",
+    )
+    r["loss_first"], r["loss_last"] = float(loss[:10].mean()), float(loss[-10:].mean())
+    r["b_simple_total_end"] = float(total[-1])
+    r["b_simple_layernorm_end"] = float(groups["layernorm"][-1])
+    return Outcome(
+        r,
+        passed,
+        f"Pearson r(LayerNorm, total) = {corr:.3f} over steps {skip}-{len(total)} "
+        f"(Linear {r['correlation']['linear']:.3f}, Embedding {r['correlation']['embedding']:.3f}); "
+        f"B_simple at the end {r['b_simple_layernorm_end']:.1f} (LayerNorm) vs {r['b_simple_total_end']:.1f}",
         fig,
     )
