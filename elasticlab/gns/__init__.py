@@ -6,7 +6,8 @@
   their PyTorch references; :mod:`~elasticlab.gns.fused`: gradients and norms in one backward.
 - :class:`GNSEstimator` (estimator.py): per-example and two-batch estimators, B_simple, Pollux's (sqr, var).
 - :mod:`~elasticlab.gns.ddp`: combining replicas under DistributedDataParallel.
-- :mod:`~elasticlab.gns.experiments`: the P5-T1/T2 estimator experiments on synthetic linear regression.
+- :mod:`~elasticlab.gns.experiments`: P5-T1/T2 estimator experiments on synthetic linear regression, P5-T3
+  (steps/examples trade-off of SGD) and P5-T5 (LayerNorm-only GNS against the total).
 """
 from elasticlab.gns.estimator import GNSEstimator, per_example_estimates, two_batch_estimates
 from elasticlab.gns.norms import PerSampleGradNorms
