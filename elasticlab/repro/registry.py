@@ -51,8 +51,6 @@ PAPERS = {
 
 #: Targets of papers.md that no experiment measures yet, with the reason (shown by the report and --list).
 NOT_REPRODUCED = {
-    "P2-T3": "Dynamic SGD on a small real task (MNIST/CIFAR subset, 1->8->2->8 workers): no experiment yet",
-    "P6-T4": "AdaScale convergence bound on a PL quadratic (Thm. 2): no experiment in elasticlab.lr yet",
 }
 
 #: Modules that register claims, one per paper; imported by :func:`load`.
