@@ -10,20 +10,6 @@ namespace cpu {
 
 constexpr int64_t kChunk = 2048;
 
-// sum_i x[i]^2
-template <typename T>
-inline double sq_sum(const T* x, int64_t n) {
-  double total = 0.0;
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t e = std::min(n, c + kChunk);
-    T s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = c; i < e; ++i) s += x[i] * x[i];
-    total += static_cast<double>(s);
-  }
-  return total;
-}
-
 // sum_i a[i] * b[i]
 template <typename T>
 inline double dot(const T* a, const T* b, int64_t n) {
@@ -36,6 +22,12 @@ inline double dot(const T* a, const T* b, int64_t n) {
     total += static_cast<double>(s);
   }
   return total;
+}
+
+// sum_i x[i]^2
+template <typename T>
+inline double sq_sum(const T* x, int64_t n) {
+  return dot(x, x, n);
 }
 
 // acc[i] += g[i] for all i, and returns sum_i g[i]^2 (one pass over g).
