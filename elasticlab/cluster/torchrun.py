@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from elasticlab.elastic.records import EventLog, RecordLog
+from elasticlab.elastic.records import EventLog, RecordLog, step_time_rows
 
 
 class TorchrunJob:
@@ -306,18 +305,7 @@ class TorchrunJob:
     def step_times(self, skip_first: int = 1, aggregate: bool = False) -> list[tuple]:
         """``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows, as ElasticJob's (one agent = one
         slot on this machine, so nodes = 1 in the throughput model)."""
-        rows, seen = [], {}
-        for r in self._metrics.since(0):
-            g = r.get("generation")
-            seen[g] = seen.get(g, 0) + 1
-            if seen[g] > skip_first and r["samples"] == r["global_batch"]:
-                rows.append((1, r["world_size"], r["per_worker_batch"], r["accum_steps"], r["step_time"]))
-        if aggregate:
-            groups: dict = {}
-            for row in rows:
-                groups.setdefault(row[:4], []).append(row[4])
-            rows = [(*k, float(statistics.median(v))) for k, v in sorted(groups.items())]
-        return rows
+        return step_time_rows(self._metrics.since(0), skip_first, aggregate)
 
 
 def start_torchrun_job(spec, n: int, batch, slots: int, workdir: Path) -> TorchrunJob:

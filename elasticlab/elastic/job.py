@@ -22,7 +22,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import tempfile
 import threading
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.policies import BatchConfig, FixedGlobalBatch
-from elasticlab.elastic.records import EventLog, RecordLog
+from elasticlab.elastic.records import EventLog, RecordLog, step_time_rows
 from elasticlab.elastic.task import entrypoint_name
 from elasticlab.elastic.worker import CMD_CHECKPOINT, CMD_LEAVE, CMD_SET_BATCH, default_options, pool_worker
 
@@ -292,18 +291,7 @@ class ElasticJob:
         """Measured ``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows for a throughput model
         fit (Pollux §4.1); the first ``skip_first`` steps of each generation (warm-up) and epoch-tail
         steps are left out. ``aggregate=True`` gives one row per configuration (median time)."""
-        rows, seen = [], {}
-        for r in self._metrics.since(0):
-            g = r["generation"]
-            seen[g] = seen.get(g, 0) + 1
-            if seen[g] > skip_first and r["samples"] == r["global_batch"]:
-                rows.append((1, r["world_size"], r["per_worker_batch"], r["accum_steps"], r["step_time"]))
-        if aggregate:
-            groups: dict = {}
-            for row in rows:
-                groups.setdefault(row[:4], []).append(row[4])
-            rows = [(*k, float(statistics.median(v))) for k, v in sorted(groups.items())]
-        return rows
+        return step_time_rows(self._metrics.since(0), skip_first, aggregate)
 
     def worker_pids(self) -> dict[int, int]:
         """``{rank: pid}`` of the current generation (e.g. to inject a fault)."""

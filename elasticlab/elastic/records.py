@@ -1,6 +1,7 @@
 """Thread-safe, append-only logs of per-step metrics and job events (cheap to poll from a UI timer)."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -13,6 +14,26 @@ METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "w
 EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "adapt", "checkpoint",
                "checkpoint_corrupt",
                "resume", "pause", "fault", "restart", "finished", "stop", "error")
+
+
+
+def step_time_rows(records, skip_first: int = 1, aggregate: bool = False) -> list[tuple]:
+    """``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows from per-step metrics records, for a
+    throughput-model fit (Pollux §4.1): the first ``skip_first`` steps of each generation (warm-up) and
+    epoch-tail steps are left out; nodes = 1 (one machine). ``aggregate=True``: one row per configuration
+    (median time)."""
+    rows, seen = [], {}
+    for r in records:
+        g = r.get("generation")
+        seen[g] = seen.get(g, 0) + 1
+        if seen[g] > skip_first and r["samples"] == r["global_batch"]:
+            rows.append((1, r["world_size"], r["per_worker_batch"], r["accum_steps"], r["step_time"]))
+    if aggregate:
+        groups: dict = {}
+        for row in rows:
+            groups.setdefault(row[:4], []).append(row[4])
+        rows = [(*k, float(statistics.median(v))) for k, v in sorted(groups.items())]
+    return rows
 
 
 class RecordLog:
