@@ -314,3 +314,26 @@ def test_plotting_exports_png_and_svg(tmp_path):
     assert out["a"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = save_figures({"c": figs["b"]}, tmp_path, format="svg")["c"].read_text()
     assert svg.lstrip().startswith("<svg")
+
+
+def test_write_json_atomic_from_many_threads(tmp_path):
+    """Panels write their status file from the kernel thread and from their poller at the same time: every
+    write lands whole and none fails (a shared temporary name made one os.replace miss its file)."""
+    path = tmp_path / "status.json"
+    errors = []
+
+    def work(i):
+        try:
+            for k in range(50):
+                write_json_atomic(path, {"thread": i, "k": k})
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert json.loads(path.read_text())["k"] == 49
+    assert list(tmp_path.iterdir()) == [path]

@@ -1,9 +1,11 @@
 """Helpers shared by the control panels: quick mode, a background poller, small plotly/ipywidgets pieces."""
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
+import tempfile
 import threading
 import traceback
 from pathlib import Path
@@ -101,9 +103,16 @@ def write_json_atomic(path, obj) -> None:
     """Write ``obj`` as JSON to ``path`` via a temporary file and a rename (readers never see half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, default=str))
-    os.replace(tmp, path)
+    # A temporary file of its own per call: the kernel thread and a panel's poller may write at once.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(obj, default=str))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class Poller:
