@@ -7,7 +7,12 @@
 
 namespace elasticlab {
 
-// Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2.
+// Half-precision inputs (bfloat16, float16) are accumulated in float32; every kernel returns its norms (and
+// the outer form's gradient) in acc_type(input dtype).
+inline bool is_reduced_float(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+inline at::ScalarType acc_type(at::ScalarType t) { return is_reduced_float(t) ? at::kFloat : t; }
+
+// Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type).
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
 
 // Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),

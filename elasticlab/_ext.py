@@ -5,7 +5,6 @@ pure-PyTorch reference path; :func:`kernel` returns ``None`` and one warning say
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -20,6 +19,38 @@ except ImportError as e:  # pragma: no cover - depends on the build
     _IMPORT_ERROR = e
 
 _warned = False
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _register_fakes() -> None:
+    """Fake (meta) implementations: output shapes and dtypes only, so that ``torch.compile`` and
+    ``torch.export`` can trace through the operators without running them."""
+    lib = "elasticlab::"
+
+    @torch.library.register_fake(lib + "row_sq_norms")
+    def _row_sq(x):
+        return x.new_empty((x.shape[0],), dtype=_acc(x.dtype))
+
+    @torch.library.register_fake(lib + "seq_linear_gram_norms")
+    def _gram(a, d):
+        return a.new_empty((a.shape[0],), dtype=_acc(a.dtype))
+
+    @torch.library.register_fake(lib + "seq_linear_outer_norms")
+    def _outer(a, d, with_grad):
+        shape = (d.shape[2], a.shape[2]) if with_grad else (0,)
+        return a.new_empty((a.shape[0],), dtype=_acc(a.dtype)), a.new_empty(shape, dtype=_acc(a.dtype))
+
+    @torch.library.register_fake(lib + "layernorm_per_example")
+    def _layernorm(x, d, mean, rstd):
+        shape = (x.shape[0], x.shape[2])
+        return x.new_empty(shape, dtype=_acc(x.dtype)), x.new_empty(shape, dtype=_acc(x.dtype))
+
+
+if HAS_C:
+    _register_fakes()
 
 
 def _warn_once() -> None:
@@ -45,18 +76,23 @@ def operators() -> list[str]:
     )
 
 
-@functools.cache
+_HAS_KERNEL: dict[tuple[str, str], bool] = {}     # a plain dict, not functools.cache: torch.compile traces it
+
+
 def has_kernel(name: str, device_type: str) -> bool:
     """Whether operator ``elasticlab::name`` has a kernel for ``device_type`` ("cpu" or "cuda")."""
-    if not HAS_C:
-        return False
+    hit = _HAS_KERNEL.get((name, device_type))
+    if hit is not None:
+        return hit
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    if key is None:
-        return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"elasticlab::{name}", key)
-    except RuntimeError:  # an operator this build of _C does not define (e.g. an older build)
-        return False
+    ok = False
+    if HAS_C and key is not None:
+        try:
+            ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"elasticlab::{name}", key)
+        except RuntimeError:  # an operator this build of _C does not define (e.g. an older build)
+            ok = False
+    _HAS_KERNEL[(name, device_type)] = ok
+    return ok
 
 
 def kernel(name: str, device_type: str):

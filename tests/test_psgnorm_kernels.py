@@ -1,13 +1,14 @@
 """The compiled kernels (torch.ops.elasticlab.*) against the PyTorch reference path, CPU and CUDA."""
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from elasticlab import _ext
 from elasticlab.gns import PerSampleGradNorms, kernels
-from elasticlab.gns.rules import layernorm_stats
+from elasticlab.gns.layers.layernorm import layernorm_stats
 
 OPS = ["seq_linear_gram_norms", "seq_linear_outer_norms", "layernorm_per_example"]
 
@@ -78,7 +79,7 @@ def test_kernel_errors_name_the_shapes():
         torch.ops.elasticlab.seq_linear_gram_norms(a, d[:, :2])
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.elasticlab.seq_linear_outer_norms(a, d.float(), True)
-    with pytest.raises(RuntimeError, match="expected float32 or float64"):
+    with pytest.raises(RuntimeError, match="expected float64, float32, bfloat16 or float16"):
         torch.ops.elasticlab.seq_linear_gram_norms(a.long(), d.long())
     with pytest.raises(RuntimeError, match="expected mean and rstd"):
         torch.ops.elasticlab.layernorm_per_example(a, a, a[:, :, 0], a[:, :2, 0])
@@ -129,22 +130,106 @@ def test_cuda_kernels_match_cpu_reference_float32():
     _cuda_vs_cpu(torch.float32, 2e-4)
 
 
+class _ConvSeq(nn.Module):
+    """Every fused family on one model: Conv2d, GroupNorm, Linear (2-D and sequence), LayerNorm, Embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.emb, self.up, self.ln = nn.Embedding(20, 8), nn.Linear(8, 24), nn.LayerNorm(24)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, img, idx):
+        h = F.relu(self.gn(self.conv(img))).mean((2, 3))                  # (B, 8)
+        s = self.ln(self.up(self.emb(idx) + h.unsqueeze(1)))               # (B, T, 24)
+        return self.head(s.mean(1))
+
+
+def _model_norms(model, inputs, fused, autocast=None):
+    model.zero_grad()
+    with PerSampleGradNorms(model, fused=fused) as n:
+        with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            out = model(*inputs)
+        out.pow(2).mean().backward()
+    return n.param_sq_norms(), [p.grad.detach().clone() for p in model.parameters()]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False])
 def test_cuda_model_norms_match_cpu(fused):
+    """The same float64 model on the CPU and on CUDA (separate copies: moving a model moves its gradients)."""
+    import copy
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)).double()
-    x = torch.randn(6, 40, 16, dtype=torch.float64)
-    out = {}
-    for dev in ("cpu", "cuda"):
-        m = model.to(dev)
-        m.zero_grad()
-        with PerSampleGradNorms(m, fused=fused) as n:
-            m(x.to(dev)).pow(2).mean().backward()
-        out[dev] = (n.sq_norms().cpu(), [p.grad.cpu() for p in m.parameters()])
-    torch.testing.assert_close(out["cuda"][0], out["cpu"][0], rtol=1e-10, atol=0)
-    for g1, g2 in zip(out["cuda"][1], out["cpu"][1]):
-        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    cpu_model = _ConvSeq().double()
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    img, idx = torch.randn(6, 3, 9, 9, dtype=torch.float64), torch.randint(0, 20, (6, 7))
+    want, want_grads = _model_norms(cpu_model, (img, idx), fused)
+    got, grads = _model_norms(cuda_model, (img.cuda(), idx.cuda()), fused)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k].cpu(), want[k], rtol=1e-9, atol=1e-14, msg=k)
+    for g1, g2 in zip(grads, want_grads):
+        torch.testing.assert_close(g1.cpu(), g2, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_kernels_match_float64_reference(dtype):
+    """Half inputs, float32 accumulation: against float64 on the same (rounded) inputs; strided operands and
+    products chunked across several GEMMs (4096x4096 per example exceeds the scratch budget at B=9)."""
+    for shape in [(3, 130, 70, 45), (2, 1, 5, 3), (9, 64, 4096, 4096), (5, 300, 8, 2000)]:
+        a, d = seq(*shape, dtype=torch.float32)
+        a, d = a.to(dtype), d.to(dtype)
+        want, want_grad = kernels.seq_linear_outer_norms_ref(a.double(), d.double(), with_grad=True)
+        ac, dc = a.cuda(), d.cuda()
+        gram = kernels.seq_linear_gram_norms(ac, dc, use_kernel=True)
+        n, g = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
+        assert gram.dtype == n.dtype == g.dtype == torch.float32
+        torch.testing.assert_close(gram.cpu().double(), want, rtol=1e-4, atol=0)
+        # bfloat16 products (outer form): each element rounded once, squares summed in float32
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(n.cpu().double(), want, rtol=tol, atol=0)
+        torch.testing.assert_close(g.cpu().double(), want_grad, rtol=tol, atol=tol * want_grad.abs().max())
+        at = ac.transpose(1, 2).contiguous().transpose(1, 2)                  # column-major per example
+        dt = dc.transpose(1, 2).contiguous().transpose(1, 2)
+        n_t = kernels.seq_linear_outer_norms(at, dt, use_kernel=True)[0]
+        torch.testing.assert_close(n_t, n, rtol=1e-3, atol=0)
+        gram_t = kernels.seq_linear_gram_norms(at, dt, use_kernel=True)
+        torch.testing.assert_close(gram_t, gram, rtol=1e-4, atol=0)
+    x = torch.randn(5, 33, 700, device="cuda").to(dtype)
+    r = kernels.row_sq(x, use_kernel=True)
+    assert r.dtype == torch.float32
+    torch.testing.assert_close(r.double(), x.double().pow(2).sum((1, 2)), rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.02), (torch.float16, 0.005)])
+def test_cuda_autocast_norms_match_fp32(fused, dtype, tol):
+    torch.manual_seed(0)
+    model = _ConvSeq().cuda()
+    img, idx = torch.randn(16, 3, 9, 9, device="cuda"), torch.randint(0, 20, (16, 7), device="cuda")
+    ref, _ = _model_norms(model, (img, idx), fused)
+    got, grads = _model_norms(model, (img, idx), fused, autocast=dtype)
+    tot_ref, tot = sum(ref.values()), sum(got.values())
+    assert tot.dtype == torch.float32
+    assert float(((tot - tot_ref).abs() / tot_ref).median()) < tol
+    assert all(g.dtype == torch.float32 for g in grads)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_model_norms_equal_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)).cuda()
+    x = torch.randn(6, 40, 16, device="cuda")
+    want, _ = _model_norms(model, (x,), True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    model.zero_grad()
+    with PerSampleGradNorms(model) as n:
+        compiled(x).pow(2).mean().backward()
+    for k, v in n.param_sq_norms().items():
+        torch.testing.assert_close(v, want[k], rtol=1e-4, atol=0, msg=k)
 
 
 def test_kernels_with_inputs_that_require_grad():

@@ -10,8 +10,8 @@ void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d) {
               a.sizes(), " vs ", d.sizes());
   TORCH_CHECK(a.scalar_type() == d.scalar_type(), op, ": a and d must share a dtype, got ",
               a.scalar_type(), " and ", d.scalar_type());
-  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, op,
-              ": expected float32 or float64, got ", a.scalar_type());
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble || is_reduced_float(a.scalar_type()),
+              op, ": expected float64, float32, bfloat16 or float16, got ", a.scalar_type());
   TORCH_CHECK(a.device() == d.device(), op, ": a and d on different devices");
 }
 
@@ -22,11 +22,13 @@ void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
                   rstd.sizes() == mean.sizes(),
               "layernorm_per_example: expected mean and rstd (B,T) = ", x.sizes().slice(0, 2), ", got ",
               mean.sizes(), " and ", rstd.sizes());
-  for (const auto* t : {&d, &mean, &rstd})
-    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "layernorm_per_example: all inputs must be ",
-                x.scalar_type(), ", got ", t->scalar_type());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "layernorm_per_example: expected float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || is_reduced_float(x.scalar_type()),
+              "layernorm_per_example: expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(d.scalar_type() == x.scalar_type(), "layernorm_per_example: d must be ", x.scalar_type(), ", got ",
+              d.scalar_type());
+  for (const auto* t : {&mean, &rstd})
+    TORCH_CHECK(t->scalar_type() == acc_type(x.scalar_type()), "layernorm_per_example: mean and rstd must be ",
+                acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
 }
 
 }  // namespace elasticlab

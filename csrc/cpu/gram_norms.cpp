@@ -11,6 +11,8 @@ namespace elasticlab {
 
 at::Tensor seq_linear_gram_norms_cpu(const at::Tensor& a_in, const at::Tensor& d_in) {
   check_seq_args("seq_linear_gram_norms", a_in, d_in);
+  if (is_reduced_float(a_in.scalar_type()))                // accumulate half inputs in float32
+    return seq_linear_gram_norms_cpu(a_in.to(at::kFloat), d_in.to(at::kFloat));
   const int64_t B = a_in.size(0), T = a_in.size(1);
   auto out = at::zeros({B}, a_in.options());
   if (B == 0 || T == 0) return out;

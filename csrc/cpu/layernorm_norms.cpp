@@ -10,6 +10,8 @@ namespace elasticlab {
 std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cpu(const at::Tensor& x_in, const at::Tensor& d_in,
                                                              const at::Tensor& mean_in, const at::Tensor& rstd_in) {
   check_layernorm_args(x_in, d_in, mean_in, rstd_in);
+  if (is_reduced_float(x_in.scalar_type()))                // accumulate half inputs in float32
+    return layernorm_per_example_cpu(x_in.to(at::kFloat), d_in.to(at::kFloat), mean_in, rstd_in);
   auto x = x_in.contiguous(), d = d_in.contiguous(), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   auto gw = at::zeros({B, D}, x.options()), gb = at::zeros({B, D}, x.options());

@@ -25,6 +25,8 @@ double fold_tile(const scalar_t* g, scalar_t* acc, int64_t n) {
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cpu(const at::Tensor& a, const at::Tensor& d,
                                                               bool with_grad) {
   check_seq_args("seq_linear_outer_norms", a, d);
+  if (is_reduced_float(a.scalar_type()))                   // accumulate half inputs in float32
+    return seq_linear_outer_norms_cpu(a.to(at::kFloat), d.to(at::kFloat), with_grad);
   c10::NoGradGuard no_grad;
   const int64_t B = a.size(0), Din = a.size(2), Dout = d.size(2);
   auto norms = at::zeros({B}, a.options());

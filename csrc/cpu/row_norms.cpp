@@ -9,6 +9,8 @@ namespace elasticlab {
 at::Tensor row_sq_norms_cpu(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
   TORCH_CHECK(x_in.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x_in.scalar_type());
+  // Half precision: the SIMD reductions work on float (this path is for CPU tests; GPUs read halves natively).
+  if (is_reduced_float(x_in.scalar_type())) return row_sq_norms_cpu(x_in.to(at::kFloat));
   const int64_t B = x_in.size(0);
   auto x = x_in.contiguous().view({B, -1});
   const int64_t D = x.size(1);

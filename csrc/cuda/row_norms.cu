@@ -1,4 +1,5 @@
-// CUDA per-row squared norms: one block per row, float accumulation in a warp-shuffle reduction.
+// CUDA per-row squared norms: one block per row, float (double for double) accumulation in a warp-shuffle
+// reduction; the result is float32 for half-precision rows.
 #include "../ops.h"
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -8,7 +9,7 @@ namespace elasticlab {
 namespace {
 
 template <typename scalar_t, typename acc_t>
-__global__ void row_sq_norms_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ out, int64_t D) {
+__global__ void row_sq_norms_kernel(const scalar_t* __restrict__ x, acc_t* __restrict__ out, int64_t D) {
   const int64_t b = blockIdx.x;
   const scalar_t* row = x + b * D;
   acc_t acc = 0;
@@ -24,7 +25,7 @@ __global__ void row_sq_norms_kernel(const scalar_t* __restrict__ x, scalar_t* __
   if (warp == 0) {
     acc = (lane < (blockDim.x + 31) / 32) ? warp_sums[lane] : acc_t(0);
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffff, acc, off);
-    if (lane == 0) out[b] = static_cast<scalar_t>(acc);
+    if (lane == 0) out[b] = acc;
   }
 }
 
@@ -37,13 +38,13 @@ at::Tensor row_sq_norms_cuda(const at::Tensor& x_in) {
   const int64_t B = x_in.size(0);
   auto x = x_in.contiguous().view({B, -1});
   const int64_t D = x.size(1);
-  auto out = at::empty({B}, x.options());
+  auto out = at::empty({B}, x.options().dtype(acc_type(x.scalar_type())));
   if (B == 0) return out;
   const int threads = 256;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "row_sq_norms_cuda", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    row_sq_norms_kernel<scalar_t, acc_t><<<B, threads, 0, stream>>>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), D);
+    row_sq_norms_kernel<scalar_t, acc_t><<<B, threads, 0, stream>>>(x.data_ptr<scalar_t>(), out.data_ptr<acc_t>(), D);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -5,14 +5,15 @@ weight gradient of a linear map over a sequence is G_b = Σ_t d_{b,t} a_{b,t}ᵀ
 its squared Frobenius norm is computed without materialising all G_b at once.
 Each public function takes ``use_kernel``: None (kernel when available), True (require it), False
 (reference). The reference functions ``*_ref`` are the specification the compiled kernels are tested against.
+Inputs may be float64, float32, bfloat16 or float16; half-precision inputs are accumulated in float32 and
+their norms (and the outer form's gradient) come back in float32.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from elasticlab import _ext
+from elasticlab.gns import triton_outer
 
 # Global switch: False makes every call with use_kernel=None take the reference path (for comparisons).
 USE_KERNELS = True
@@ -27,8 +28,17 @@ def _check_seq(a: torch.Tensor, d: torch.Tensor, what: str) -> None:
                          f"and {tuple(d.shape)}")
     if a.shape[:2] != d.shape[:2]:
         raise ValueError(f"{what}: a and d disagree on (B,T): {tuple(a.shape[:2])} vs {tuple(d.shape[:2])}")
-    if a.dtype != d.dtype or not a.is_floating_point():
-        raise ValueError(f"{what}: expected a and d of one floating dtype, got {a.dtype} and {d.dtype}")
+    if a.dtype != d.dtype or a.dtype not in FLOATING:
+        raise ValueError(f"{what}: expected a and d of one floating dtype (float64, float32, bfloat16, "
+                         f"float16), got {a.dtype} and {d.dtype}")
+
+
+FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation (and result) dtype of norms of ``dtype`` inputs: float32 for half precision."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _chunks(B: int, per_example: int):
@@ -37,20 +47,19 @@ def _chunks(B: int, per_example: int):
         yield b0, min(B, b0 + step)
 
 
-@functools.lru_cache(maxsize=1)
-def _operators() -> frozenset:
-    return frozenset(_ext.operators())
+# The operators _C defines, read once (a plain constant: torch.compile traces _op without a cache wrapper).
+_OPERATORS = frozenset(_ext.operators())
 
 
 def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
     if use_kernel is None and not USE_KERNELS:
         return None
-    if use_kernel is False or t.dtype not in (torch.float32, torch.float64):
+    if use_kernel is False or t.dtype not in FLOATING:
         if use_kernel:
-            raise ValueError(f"kernel {name!r} supports float32/float64, got {t.dtype}")
+            raise ValueError(f"kernel {name!r} supports {', '.join(map(str, FLOATING))}, got {t.dtype}")
         return None
     # _ext.has_kernel raises for an operator _C does not define (an older build): ask _ext.operators() first.
-    op = _ext.kernel(name, t.device.type) if (not _ext.HAS_C or name in _operators()) else None
+    op = _ext.kernel(name, t.device.type) if (not _ext.HAS_C or name in _OPERATORS) else None
     if op is None and use_kernel:
         raise RuntimeError(f"kernel elasticlab::{name} is not built for device {t.device.type!r}")
     return op
@@ -59,6 +68,7 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
 # ---------------------------------------------------------------------------------------------- reference
 def seq_linear_gram_norms_ref(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Gram form: ‖G_b‖² = Σ_{t,s} (a_t·a_s)(d_t·d_s) (Li et al. 2022 ghost norm; O(B·T²·(Din+Dout)))."""
+    a, d = a.to(acc_dtype(a.dtype)), d.to(acc_dtype(d.dtype))
     B, T = a.shape[:2]
     out = a.new_empty(B)
     for b0, b1 in _chunks(B, 2 * T * T):
@@ -70,6 +80,7 @@ def seq_linear_gram_norms_ref(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def seq_linear_outer_norms_ref(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False):
     """Outer-product form: G_b = d_bᵀ a_b formed chunk by chunk; returns (‖G_b‖² (B,), Σ_b G_b or None)."""
+    a, d = a.to(acc_dtype(a.dtype)), d.to(acc_dtype(d.dtype))
     B = a.shape[0]
     Din, Dout = a.shape[2], d.shape[2]
     out = a.new_empty(B)
@@ -86,11 +97,27 @@ def layernorm_per_example_ref(x: torch.Tensor, d: torch.Tensor, mean: torch.Tens
     """Per-example LayerNorm parameter gradients (Gray et al. 2024): x, d (B,T,D), mean/rstd (B,T).
 
     Returns (gw, gb), each (B, D): gw_b = Σ_t d_{b,t} ⊙ x̂_{b,t}, gb_b = Σ_t d_{b,t}, x̂ = (x − μ)·rstd."""
+    x, d = x.to(acc_dtype(x.dtype)), d.to(acc_dtype(d.dtype))
+    mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
     xhat = (x - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     return (d * xhat).sum(1), d.sum(1)
 
 
+def row_sq_ref(x: torch.Tensor) -> torch.Tensor:
+    """‖x_b‖² per row of x viewed as (B, -1), accumulated (and returned) in :func:`acc_dtype`."""
+    x = x.reshape(x.shape[0], -1)
+    return torch.linalg.vector_norm(x, dim=1, dtype=acc_dtype(x.dtype)).square()
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
+def row_sq(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
+    """‖x_b‖² per row of x viewed as (B, -1) (kernel ``row_sq_norms``); float32 for half inputs."""
+    if x.dim() < 1:
+        raise ValueError("row_sq: expected a tensor with a batch dimension, got a 0-d tensor")
+    op = _op("row_sq_norms", x, use_kernel)
+    return op(x.detach()) if op is not None else row_sq_ref(x)
+
+
 def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
     """Per-example ‖Σ_t d_t a_tᵀ‖² by the Gram form (kernel ``seq_linear_gram_norms``)."""
     _check_seq(a, d, "seq_linear_gram_norms")
@@ -102,8 +129,12 @@ def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | N
 def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False,
                            use_kernel: bool | None = None):
     """Per-example ‖Σ_t d_t a_tᵀ‖² by the outer-product form, fused with the weight gradient Σ_b G_b when
-    ``with_grad`` (kernel ``seq_linear_outer_norms``). Returns (sq_norms (B,), grad (Dout, Din) or None)."""
+    ``with_grad``. Returns (sq_norms (B,), grad (Dout, Din) or None). Half-precision inputs on CUDA take the
+    Triton kernel of :mod:`elasticlab.gns.triton_outer` (products never leave registers); others, and
+    ``use_kernel=True``, the compiled ``seq_linear_outer_norms`` (cuBLAS batched GEMMs on CUDA)."""
     _check_seq(a, d, "seq_linear_outer_norms")
+    if use_kernel is None and USE_KERNELS and triton_outer.supported(a):
+        return triton_outer.outer_norms(a.detach(), d.detach(), with_grad)     # fused on tensor cores
     op = _op("seq_linear_outer_norms", a, use_kernel)
     if op is None:
         return seq_linear_outer_norms_ref(a, d, with_grad)
@@ -118,17 +149,51 @@ def layernorm_per_example(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, 
         raise ValueError(f"layernorm_per_example: expected x, d (B,T,D) and mean, rstd (B,T); got "
                          f"{tuple(x.shape)}, {tuple(d.shape)}, {tuple(mean.shape)}, {tuple(rstd.shape)}")
     op = _op("layernorm_per_example", x, use_kernel)
+    if x.dtype != d.dtype:
+        raise ValueError(f"layernorm_per_example: x and d must share a dtype, got {x.dtype} and {d.dtype}")
+    mean, rstd = mean.to(acc_dtype(x.dtype)), rstd.to(acc_dtype(x.dtype))
     if op is None:
-        return layernorm_per_example_ref(x, d, mean.to(x.dtype), rstd.to(x.dtype))
-    return tuple(op(x.detach(), d.detach(), mean.detach().to(x.dtype), rstd.detach().to(x.dtype)))
+        return layernorm_per_example_ref(x, d, mean, rstd)
+    return tuple(op(x.detach(), d.detach(), mean.detach(), rstd.detach()))
 
 
-def use_gram(T: int, din: int, dout: int, fused_outer: bool = False) -> bool:
+# Rates of the CUDA cost model behind :func:`use_gram` (H100 SXM, measured by benchmarks/gpu_check.sh):
+# sustained GEMM rate per input dtype ("tf32": float32 with TF32 matmuls allowed), memory bandwidth, and the
+# fused Triton GEMM's extra time as a fraction of the weight-gradient GEMM's.
+CUDA_RATES = {"bandwidth": 2.8e12, "fused_overhead": 0.2,
+              "flops": {torch.bfloat16: 6e14, torch.float16: 6e14, "tf32": 3e14, torch.float32: 5e13,
+                        torch.float64: 5e13}}
+
+
+def _gemm_rate(dtype: torch.dtype) -> float:
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return CUDA_RATES["flops"]["tf32"]
+    return CUDA_RATES["flops"].get(dtype, CUDA_RATES["flops"][torch.float32])
+
+
+def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch.Tensor | None = None,
+             batch: int = 1) -> bool:
     """Per-layer choice between the two forms (Bu, Mao & Xu 2022, "mixed ghost clipping").
 
-    Unfused, the outer product costs a second weight-gradient GEMM (T·Din·Dout per example) against the Gram
-    form's T²·(Din+Dout): Gram when T < Din·Dout/(Din+Dout). Fused with the weight gradient the outer product
-    adds only its reduction, so the Gram form is kept only for short sequences (T·(Din+Dout) < Din·Dout/8),
-    where per-example GEMMs with K=T are inefficient and the Gram work is small."""
+    CPU: unfused, the outer product costs a second weight-gradient GEMM (T·Din·Dout per example) against the
+    Gram form's T²·(Din+Dout): Gram when T < Din·Dout/(Din+Dout). Fused with the weight gradient the outer
+    product adds only its reduction, so the Gram form is kept only for short sequences (T·(Din+Dout) <
+    Din·Dout/8), where per-example GEMMs with K=T are inefficient and the Gram work is small.
+    CUDA (``like`` on a GPU): a cost model. The outer form writes and reads each per-example gradient once
+    (2·Din·Dout elements per example; bfloat16 ones for bfloat16 inputs, else float32), plus, unfused, a
+    second weight-gradient GEMM; the Gram form costs 2·T²·(Din+Dout) GEMM FLOPs and the traffic of two T×T
+    float32 Gram matrices per example. Rates in :data:`CUDA_RATES`."""
+    if like is not None and like.device.type == "cuda":
+        bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(like.dtype)
+        g_bytes = 2 if like.dtype == torch.bfloat16 else (8 if like.dtype == torch.float64 else 4)
+        if fused_outer and USE_KERNELS and triton_outer.supported(like):
+            # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
+            outer = CUDA_RATES["fused_overhead"] * 2.0 * T * din * dout / rate
+        else:
+            outer = 2.0 * din * dout * g_bytes / bw
+        if not fused_outer:
+            outer += 2.0 * T * din * dout / rate
+        gram = 2.0 * T * T * (din + dout) / rate + 16.0 * T * T / bw
+        return gram < outer
     thresh = din * dout / (din + dout)
     return T < thresh / 8 if fused_outer else T < thresh

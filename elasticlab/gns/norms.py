@@ -3,16 +3,22 @@
 Inside the context, after ``loss.backward()``, ``sq_norms()`` is ‖∇θ ℓ_i‖² (B,) over all trainable
 parameters, where the loss is (1/B)·Σ ℓ_i (``"mean"``) or Σ ℓ_i (``"sum"``) over the batch dimension (dim 0
 of each layer's input). Per-example gradients are never materialised for the whole batch (McCandlish et al.
-App. A.1 needs only their norms). ``fused=True`` lets Linear/Conv/LayerNorm form their parameter gradients
-and norms in one backward (see :mod:`elasticlab.gns.fused`); other layers, and all with ``fused=False``, use
-hooks.
+App. A.1 needs only their norms). ``fused=True`` lets the layers whose rule has a fused form (Linear, Conv,
+LayerNorm, …; :mod:`elasticlab.gns.layers`) form their parameter gradients and norms in one backward; other
+layers, and all with ``fused=False``, use hooks.
+
+Mixed precision: under ``torch.autocast`` (bfloat16 or float16) the norms are accumulated and returned in
+float32. With a ``torch.amp.GradScaler`` passed as ``grad_scaler``, the loss scale is divided out of the
+norms and of :meth:`grad_sq_norm`; a step whose float16 gradients overflowed gives non-finite norms, which
+:class:`~elasticlab.gns.GNSEstimator` skips and counts.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from elasticlab.gns.rules import rule_for
+from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
+from elasticlab.gns.registry import rule_for
 
 
 class _Slot:
@@ -24,6 +30,8 @@ class _Slot:
         self.norms: dict[str, torch.Tensor] = {}
 
     def called(self) -> None:
+        if self.rule.check is not None:
+            self.rule.check(self.module)
         self.calls += 1
         if self.calls > 1:
             raise RuntimeError(
@@ -44,15 +52,21 @@ class PerSampleGradNorms:
 
     ``strict``: a trainable parameter no rule covers is a ValueError naming its module; with
     ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters are always skipped.
+    ``grad_scaler``: the ``torch.amp.GradScaler`` whose scaled loss is backpropagated (its scale is read,
+    without a host sync, at each forward and divided out of the results).
     """
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = True,
-                 fused: bool = True):
+                 fused: bool = True, grad_scaler=None):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(model, nn.Module):
             raise ValueError(f"PerSampleGradNorms needs an nn.Module, got {type(model).__name__}")
+        if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self.model, self.loss_reduction, self.strict, self.fused = model, loss_reduction, strict, fused
+        self.grad_scaler = grad_scaler
+        self._scale: torch.Tensor | None = None           # the loss scale of the current step
         self.skipped: list[str] = []
         self._slots: list[_Slot] = []
         for name, mod in model.named_modules():
@@ -80,6 +94,26 @@ class PerSampleGradNorms:
     def _begin_step(self, *_):
         for s in self._slots:
             s.calls, s.norms = 0, {}
+        self._scale = self._current_scale()
+
+    def _current_scale(self) -> torch.Tensor | None:
+        sc = self.grad_scaler
+        if sc is None or not sc.is_enabled():
+            return None
+        t = getattr(sc, "_scale", None)                   # a device tensor: no host sync
+        if t is None:                                     # before the scaler's first use: its initial scale
+            return torch.tensor(float(sc.get_scale()), dtype=torch.float64)
+        return t.detach().clone()
+
+    def _unscale(self, v: torch.Tensor) -> torch.Tensor:
+        if self._scale is None:
+            return v
+        return v / self._scale.to(device=v.device, dtype=v.dtype) ** 2
+
+    def _grads_unscaled(self) -> bool:
+        """Whether the scaler has already unscaled the optimizer's gradients this step (``unscale_``)."""
+        states = getattr(self.grad_scaler, "_per_optimizer_states", {}) or {}
+        return any(getattr(st.get("stage"), "name", "") == "UNSCALED" for st in states.values())
 
     def _forward_hook(self, slot: _Slot):
         def hook(module, inputs, output):
@@ -100,7 +134,12 @@ class PerSampleGradNorms:
             raise RuntimeError("PerSampleGradNorms is already active")
         self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
         for s in self._slots:
-            fwd = s.rule.fused(s.module, s) if (self.fused and s.rule.fused is not None) else None
+            fused_only = s.rule.norms is None
+            fwd = s.rule.fused(s.module, s) if ((self.fused or fused_only) and s.rule.fused) else None
+            if fwd is None and fused_only:
+                self.__exit__()
+                raise ValueError(f"module {s.name!r} ({type(s.module).__name__}): its rule has only a fused "
+                                 "form, which does not support this configuration")
             if fwd is not None:
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
                 s.module.forward = fwd
@@ -126,7 +165,7 @@ class PerSampleGradNorms:
         out = {}
         for s in self._slots:
             for pname, v in s.norms.items():
-                out[f"{s.name}.{pname}" if s.name else pname] = v
+                out[f"{s.name}.{pname}" if s.name else pname] = self._unscale(v)
         return out
 
     def layer_sq_norms(self) -> dict[str, torch.Tensor]:
@@ -138,7 +177,7 @@ class PerSampleGradNorms:
                 total = vals[0]
                 for v in vals[1:]:
                     total = total + v
-                out[s.name] = total
+                out[s.name] = self._unscale(total)
         return out
 
     def sq_norms(self) -> torch.Tensor:
@@ -149,7 +188,16 @@ class PerSampleGradNorms:
                                "context")
         sizes = {k: v.shape[0] for k, v in layers.items()}
         if len(set(sizes.values())) != 1:
-            raise RuntimeError(f"layers disagree on the batch size (batch dimension must be first): {sizes}")
+            counts: dict[int, int] = {}
+            for b in sizes.values():
+                counts[b] = counts.get(b, 0) + 1
+            batch = max(counts, key=counts.get)
+            odd = {k: b for k, b in sizes.items() if b != batch}
+            raise RuntimeError(
+                f"layers disagree on the batch size: most say {batch}, but {odd}. Each layer's input needs "
+                "the batch dimension first; a layer called on an input without it and broadcast over the "
+                "batch (a positional embedding on arange(T)) only sees the batch-summed gradient: expand its "
+                "input over the batch, e.g. pos.unsqueeze(0).expand(B, -1)")
         vals = list(layers.values())
         total = vals[0].clone()
         for v in vals[1:]:
@@ -158,24 +206,32 @@ class PerSampleGradNorms:
 
     def grad_sq_norm(self, batch_size: int | None = None) -> float:
         """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
-        batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²."""
+        batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
+        ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
         total = 0.0
         for s in self._slots:
             for pname in s.need:
                 p = getattr(s.module, pname)
                 if p is not None and p.grad is not None:
                     total += float(p.grad.detach().double().pow(2).sum())
+        total /= self._grad_scale_sq()
         if self.loss_reduction == "sum":
             if batch_size is None:
                 batch_size = int(self.sq_norms().shape[0])
             total /= batch_size ** 2
         return total
 
+    def _grad_scale_sq(self) -> float:
+        """The squared loss scale still in ``.grad`` (1 without a scaler, or after ``scaler.unscale_``)."""
+        if self._scale is None or self._grads_unscaled():
+            return 1.0
+        return float(self._scale.double()) ** 2
+
     def layer_grad_sq_norms(self, batch_size: int | None = None) -> dict[str, float]:
         """{module name: ‖ḡ‖²} per module, as :meth:`grad_sq_norm` (for per-layer GNS)."""
-        div = 1.0
+        div = self._grad_scale_sq()
         if self.loss_reduction == "sum":
-            div = float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
+            div *= float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
         out = {}
         for s in self._slots:
             tot = 0.0

@@ -1,0 +1,102 @@
+"""The sequence-Linear per-example norm operators on CUDA against the weight-gradient GEMM they fuse with.
+
+For layer shapes of the GPU workloads (G1 GPT-2-small, G3 wide block, W2/W3), each method's time as a ratio to
+the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows, in the same dtype), in one run:
+``triton`` (fused on tensor cores, products in registers), ``cublas`` (batched GEMM + one fold pass; the
+compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs). Every
+method is first checked against float64. It also measures the two ceilings the cost model of
+``elasticlab.gns.kernels.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
+
+    python benchmarks/bench_seq_linear_cuda.py [--iters 10]
+Last line: ``RESULT {json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from elasticlab.gns import kernels, triton_outer
+
+SHAPES = {  # name: (B, T, Din, Dout, dtype)
+    "G1.qkv": (8, 1024, 768, 2304), "G1.proj": (8, 1024, 768, 768), "G1.fc": (8, 1024, 768, 3072),
+    "G1.fc2": (8, 1024, 3072, 768), "G1.head": (8, 1024, 768, 50304),
+    "G3.up": (64, 512, 1024, 4096), "G3.down": (64, 512, 4096, 1024),
+    "W2.up": (32, 128, 256, 1024), "W3.up": (8, 512, 256, 1024),
+}
+RUNS = [(n, torch.bfloat16) for n in SHAPES] + [(n, torch.float32) for n in SHAPES if not n.startswith("G3")]
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn()
+        t1.record()
+        torch.cuda.synchronize()
+        out.append(t0.elapsed_time(t1))
+    return statistics.median(out)
+
+
+def _gemm_rate(dt: torch.dtype, iters: int) -> float:
+    a, b = torch.randn(8192, 8192, device="cuda", dtype=dt), torch.randn(8192, 8192, device="cuda", dtype=dt)
+    return 2 * 8192 ** 3 / timed(lambda: a @ b, max(3, iters // 2)) / 1e9
+
+
+def ceilings(iters: int) -> dict:
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")          # 256 MB
+    y = torch.empty_like(x)
+    out = {"copy_TBps": 2 * x.numel() / timed(lambda: y.copy_(x), iters) / 1e9}
+    for dt in (torch.bfloat16, torch.float32):
+        out[f"gemm_TFLOPs_{str(dt).split('.')[-1]}"] = _gemm_rate(dt, iters)
+    return out
+
+
+def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
+    """Ratios of each method to the weight-gradient GEMM for one layer shape, and their errors vs float64."""
+    B, T, Din, Dout = SHAPES[name]
+    a = torch.randn(B, T, Din, device="cuda").to(dt)
+    d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(dt)
+    a2, d2 = a.view(-1, Din), d.view(-1, Dout)
+    want = kernels.seq_linear_outer_norms(a[:2].double(), d[:2].double(), use_kernel=True)[0]
+    meth = {"cublas": lambda: torch.ops.elasticlab.seq_linear_outer_norms(a, d, True),
+            "gram": lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)}
+    if triton_outer.HAS_TRITON and dt != torch.float32:
+        meth["triton"] = lambda: triton_outer.outer_norms(a, d, True)
+    if name == "G1.head":
+        meth.pop("gram")                                  # T×T Grams beside a 50304-wide GEMM: far slower
+    errs = {m: float(((f()[0][:2].double() - want).abs() / want).max()) for m, f in meth.items()}
+    base = timed(lambda: d2.t() @ a2, iters)
+    return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.manual_seed(0)
+    ceil = ceilings(args.iters)
+    print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
+    rows = {}
+    print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} {'triton':>8s} {'cublas':>8s} {'gram':>8s}   "
+          "rel.err vs fp64 (triton / cublas / gram)")
+    for name, dt in RUNS:
+        res = rows[f"{name}:{str(dt).split('.')[-1]}"] = run_layer(name, dt, args.iters)
+        torch.cuda.empty_cache()
+        r, e = res["ratio"], res["rel_err"]
+        print(f"{name:10s} {str(dt).split('.')[-1]:9s} {res['wgrad_ms']:9.3f} "
+              + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in ("triton", "cublas", "gram"))
+              + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in ("triton", "cublas", "gram")))
+    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

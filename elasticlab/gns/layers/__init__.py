@@ -1,0 +1,20 @@
+"""Per-layer rules, one module per layer family, each registering itself in :mod:`elasticlab.gns.registry`.
+
+- :mod:`.linear`: ``nn.Linear`` (2-D inputs: product of norms; sequences: Gram or outer-product form).
+- :mod:`.conv`: ``nn.Conv1d`` / ``nn.Conv2d`` (a Linear over the unfolded input).
+- :mod:`.layernorm` (Gray et al. 2024), :mod:`.groupnorm`, :mod:`.rmsnorm`, :mod:`.batchnorm` (eval mode
+  only): the normalisation layers' affine parameters.
+- :mod:`.embedding`: ``nn.Embedding`` (rows of an example sharing an index add up first).
+- :mod:`.attention`: ``nn.MultiheadAttention`` (its bare in-projection and its ``out_proj``).
+Importing this package registers them all.
+"""
+from elasticlab.gns.layers import (  # noqa: F401  (each module registers its rule on import)
+    attention,
+    batchnorm,
+    conv,
+    embedding,
+    groupnorm,
+    layernorm,
+    linear,
+    rmsnorm,
+)

@@ -1,0 +1,42 @@
+"""Helpers shared by the layer rules: batch-dimension checks and mixed-precision casts.
+
+Under ``torch.autocast`` a layer's forward hook sees the input as the caller passed it (often float32) while
+the gradient of its output arrives in the autocast dtype (bfloat16 or float16). Rules compute in one dtype:
+matrix layers (Linear, Conv) in the dtype autocast ran them in (the output's), normalisation layers in the
+wider of the two (autocast runs them in float32). Kernels accumulate in float32 either way and return
+float32 norms for half-precision inputs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def batched(module: nn.Module, x: torch.Tensor, min_dim: int) -> None:
+    """ValueError naming the module when ``x`` has fewer than ``min_dim`` dimensions (no batch dimension)."""
+    if x.dim() < min_dim:
+        raise ValueError(f"per-example norms need a batch dimension first: {type(module).__name__} got an "
+                         f"input of shape {tuple(x.shape)}")
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype on ``t``'s device when autocast is on there and ``t`` is floating, else None."""
+    dev = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` in ``dtype`` (no copy when it already is; None passes through)."""
+    if t is None or dtype is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+def wider(*ts: torch.Tensor) -> torch.dtype:
+    """The promoted floating dtype of the tensors (float32 for a bfloat16/float32 mix)."""
+    out = ts[0].dtype
+    for t in ts[1:]:
+        out = torch.promote_types(out, t.dtype)
+    return out

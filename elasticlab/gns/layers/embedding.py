@@ -1,0 +1,48 @@
+"""``nn.Embedding``: rows of one example that share an index add up before the norm.
+
+‖∇E ℓ_b‖² = Σ_v ‖Σ_{t: idx_{b,t}=v} δ_{b,t}‖². The segment sums over (example, index) keys are formed with a
+sort and a cumulative sum into a buffer of fixed size (one row per position), so nothing waits on the host.
+An embedding called on an index without the batch dimension (a positional embedding on ``arange(T)``,
+broadcast over the batch) receives the batch-summed gradient, from which per-example norms cannot be
+recovered: expand the index over the batch instead (``pos.unsqueeze(0).expand(B, -1)``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elasticlab.gns import kernels
+from elasticlab.gns.layers.common import batched
+from elasticlab.gns.registry import register_rule
+
+
+def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict:
+    """Hook rule: per-example squared norm of the embedding-table gradient (segment sum by index)."""
+    if module.scale_grad_by_freq:
+        raise ValueError("per-example norms are not defined for nn.Embedding(scale_grad_by_freq=True): its "
+                         "gradient depends on the whole batch")
+    if "weight" not in need:
+        return {}
+    idx = inputs[0]
+    batched(module, idx, 1)
+    B, D, V = idx.shape[0], d.shape[-1], module.num_embeddings
+    idx2 = idx.reshape(B, -1)
+    d2 = d.reshape(B, -1, D)
+    if d2.dtype.itemsize < 4:
+        d2 = d2.float()
+    if module.padding_idx is not None:
+        d2 = d2.masked_fill((idx2 == module.padding_idx).unsqueeze(-1), 0)
+    key = (torch.arange(B, device=idx.device).unsqueeze(1) * V + idx2).reshape(-1)
+    skey, order = torch.sort(key)
+    first = torch.ones_like(skey, dtype=torch.bool)
+    first[1:] = skey[1:] != skey[:-1]
+    group = torch.cumsum(first, 0) - 1                               # segment id of each sorted position
+    rows = d2.new_zeros(key.numel(), D).index_add_(0, group, d2.reshape(-1, D)[order])
+    # Every segment belongs to one example; unused rows are zero and add nothing.
+    owner = torch.zeros(key.numel(), dtype=torch.long, device=idx.device)
+    owner[group] = torch.div(skey, V, rounding_mode="floor")
+    per = d2.new_zeros(B).index_add_(0, owner, kernels.row_sq(rows))
+    return {"weight": per}
+
+
+register_rule(nn.Embedding, embedding_norms, params=("weight",))

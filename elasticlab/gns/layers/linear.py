@@ -1,0 +1,109 @@
+"""``nn.Linear``: per-example weight-gradient norms, by hooks or fused into the backward.
+
+2-D inputs: ‖∇W ℓ_b‖² = ‖a_b‖²·‖δ_b‖² (Goodfellow 2015). Sequences (B, …, Din): G_b = Σ_t δ_{b,t} a_{b,t}ᵀ by
+the Gram form or the outer-product form, whichever :func:`elasticlab.gns.kernels.use_gram` finds cheaper for
+the layer's shape and device ("mixed ghost clipping", Bu, Mao & Xu 2022). Fused, the outer-product form *is*
+the weight-gradient GEMM: Σ_b G_b comes out of the same per-example products whose norms are taken.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from elasticlab.gns import kernels
+from elasticlab.gns.layers.common import autocast_dtype, batched, cast
+from elasticlab.gns.registry import register_rule
+
+
+def seq_weight_norms(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """‖Σ_t d_t a_tᵀ‖² per example, the cheaper of the Gram and outer-product forms for this layer."""
+    if kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=False, like=a, batch=a.shape[0]):
+        return kernels.seq_linear_gram_norms(a, d)
+    return kernels.seq_linear_outer_norms(a, d)[0]
+
+
+def linear_norms(module: nn.Linear, inputs, d: torch.Tensor, need) -> dict:
+    """Hook rule: 2-D inputs ‖a_b‖²·‖d_b‖²; sequences (B,…,Din) by the Gram or outer form."""
+    a = inputs[0]
+    batched(module, a, 2)
+    a = cast(a, d.dtype)                                   # autocast ran the layer in the gradient's dtype
+    out = {}
+    if a.dim() == 2:
+        d_sq = kernels.row_sq(d)
+        if "weight" in need:
+            out["weight"] = kernels.row_sq(a) * d_sq
+        if "bias" in need:
+            out["bias"] = d_sq
+        return out
+    B = a.shape[0]
+    a3, d3 = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
+    if "weight" in need:
+        out["weight"] = seq_weight_norms(a3, d3)
+    if "bias" in need:
+        out["bias"] = kernels.row_sq(d3.sum(1, dtype=torch.float32 if d3.dtype.itemsize < 4 else None))
+    return out
+
+
+class _LinearNorms(torch.autograd.Function):
+    """y = x Wᵀ + b; backward: input gradient, Σ_b G_b and the per-example norms together."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, slot, dtype):
+        ctx.slot, ctx.dtypes = slot, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        xc, wc, bc = cast(x, dtype), cast(weight, dtype), cast(bias, dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.linear(xc, wc, bc)
+        # ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it.
+        ctx.x_sq = kernels.row_sq(xc) if xc.dim() == 2 and ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(xc, wc)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = cast(g, x.dtype)
+        gx = cast(g.matmul(w), x_dtype) if need_x else None
+        gw = gb = None
+        norms = {}
+        B = x.shape[0]
+        acc = torch.float32 if g.dtype.itemsize < 4 else None      # sums of half-precision values in fp32
+        if x.dim() == 2:
+            g_sq = kernels.row_sq(g) if (need_w or need_b) else None
+            if need_w:
+                gw = g.t().mm(x)
+                norms["weight"] = (ctx.x_sq if ctx.x_sq is not None else kernels.row_sq(x)) * g_sq
+            if need_b:
+                gb = g.sum(0, dtype=acc)
+                norms["bias"] = g_sq
+        else:
+            a, d = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
+            if need_w:
+                if kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=True, like=a, batch=B):
+                    norms["weight"] = kernels.seq_linear_gram_norms(a, d)
+                    gw = d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
+                else:
+                    norms["weight"], gw = kernels.seq_linear_outer_norms(a, d, with_grad=True)
+            if need_b:
+                db = d.sum(1, dtype=acc)
+                gb = db.sum(0)
+                norms["bias"] = kernels.row_sq(db)
+        ctx.slot.record(norms, B)
+        return gx, cast(gw, w_dtype), cast(gb, b_dtype), None, None
+
+
+def linear_forward(module: nn.Linear, slot):
+    def forward(x):
+        if x.dim() < 2:
+            raise ValueError("per-example norms need a batch dimension first: Linear got shape "
+                             f"{tuple(x.shape)}")
+        slot.called()
+        return _LinearNorms.apply(x, module.weight, module.bias, slot, autocast_dtype(x))
+    return forward
+
+
+register_rule(nn.Linear, linear_norms, fused=linear_forward)

@@ -1,0 +1,52 @@
+"""The registry of per-layer rules for per-example gradient norms, keyed by module type (Opacus' shape).
+
+Each layer family lives in its own module of :mod:`elasticlab.gns.layers` and registers its rule there with
+:func:`register_rule`. A rule's ``norms(module, inputs, grad_output, need)`` returns {param name: (B,) squared
+norms} of the per-example gradients *of the loss as reduced* (no B² rescaling; the caller applies it), from
+the layer's inputs and the gradient of its output, for the direct parameters named in ``need``. Its optional
+``fused(module, slot)`` returns a replacement forward whose backward forms the parameter gradients and the
+norms in one pass, or None when that configuration is not supported. Its optional ``check(module)`` runs at
+every forward and raises a ValueError when per-example gradients are not defined in the module's current
+state (BatchNorm in training mode).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Rule:
+    norms: Callable | None
+    params: tuple[str, ...] = ("weight", "bias")
+    fused: Callable | None = None
+    check: Callable | None = None
+
+
+RULES: dict[type, Rule] = {}
+
+
+def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias"), fused=None,
+                  check=None) -> Rule:
+    """Register (or replace) the rule for ``module_type``; returns it."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise ValueError(f"register_rule: expected an nn.Module subclass, got {module_type!r}")
+    if norms is None and fused is None:
+        raise ValueError(f"register_rule: {module_type.__name__} needs a hook rule (norms), a fused form, "
+                         "or both")
+    if norms is not None and not callable(norms):
+        raise ValueError(f"register_rule: norms must be callable or None, got {norms!r}")
+    rule = Rule(norms=norms, params=tuple(params), fused=fused, check=check)
+    RULES[module_type] = rule
+    return rule
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule of the nearest registered base class whose ``forward`` the module still uses."""
+    for cls in type(module).__mro__:
+        rule = RULES.get(cls)
+        if rule is not None:
+            return rule if type(module).forward is cls.forward else None
+    return None

@@ -1,0 +1,92 @@
+"""Per-example outer-product norms fused into the weight-gradient GEMM on tensor cores (Triton).
+
+Each program owns a (BM × BN) tile of the weight gradient. For every example b it forms its tile of
+G_b = Σ_t δ_{b,t} a_{b,t}ᵀ in registers (``tl.dot``: wgmma on Hopper, mma elsewhere), adds ‖tile‖² to a
+partial norm of b and the tile into its gradient accumulator: the products never reach memory, and the only
+work beyond the weight-gradient GEMM is a square-and-sum per tile and example (the floor of
+``shared/reference/psgnorm-anchors.md``). Partial norms are summed afterwards (deterministic); when the tiles
+alone are too few to fill the GPU the examples are split over a second grid axis, each split writing its own
+gradient slice, summed afterwards.
+
+Used for bfloat16/float16 inputs on CUDA when Triton is importable (it ships with CUDA builds of torch); the
+cuBLAS path of ``torch.ops.elasticlab.seq_linear_outer_norms`` is the fallback and the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # pragma: no cover - depends on the torch build
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+# Switch for comparisons (benchmarks): False sends every call to the cuBLAS operator.
+ENABLED = True
+
+if HAS_TRITON:
+    @triton.jit
+    def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
+                            sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_n = tl.cdiv(Din, BN)
+        num_tiles = tl.num_programs(0)
+        pm, pn = pid // num_n, pid % num_n
+        offs_m = pm * BM + tl.arange(0, BM)                  # rows of the gradient (Dout)
+        offs_n = pn * BN + tl.arange(0, BN)                  # columns (Din)
+        offs_k = tl.arange(0, BK)
+        m_ok, n_ok = offs_m < Dout, offs_n < Din
+        gacc = tl.zeros((BM, BN), dtype=tl.float32)
+        for b in range(split, B, SPLIT):
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for t0 in range(0, T, BK):
+                tk = t0 + offs_k
+                k_ok = tk < T
+                dt = tl.load(d_ptr + b * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
+                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)           # δ_bᵀ tile (BM, BK)
+                at = tl.load(a_ptr + b * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
+                             mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # a_b tile (BK, BN)
+                acc = tl.dot(dt, at, acc)
+            tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
+            gacc += acc
+        g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
+        tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supported(a: torch.Tensor) -> bool:
+    """Whether the fused tensor-core path takes these inputs (half precision on CUDA, Triton present)."""
+    return HAS_TRITON and ENABLED and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages): 128×128 tiles for wide layers, narrower for thin ones."""
+    bm = 128 if Dout >= 128 else 64
+    bn = 128 if Din >= 128 else 64
+    return bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4, 3
+
+
+def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
+    """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout)."""
+    B, T, Din = a.shape
+    Dout = d.shape[2]
+    if B == 0 or T == 0 or Din == 0 or Dout == 0:
+        z = torch.zeros(B, device=a.device)
+        return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
+    bm, bn, bk, warps, stages = _config(Din, Dout)
+    tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    split = max(1, min(B, (2 * sms) // tiles))           # enough programs for two per SM
+    partial = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
+    grad = torch.empty(split, Dout, Din, device=a.device, dtype=torch.float32)
+    with torch.cuda.device(a.device):
+        _outer_norms_kernel[(tiles, split)](
+            a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split,
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    norms = partial.sum(1)
+    if not with_grad:
+        return norms, None
+    return norms, (grad[0] if split == 1 else grad.sum(0))
