@@ -1,20 +1,37 @@
 """Per-example gradient norms: cost of a training step with norms against plain forward+backward.
 
-Workloads W1–W4 of ``shared/reference/psgnorm-anchors.md``; float32, median of timed steps after warm-up,
-methods interleaved round by round so that drift hits all alike. Methods: ``plain`` (the baseline),
-``psgn`` (elasticlab, fused backward), ``psgn-ref`` (the same with the compiled kernels off),
-``psgn-hooks`` (elasticlab, hooks only), ``torch.func`` (vmap of grad,
-then the gradient as the sum of per-example ones) and ``opacus-ghost`` (Opacus ghost clipping, one backward)
-when Opacus is installed. Every method is first checked against ``torch.func`` in float64.
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the peak RSS of a child process per method.
-Last line: ``RESULT {json}`` with each workload's ratio to plain and extra peak memory (MB, % of baseline).
+Workloads of ``shared/reference/psgnorm-anchors.md``: W1–W4 (the CPU anchors) and the GPU workloads G1
+(GPT-2-small class, B=8, T=1024), G2 (torchvision ResNet-18 with GroupNorm, B=128, 64×64; skipped without
+torchvision) and G3 (the W2 block at D=1024, B=64, T=512). Median of timed steps after warm-up (CUDA events
+on CUDA), methods interleaved round by round so that drift hits all alike; a method slower than ``--slow-s``
+a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused backward),
+``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
+kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-hooks`` (elasticlab, hooks only),
+``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
+4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
+Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go on.
 
-    python benchmarks/bench_psgnorm.py [--device cuda] [--iters 15] [--threads 2] [--quick]
+Precision: ``fp32`` (true fp32 matmuls, PyTorch's default) or ``bf16`` (forward and loss under
+``torch.autocast(device, bfloat16)``, backward outside it, parameters fp32). A workload entry is ``NAME`` (run
+at each precision of ``--precision``) or ``NAME:PREC[+PREC]``, e.g. ``--workloads W1,G1:fp32+bf16,G3:bf16``.
+Defaults: on CPU ``W1,W2,W3,W4`` in fp32; on CUDA also ``G1:fp32+bf16,G2:fp32+bf16,G3:bf16``.
+
+Checks: every method is first compared with ``torch.func`` in float64 on a small batch of a shrunken model
+(max relative error of the squared norms); for bf16 entries also the median relative error of psgn's bf16
+norms against its fp32 norms on the same batch. Peak memory: on CUDA ``torch.cuda.max_memory_allocated``
+beyond what model and data hold; on CPU the peak RSS of a child process per method.
+Last line: ``RESULT {json}``; ``workloads`` is keyed ``NAME-PREC`` (e.g. ``G1-bf16``) with baseline_ms,
+ratio, ms, extra_mb / extra_pct, check_rel_err, errors, skipped and (bf16) bf16_vs_fp32.
+
+    python benchmarks/bench_psgnorm.py [--device cuda] [--workloads ...] [--precision fp32,bf16]
+        [--methods ...] [--iters 15] [--warmup 3] [--threads 2] [--quick] [--no-memory] [--max-s S]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import gc
 import json
 import os
 import resource
@@ -22,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +54,23 @@ except ImportError:  # pragma: no cover
     def tqdm(x, **_):
         return x
 
+WORKLOADS = ("W1", "W2", "W3", "W4", "G1", "G2", "G3")
+PRECISIONS = ("fp32", "bf16")
+DEFAULT_CPU = "W1,W2,W3,W4"
+DEFAULT_CUDA = "W1,W2,W3,W4,G1:fp32+bf16,G2:fp32+bf16,G3:bf16"
+# Expected noise: functorch's fallback for SDPA under vmap, Opacus' full backward hook on the first layer.
+warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+FUNC_MEM_FRACTION = 0.4          # torch.func is skipped when its per-example gradients need more of the free
+
+
+class Unavailable(Exception):
+    """A workload that cannot run here (a missing package)."""
+
 
 # ---------------------------------------------------------------------------------------------- workloads
 class SeqBlock(nn.Module):
-    """W2/W3: Linear D→4D, GELU, Linear 4D→D, LayerNorm, mean over T, Linear D→10."""
+    """W2/W3/G3: Linear D→4D, GELU, Linear 4D→D, LayerNorm, mean over T, Linear D→10."""
 
     def __init__(self, D=256, C=10):
         super().__init__()
@@ -63,24 +94,112 @@ class SmallCNN(nn.Module):
         return self.fc(F.max_pool2d(F.relu(self.c2(h)), 2).flatten(1))
 
 
-def workload(name: str, quick: bool = False):
-    """(model, x, y) of workload W1–W4 (``quick`` shrinks the batch for smoke runs)."""
+class Block(nn.Module):
+    """G1: pre-LN transformer block (causal self-attention with H heads, then a 4D GELU MLP; residuals)."""
+
+    def __init__(self, D: int, H: int):
+        super().__init__()
+        self.H = H
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.ln2, self.fc, self.out = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.H, D // self.H).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(D, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """G1: GPT-2-small class. Token and learned positional embeddings (the positions ``arange(T)`` expanded
+    over the batch, so that the positional table has per-example gradients), L blocks, final LayerNorm,
+    untied head without bias. Plain nn.Linear / nn.LayerNorm / nn.Embedding, so elasticlab covers all.
+    ``contiguous_pos``: copy the expanded positions (a 64 KB copy at B=8, T=1024) before the lookup, for
+    Opacus, whose embedding norm sampler calls ``.view`` on the indices and fails on the expanded ones."""
+
+    contiguous_pos = False
+
+    def __init__(self, V=50304, n_ctx=1024, D=768, L=12, H=12):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(V, D), nn.Embedding(n_ctx, D)
+        self.blocks = nn.ModuleList(Block(D, H) for _ in range(L))
+        self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device).unsqueeze(0).expand(B, T)
+        x = self.tok(idx) + self.pos(pos.contiguous() if self.contiguous_pos else pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def _resnet18_gn() -> nn.Module:
+    try:
+        import torchvision
+    except ImportError as e:
+        raise Unavailable("torchvision not installed") from e
+    return torchvision.models.resnet18(num_classes=100, norm_layer=lambda c: nn.GroupNorm(8, c))
+
+
+def workload(name: str, quick: bool = False, check: bool = False):
+    """(model, x, y) of a workload on the CPU: full size, ``quick`` (small, for smoke runs) or ``check`` (a
+    shrunken model and 4–8 examples for the float64 comparison with torch.func)."""
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "W1":
-        B = 32 if quick else 256
+        B = 8 if check else 32 if quick else 256
         mlp = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                             nn.Linear(1024, 10))
         return (mlp, torch.randn(B, 784, generator=g), torch.randint(0, 10, (B,), generator=g))
     if name in ("W2", "W3"):
         B, T = (32, 128) if name == "W2" else (8, 512)
-        if quick:
+        if quick or check:
             B = 4
         return SeqBlock(), torch.randn(B, T, 256, generator=g), torch.randint(0, 10, (B,), generator=g)
     if name == "W4":
-        B = 16 if quick else 128
+        B = 8 if check else 16 if quick else 128
         return SmallCNN(), torch.randn(B, 3, 32, 32, generator=g), torch.randint(0, 10, (B,), generator=g)
-    raise ValueError(f"unknown workload {name!r} (W1, W2, W3, W4)")
+    if name == "G1":
+        (V, D, L, H), (B, T) = ((512, 64, 2, 4), (4, 32)) if check else \
+            ((8192, 256, 2, 4), (4, 128)) if quick else ((50304, 768, 12, 12), (8, 1024))
+        return (GPT(V=V, D=D, L=L, H=H), torch.randint(0, V, (B, T), generator=g),
+                torch.randint(0, V, (B, T), generator=g))
+    if name == "G2":
+        B, S = (4, 32) if check else (8, 32) if quick else (128, 64)
+        x = torch.randn(B, 3, S, S, generator=g)
+        return _resnet18_gn(), x, torch.randint(0, 100, (B,), generator=g)
+    if name == "G3":
+        D, B, T = (64, 4, 16) if check else (1024, 2, 128) if quick else (1024, 64, 512)
+        return SeqBlock(D), torch.randn(B, T, D, generator=g), torch.randint(0, 10, (B,), generator=g)
+    raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, mean over all targets: per example for (B, C) logits, over all B·T tokens for (B, T, V)
+    (which is the mean over the batch of per-example token means, as loss_reduction="mean" assumes)."""
+    return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+
+_cache: dict = {}
+
+
+def _built(name: str, device, quick: bool):
+    """(model, x, y) of workload ``name`` on ``device``, built once and kept until another one is built."""
+    key = (name, quick, str(device))
+    if key not in _cache:
+        _cache.clear()
+        model, x, y = workload(name, quick)
+        _cache[key] = (model.to(device), x.to(device), y.to(device))
+    return _cache[key]
+
+
+def build(name: str, device, quick: bool = False):
+    """A fresh copy of workload ``name`` on ``device`` (a deep copy of the kept model, the same data)."""
+    model, x, y = _built(name, device, quick)
+    return copy.deepcopy(model), x, y
 
 
 # ---------------------------------------------------------------------------------------------- methods
@@ -92,15 +211,28 @@ def _have_opacus() -> bool:
         return False
 
 
-def make_step(method: str, model: nn.Module, x, y):
-    """A closure running one training step (forward, backward, norms); returns the (B,) squared norms."""
+def autocast(device: torch.device, prec: str):
+    """The forward's context: nothing for fp32, ``torch.autocast(device, bfloat16)`` for bf16."""
+    if prec == "fp32":
+        return contextlib.nullcontext()
+    if prec == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    raise ValueError(f"unknown precision {prec!r} ({', '.join(PRECISIONS)})")
+
+
+def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
+    """A closure running one training step (forward and loss in ``prec``, backward, norms); returns the (B,)
+    squared norms (None for plain)."""
+    dev = x.device
     if method == "plain":
         def step():
             model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            with autocast(dev, prec):
+                loss = loss_fn(model(x), y)
+            loss.backward()
         return step
     if method == "psgn-ref":                           # elasticlab with its kernels off (reference path)
-        inner = make_step("psgn", model, x, y)
+        inner = make_step("psgn", model, x, y, prec)
 
         def step():
             kernels.USE_KERNELS = False
@@ -110,12 +242,26 @@ def make_step(method: str, model: nn.Module, x, y):
                 kernels.USE_KERNELS = True
         step.close = inner.close
         return step
+    if method == "psgn-cublas":                        # elasticlab without the Triton fused kernel (cuBLAS + fold)
+        from elasticlab.gns import triton_outer
+        inner = make_step("psgn", model, x, y, prec)
+
+        def step():
+            triton_outer.ENABLED = False
+            try:
+                return inner()
+            finally:
+                triton_outer.ENABLED = True
+        step.close = inner.close
+        return step
     if method in ("psgn", "psgn-hooks"):
         ctx = PerSampleGradNorms(model, fused=method == "psgn").__enter__()
 
         def step():
             model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            with autocast(dev, prec):
+                loss = loss_fn(model(x), y)
+            loss.backward()
             return ctx.sq_norms()
         step.close = lambda: ctx.__exit__(None, None, None)
         return step
@@ -124,7 +270,8 @@ def make_step(method: str, model: nn.Module, x, y):
         names = [k for k, _ in model.named_parameters()]
 
         def one(p, xi, yi):
-            return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+            with autocast(dev, prec):
+                return loss_fn(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
         def step():
             params = {k: v.detach() for k, v in model.named_parameters()}
@@ -136,11 +283,15 @@ def make_step(method: str, model: nn.Module, x, y):
         return step
     if method == "opacus-ghost":
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        if isinstance(model, GPT):
+            model.contiguous_pos = True                # this copy only (see GPT)
         gm = GradSampleModuleFastGradientClipping(model, loss_reduction="mean", use_ghost_clipping=True)
 
         def step():
             gm.zero_grad(set_to_none=True)
-            F.cross_entropy(gm(x), y).backward()
+            with autocast(dev, prec):
+                loss = loss_fn(gm(x), y)
+            loss.backward()
             return gm.get_norm_sample().pow(2)        # Opacus returns norms, not squared norms
         step.close = lambda: gm._close()
         return step
@@ -152,22 +303,90 @@ def close(step) -> None:
         step.close()
 
 
-def check_methods(name: str, methods, device) -> dict:
-    """Max relative error of each method's squared norms against torch.func, in float64 (small batch)."""
-    model, x, y = workload(name, quick=True)
-    model, x, y = model.double().to(device), x[:8].to(device), y[:8].to(device)
+def error_text(e: BaseException) -> str:
+    """``error: <type>: <first line of the message>`` (at most ~160 characters), for the table and JSON."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = f"error: {type(e).__name__}" + (f": {lines[0]}" if lines else "")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _free_cuda(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def free_memory(device) -> float:
+    """Free bytes on the device (CUDA) or MemAvailable (CPU)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return float("inf")
+
+
+def func_skip_reason(model: nn.Module, batch: int, device) -> str | None:
+    """Why torch.func should not run: its per-example gradients (B × #params × 4 bytes) would take more than
+    FUNC_MEM_FRACTION of the free memory."""
+    need = 4.0 * batch * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    free = free_memory(device)
+    if need > FUNC_MEM_FRACTION * free:
+        return (f"per-example gradients {need / 2**30:.1f} GiB > {FUNC_MEM_FRACTION:.0%} of free "
+                f"{free / 2**30:.1f} GiB")
+    return None
+
+
+def check_methods(name: str, methods, device) -> tuple[dict, dict]:
+    """({method: max relative error of its squared norms against torch.func}, {method: error text}), in
+    float64 on the small ``check`` variant of the workload; {"reference": error text} if torch.func fails."""
+    model, x, y = workload(name, check=True)
+    model, x, y = model.double().to(device), x.to(device), y.to(device)
     if x.is_floating_point():
         x = x.double()
-    ref = func_sq_norms(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, y)   # ‖∇ℓ_i‖²
-    errs = {}
-    for m in methods:
-        if m == "plain":
-            continue
-        step = make_step(m, model, x, y)
-        got = step()
-        close(step)
-        errs[m] = float(((got - ref).abs() / ref.abs().clamp_min(1e-30)).max())
-    return errs
+    try:                                               # ‖∇ℓ_i‖², ℓ_i the loss of example i alone
+        ref = func_sq_norms(model, lambda o, t: loss_fn(o, t) * o.shape[0], x, y)
+    except Exception as e:
+        return {}, {"reference": "check " + error_text(e)}
+    errs, failed = {}, {}
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)             # for scratch tensors made without a dtype (Opacus)
+    try:
+        for m in methods:
+            if m == "plain":
+                continue
+            step = None
+            try:
+                step = make_step(m, model, x, y)
+                got = step()
+                errs[m] = float(((got - ref).abs() / ref.abs().clamp_min(1e-30)).max())
+            except Exception as e:                     # reported, and the method is still timed
+                failed[m] = "check " + error_text(e)
+            finally:
+                if step is not None:
+                    close(step)
+                model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_default_dtype(dtype)
+    return errs, failed
+
+
+def bf16_vs_fp32(name: str, device, quick: bool) -> dict:
+    """psgn's per-example squared norms under bf16 autocast against its fp32 ones, same model and batch."""
+    model, x, y = build(name, device, quick)
+    norms = {}
+    for prec in ("fp32", "bf16"):
+        step = make_step("psgn", model, x, y, prec)
+        try:
+            norms[prec] = step().double()
+        finally:
+            close(step)
+    rel = (norms["bf16"] - norms["fp32"]).abs() / norms["fp32"].abs().clamp_min(1e-30)
+    return {"median_rel_err": float(rel.median()), "max_rel_err": float(rel.max())}
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -176,62 +395,85 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool,
-                 clock=time.perf_counter) -> dict:
-    model, x, y = workload(name, quick)
-    model, x, y = model.to(device), x.to(device), y.to(device)
-    steps = {m: make_step(m, copy.deepcopy(model), x, y) for m in methods}   # one model per method
-    times = {m: [] for m in methods}
+def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool, prec: str = "fp32",
+                 clock=time.perf_counter, slow_s: float = 1.0) -> tuple[dict, dict]:
+    """({method: median seconds a step}, {method: error text}). Methods run round by round; one whose step
+    takes more than ``slow_s`` skips the rest of its warm-up and is timed 3 times only."""
+    steps, errors = {}, {}
+    for m in methods:                                  # one model per method
+        try:
+            model, x, y = build(name, device, quick)
+            steps[m] = make_step(m, model, x, y, prec)
+        except Exception as e:
+            errors[m] = error_text(e)
+    times = {m: [] for m in steps}
     slow = set()
     try:
-        for r in tqdm(range(warmup + iters), desc=name, leave=False, disable=not sys.stderr.isatty()):
-            for m in methods:
-                if m in slow and r >= warmup + 3:
+        for r in tqdm(range(warmup + iters), desc=f"{name}-{prec}", leave=False,
+                      disable=not sys.stderr.isatty()):
+            for m in list(steps):
+                if len(times[m]) >= (min(3, iters) if m in slow else iters):
                     continue
-                if device.type == "cuda":
-                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0.record()
-                    steps[m]()
-                    t1.record()
-                    _sync(device)
-                    dt = t0.elapsed_time(t1) / 1e3
-                else:
-                    t = clock()
-                    steps[m]()
-                    dt = clock() - t
-                if r >= warmup or (r == 0 and dt > 1.0):
+                try:
+                    if device.type == "cuda":
+                        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        t0.record()
+                        steps[m]()
+                        t1.record()
+                        _sync(device)
+                        dt = t0.elapsed_time(t1) / 1e3
+                    else:
+                        t = clock()
+                        steps[m]()
+                        dt = clock() - t
+                except Exception as e:
+                    errors[m] = error_text(e)
+                    close(steps.pop(m))
+                    times.pop(m)
+                    _free_cuda(device)
+                    continue
+                if r >= warmup or m in slow:
                     times[m].append(dt)
-                if dt > 1.0:
-                    slow.add(m)                        # torch.func on W1: a few timings suffice
+                if dt > slow_s:
+                    slow.add(m)                        # e.g. torch.func on W1: a few timings suffice
     finally:
         for s in steps.values():
             close(s)
-    return {m: statistics.median(v) for m, v in times.items()}
+        steps.clear()
+        _free_cuda(device)
+    return {m: statistics.median(v) for m, v in times.items() if v}, errors
 
 
-def peak_memory(name: str, method: str, device, quick: bool) -> float:
+def peak_memory(name: str, method: str, device, quick: bool, prec: str = "fp32") -> float:
     """Peak bytes of a step beyond what model and data hold (CUDA), or the child process's peak RSS (CPU)."""
     if device.type == "cuda":
-        model, x, y = workload(name, quick)
-        model, x, y = model.to(device), x.to(device), y.to(device)
-        step = make_step(method, model, x, y)
-        step()
-        model.zero_grad(set_to_none=True)
-        _sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        _sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        close(step)
-        return float(peak)
-    cmd = [sys.executable, __file__, "--mem-child", name, method, "--threads", str(torch.get_num_threads())]
+        _free_cuda(device)
+        model, x, y = build(name, device, quick)
+        step = make_step(method, model, x, y, prec)
+        try:
+            step()
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            _sync(device)
+            return float(torch.cuda.max_memory_allocated(device) - base)
+        finally:
+            close(step)
+            del model, step
+            _free_cuda(device)
+    cmd = [sys.executable, os.path.abspath(__file__), "--mem-child", name, method, prec,
+           "--threads", str(torch.get_num_threads())]
     if quick:
         cmd.append("--quick")
     # Large blocks straight from mmap, so that freed memory leaves the RSS and its peak is the step's.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-    return float(out.strip().splitlines()[-1])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+        raise RuntimeError(f"memory child: {last}")
+    return float(res.stdout.strip().splitlines()[-1])
 
 
 def _status_kb(field: str) -> float:
@@ -242,10 +484,10 @@ def _status_kb(field: str) -> float:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _mem_child(name: str, method: str, quick: bool) -> None:
+def _mem_child(name: str, method: str, prec: str, quick: bool) -> None:
     """Peak RSS of steps 2–3 above the RSS before them (VmHWM reset through /proc/self/clear_refs)."""
     model, x, y = workload(name, quick)
-    step = make_step(method, model, x, y)
+    step = make_step(method, model, x, y, prec)
     step()                                             # first step: grads, lazily built state
     model.zero_grad(set_to_none=True)
     try:
@@ -263,19 +505,114 @@ def _mem_child(name: str, method: str, quick: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def parse_entries(spec: str, precisions) -> list[tuple[str, str]]:
+    """``"W1,G1:fp32+bf16"`` → [(W1, p) for p in precisions] + [(G1, fp32), (G1, bf16)]."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, _, prec = item.partition(":")
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+        for p in (prec.split("+") if prec else precisions):
+            if p not in PRECISIONS:
+                raise SystemExit(f"unknown precision {p!r} in {item!r} ({', '.join(PRECISIONS)})")
+            if (name, p) not in out:
+                out.append((name, p))
+    return out
+
+
+def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dict:
+    """Check, time and measure one (workload, precision); prints its table and returns its RESULT entry."""
+    quick = args.quick
+    if name not in checked:                            # the float64 check does not depend on the precision
+        checked[name] = check_methods(name, methods, device)
+    errs, failed = checked[name]
+    entry = {"precision": prec, "check_rel_err": errs, "skipped": {},
+             "errors": {m: e for m, e in failed.items() if m != "reference"}}
+    if "reference" in failed:
+        entry["check_error"] = failed["reference"]
+    run = list(methods)
+    if "torch.func" in run:
+        model, x, _ = _built(name, device, quick)
+        why = func_skip_reason(model, x.shape[0], device)
+        if why:
+            entry["skipped"]["torch.func"] = why
+            run.remove("torch.func")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    med, terr = time_methods(name, run, device, args.iters, args.warmup, quick, prec, clock, args.slow_s)
+    entry["errors"].update(terr)
+    if "plain" not in med:
+        raise RuntimeError(f"plain step failed: {terr.get('plain')}")
+    base = med["plain"]
+    entry["baseline_ms"] = base * 1e3
+    entry["ms"] = {m: t * 1e3 for m, t in med.items()}
+    entry["ratio"] = {m: t / base for m, t in med.items() if m != "plain"}
+    if not args.no_memory:
+        mem = {}
+        for m in [m for m in run if m in med]:
+            try:
+                mem[m] = peak_memory(name, m, device, quick, prec)
+            except Exception as e:
+                entry["errors"].setdefault(m, "memory " + error_text(e))
+        if "plain" in mem:
+            entry["baseline_peak_mb"] = mem["plain"] / 2**20
+            entry["extra_mb"] = {m: (v - mem["plain"]) / 2**20 for m, v in mem.items() if m != "plain"}
+            entry["extra_pct"] = {m: 100 * (v - mem["plain"]) / max(mem["plain"], 1.0)
+                                  for m, v in mem.items() if m != "plain"}
+    if prec == "bf16" and "psgn" in methods:
+        try:
+            entry["bf16_vs_fp32"] = bf16_vs_fp32(name, device, quick)
+        except Exception as e:
+            entry["bf16_vs_fp32"] = {"error": error_text(e)}
+    _free_cuda(device)
+
+    head = f"\n{name}-{prec}: plain {base * 1e3:.2f} ms"
+    if "baseline_peak_mb" in entry:
+        head += f", step peak {entry['baseline_peak_mb']:.0f} MB"
+    print(head + "  (check vs torch.func, float64: "
+          + ", ".join([f"{m} {e:.1e}" for m, e in errs.items()]
+                      + [f"{m} error" if m != "reference" else e for m, e in failed.items()]) + ")")
+    for m in methods[1:]:
+        if m in entry["skipped"]:
+            line = f"skipped: {entry['skipped'][m]}"
+        elif m not in med:
+            line = entry["errors"].get(m, "error: no timing")
+        else:
+            line = f"{med[m] * 1e3:9.2f} ms  {med[m] / base:6.2f}x"
+            if m in entry.get("extra_mb", {}):
+                line += f"  extra peak {entry['extra_mb'][m]:+8.1f} MB ({entry['extra_pct'][m]:+.1f}%)"
+            if m in entry["errors"]:
+                line += f"  [{entry['errors'][m]}]"
+        print(f"  {m:13s} {line}")
+    if "bf16_vs_fp32" in entry:
+        b = entry["bf16_vs_fp32"]
+        print("  bf16 vs fp32 psgn norms (same batch): " + (b["error"] if "error" in b else
+              f"median rel err {b['median_rel_err']:.2e}, max {b['max_rel_err']:.2e}"))
+    bad = {m: e for m, e in errs.items() if e > 1e-6}
+    if bad:
+        print(f"  WARNING: methods disagree with torch.func: {bad}")
+    return entry
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    ap.add_argument("--workloads", default="W1,W2,W3,W4")
+    ap.add_argument("--workloads", default=None,
+                    help=f"entries NAME or NAME:PREC[+PREC] (default {DEFAULT_CPU}; on cuda {DEFAULT_CUDA})")
+    ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods", default="plain,psgn,psgn-ref,psgn-hooks,torch.func,opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--slow-s", type=float, default=1.0, help="a method slower than this a step is timed 3×")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: process CPU time, steadier on a busy machine (use with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="small batches and few iterations (smoke test)")
     ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--mem-child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--max-s", type=float, default=0.0,
+                    help="start no new workload entry after this many seconds (0: no limit)")
+    ap.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.mem_child:
@@ -284,42 +621,43 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
+    spec = args.workloads or (DEFAULT_CUDA if device.type == "cuda" else DEFAULT_CPU)
+    entries = parse_entries(spec, [p for p in args.precision.split(",") if p])
     methods = [m for m in args.methods.split(",") if m]
     if "opacus-ghost" in methods and not _have_opacus():
         print("opacus not installed: skipping opacus-ghost (pip install 'elasticlab[bench]')")
         methods.remove("opacus-ghost")
-    if methods[0] != "plain":
-        methods = ["plain"] + [m for m in methods if m != "plain"]
-    iters, warmup = (3, 1) if args.quick else (args.iters, args.warmup)
+    methods = ["plain"] + [m for m in methods if m != "plain"]
+    if args.quick:
+        args.iters, args.warmup = 3, 1
     from elasticlab import _ext
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, _C built {_ext.HAS_C}, "
           f"kernels {_ext.operators()}")
-    result = {"device": str(device), "threads": torch.get_num_threads(), "clock": args.clock, "workloads": {}}
-    for w in args.workloads.split(","):
-        errs = check_methods(w, methods, device)
-        bad = {m: e for m, e in errs.items() if e > 1e-6}
-        clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        med = time_methods(w, methods, device, iters, warmup, args.quick, clock)
-        base = med["plain"]
-        entry = {"baseline_ms": base * 1e3, "ratio": {}, "check_rel_err": errs}
-        print(f"\n{w}: plain {base * 1e3:.2f} ms  (check vs torch.func, float64: "
-              + ", ".join(f"{m} {e:.1e}" for m, e in errs.items()) + ")")
-        if not args.no_memory:
-            mem = {m: peak_memory(w, m, device, args.quick) for m in methods}
-            entry["baseline_peak_mb"] = mem["plain"] / 2**20
-            entry["extra_mb"] = {m: (mem[m] - mem["plain"]) / 2**20 for m in methods if m != "plain"}
-            entry["extra_pct"] = {m: 100 * (mem[m] - mem["plain"]) / max(mem["plain"], 1.0)
-                                  for m in methods if m != "plain"}
-        for m in methods[1:]:
-            entry["ratio"][m] = med[m] / base
-            line = f"  {m:13s} {med[m] * 1e3:9.2f} ms  {med[m] / base:6.2f}x"
-            if not args.no_memory:
-                line += f"  extra peak {entry['extra_mb'][m]:+8.1f} MB ({entry['extra_pct'][m]:+.1f}%)"
-            print(line)
-        if bad:
-            print(f"  WARNING: methods disagree with torch.func: {bad}")
-        result["workloads"][w] = entry
+    result = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "clock": args.clock, "quick": args.quick, "workloads": {}}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+    checked: dict = {}
+    start = time.perf_counter()
+    for name, prec in entries:
+        key = f"{name}-{prec}"
+        t0 = time.perf_counter()
+        if args.max_s and t0 - start > args.max_s:     # so that RESULT comes before an outer timeout
+            print(f"\n{key}: skipped (past --max-s {args.max_s:.0f} s)")
+            result["workloads"][key] = {"precision": prec, "skipped_workload": f"past --max-s {args.max_s} s"}
+            continue
+        try:
+            result["workloads"][key] = run_entry(name, prec, methods, device, args, checked)
+        except Unavailable as e:
+            print(f"\n{key}: skipped ({e})")
+            result["workloads"][key] = {"precision": prec, "skipped_workload": str(e)}
+        except Exception as e:                         # the plain step itself failed: record, go on
+            print(f"\n{key}: {error_text(e)}")
+            result["workloads"][key] = {"precision": prec, "error": error_text(e)}
+        result["workloads"][key]["wall_s"] = time.perf_counter() - t0
+        print(f"  ({time.perf_counter() - t0:.1f} s)")
+        _free_cuda(device)
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
-# GPU check of issue 9, run from the repository root on a CUDA machine (no pip installs, no internet):
-#   OUT=/some/dir bash benchmarks/gpu_check.sh
-# 1. builds elasticlab._C in place with the CUDA kernels (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16),
-# 2. runs the gpu-marked tests (kernels vs the CPU reference in float64 and float32, each kernel),
-# 3. runs benchmarks/bench_psgnorm.py --device cuda.
-# Logs go to $OUT; it stops at the first failing stage (each stage has its own timeout; ~6 min in all).
+# GPU check of the per-example gradient norms, run on a CUDA machine (no pip index, no internet needed):
+#   OUT=/some/dir [STAGES="env build test bench profile"] bash benchmarks/gpu_check.sh
+# Stages (each under its own timeout, all within DEADLINE_S, default 530 s; ~4-5 min on an H100):
+#   env      nvidia-smi and versions -> env.txt
+#   build    elasticlab._C with the CUDA kernels (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16; ~30 s) -> build.log;
+#            when .before/ holds an earlier tree (carried; git archive of a past commit), it is built beside it
+#   ops      benchmarks/bench_seq_linear_cuda.py: the sequence-Linear operators against the weight-gradient
+#            GEMM, and the GEMM/bandwidth ceilings of the CUDA cost model -> ops.log
+#   test     pytest -m gpu tests/ (150 s; not fatal: the benchmark runs whatever the tests say)
+#            -> pytest_gpu.log
+#   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
+#   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log; with .before/
+#            built, the same profile of the earlier tree in fp32 is appended to it
+# Stage limits: TEST_S, OPS_S, BENCH_S (BENCH_MAX_S: no new workload after it), PROFILE_S; extra arguments:
+# OPS_ARGS, BENCH_ARGS, PROFILE_ARGS.
+# $OUT receives seven files: those six and summary.txt, which is printed at the end. A rerun on the same machine
+# can skip stages (STAGES="bench profile": the built extension stays in the tree). The repository is not
+# pip-installed there: its root goes first on PYTHONPATH. Wheels in .whl/ (Opacus: pure Python, fetched with
+# pip download on a machine with an index) are installed to /tmp/site, which goes last on PYTHONPATH so that
+# the machine's own torch wins.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-gpu_out}
+STAGES=" ${STAGES:-env build test ops bench profile} "
+STAGES=${STAGES//,/ }
+DEADLINE_S=${DEADLINE_S:-530}
+START=$(date +%s)
 mkdir -p "$OUT"
+: > "$OUT/summary.txt"
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1           # a stage killed by its timeout still leaves its output in the log
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} ELASTICLAB_CUDA=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH="$CUDA_HOME/bin:$PATH"
@@ -17,32 +38,103 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # cuBLAS/cuSPARSE headers carried by torch's nvidia wheels, when present.
 NV=$($PY -c 'import site,os;print(next((p for p in (os.path.join(s,"nvidia","cu13","include") for s in site.getsitepackages()) if os.path.isdir(p)),""))' 2>/dev/null)
 [ -n "$NV" ] && export CPATH="$NV${CPATH:+:$CPATH}"
-stage() { echo "== $1 ($(date -u +%T))" | tee -a "$OUT/summary.txt"; }
-fail() { echo "FAILED: $1 (see $OUT/$2)" | tee -a "$OUT/summary.txt"; tail -40 "$OUT/$2"; exit 1; }
 
-stage "environment"
-{ nvidia-smi; $PY -c 'import torch;print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'; nvcc --version; } \
-  > "$OUT/env.txt" 2>&1 || fail "environment" env.txt
-tail -1 "$OUT/env.txt"
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }               # stdout and summary
+note() { cat >> "$OUT/summary.txt"; }                            # summary only (printed at the end)
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+# Seconds a stage may take: its own limit, cut to what is left before the deadline (less 20 s for the summary).
+budget() { local t=$1 left=$((START + DEADLINE_S - $(date +%s) - 20)); ((left < t)) && t=$left; echo "$t"; }
+# run_stage NAME LIMIT LOG CMD...: runs CMD under timeout, output to $OUT/LOG; sets RC (124 = timed out).
+run_stage() {
+  local name=$1 lim log=$3; lim=$(budget "$2"); shift 3
+  if ((lim < 10)); then say "== $name: SKIPPED (deadline ${DEADLINE_S}s reached)"; RC=125; return; fi
+  echo "== $name (limit ${lim}s, $(date -u +%T))"
+  local t0=$SECONDS
+  timeout -k 10 "$lim" "$@" > "$OUT/$log" 2>&1
+  RC=$?
+  local st=ok
+  ((RC != 0)) && st="FAILED rc=$RC"
+  ((RC == 124 || RC == 137)) && st="TIMEOUT after ${lim}s"
+  say "== $name: $st ($((SECONDS - t0)) s, log $log)"
+}
 
-stage "build elasticlab._C with CUDA kernels"
-rm -f elasticlab/_C*.so
-timeout 330 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || fail "build" build.log
-$PY -m elasticlab info > "$OUT/info.txt" 2>&1 || fail "import" info.txt
-grep -E "kernels_cuda|gpu" "$OUT/info.txt" | tee -a "$OUT/summary.txt"
+# Wheels carried in .whl/ (always, a few seconds: PYTHONPATH must hold them in every run).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl > /tmp/gpu_check_whl.log 2>&1; then
+    rm -rf /tmp/site/benchmarks /tmp/site/examples   # top-level packages the Opacus wheel also ships
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    say "wheels: $(cd .whl && ls *.whl | tr '\n' ' ')-> /tmp/site"
+  else
+    say "wheels: install FAILED ($(tail -1 /tmp/gpu_check_whl.log)); opacus-ghost will be skipped"
+  fi
+fi
 
-stage "pytest -m gpu (this issue's kernels)"
-timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_psgnorm_kernels.py tests/test_foundation.py \
-  > "$OUT/pytest_gpu_kernels.log" 2>&1 || fail "gpu tests" pytest_gpu_kernels.log
-tail -2 "$OUT/pytest_gpu_kernels.log" | tee -a "$OUT/summary.txt"
-stage "pytest -m gpu tests/ (all; other files' collection errors reported, not fatal)"
-timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/ \
-  > "$OUT/pytest_gpu.log" 2>&1
-echo "rc=$? $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$OUT/summary.txt"
+if want env; then
+  run_stage "env" 60 env.txt bash -c "$PY -c 'import torch, sys; print(\"python\", sys.version.split()[0], \"torch\", \
+    torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))' || exit 1; \
+    $PY -c 'import opacus; print(\"opacus\", opacus.__version__, opacus.__file__)'; \
+    $PY -c 'import torchvision; print(\"torchvision\", torchvision.__version__)'; nvidia-smi; nvcc --version; \
+    $PY -m pip list 2>/dev/null | grep -i -E 'torch|triton|opacus|numpy|numba|pytest|hypothesis'; true"
+  grep -E "^(python|opacus|torchvision) |No module" "$OUT/env.txt" | note
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader 2>&1 | head -2 | note
+fi
 
-stage "bench_psgnorm --device cuda"
-timeout 240 $PY benchmarks/bench_psgnorm.py --device cuda --threads 16 > "$OUT/bench_cuda.log" 2>&1 \
-  || fail "benchmark" bench_cuda.log
-grep -v "^RESULT" "$OUT/bench_cuda.log" | grep -v "it/s\]" | tee -a "$OUT/summary.txt"
-grep "^RESULT" "$OUT/bench_cuda.log" > "$OUT/result.json.txt"
-stage "done"
+if want build; then
+  rm -f elasticlab/_C*.so
+  if [ -f .before/setup.py ]; then        # the earlier tree, built in the background on half the cores
+    (cd .before && rm -f elasticlab/_C*.so && MAX_JOBS=8 timeout 170 $PY setup.py build_ext --inplace \
+      > /tmp/before_build.log 2>&1; echo "rc=$?" >> /tmp/before_build.log) &
+  fi
+  run_stage "build" 180 build.log $PY setup.py build_ext --inplace
+  ((RC != 0)) && say "   build failed: what follows runs WITHOUT the compiled kernels (tail of build.log:)" \
+    && tail -15 "$OUT/build.log" | note
+  $PY -m elasticlab info >> "$OUT/build.log" 2>&1
+  grep -E "kernels|gpu|cuda|_C" "$OUT/build.log" | grep -v -E "^\[|nvcc|c\+\+|warning" | tail -8 | note
+fi
+
+if want test; then
+  run_stage "pytest -m gpu tests/" "${TEST_S:-150}" pytest_gpu.log \
+    $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/
+  { grep -E "^(FAILED|ERROR) " "$OUT/pytest_gpu.log" | cut -c1-200 | head -25; tail -1 "$OUT/pytest_gpu.log"; } | note
+fi
+
+if want ops; then
+  run_stage "bench_seq_linear_cuda" "${OPS_S:-90}" ops.log $PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}
+  grep -v "^RESULT" "$OUT/ops.log" | tail -22 | cut -c1-140 | note
+fi
+
+if want bench; then
+  # stdout (the tables and RESULT) first, then stderr after a separator line: one file, even after a timeout.
+  run_stage "bench_psgnorm --device cuda" "${BENCH_S:-260}" bench_cuda.log bash -c \
+    "exec $PY benchmarks/bench_psgnorm.py --device cuda --threads 16 --max-s ${BENCH_MAX_S:-200} ${BENCH_ARGS:-} 2> /tmp/bench.err"
+  { echo "---- stderr"; tail -c 20000 /tmp/bench.err; } >> "$OUT/bench_cuda.log"
+  sed '/^---- stderr$/q' "$OUT/bench_cuda.log" | grep -v -E "^RESULT|^---- stderr" | cut -c1-260 | note
+  ((RC != 0)) && tail -12 "$OUT/bench_cuda.log" | note
+fi
+
+if want profile; then
+  run_stage "profile_psgnorm --device cuda" "${PROFILE_S:-90}" profile.log \
+    $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 ${PROFILE_ARGS:-}
+  # each table's header, column line and top 4 rows, and the psgn/plain ratio (the full tables: profile.log)
+  awk '/^G1-/{n=6} n>0{print; n--; next} /psgn\/plain|^device /{print}' "$OUT/profile.log" | cut -c1-140 | note
+  ((RC != 0)) && grep -v "^RESULT" "$OUT/profile.log" | tail -8 | note
+  if [ -f .before/setup.py ]; then
+    wait
+    if ls .before/elasticlab/_C*.so > /dev/null 2>&1; then
+      echo "==== BEFORE (.before/, fp32)" >> "$OUT/profile.log"
+      cp "$OUT/profile.log" /tmp/profile_now.log
+      run_stage "profile_psgnorm (before)" 60 profile_before.tmp env PYTHONPATH="$PWD/.before:$PYTHONPATH" \
+        $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 --precision fp32
+      cat /tmp/profile_now.log "$OUT/profile_before.tmp" > "$OUT/profile.log"; rm -f "$OUT/profile_before.tmp"
+      sed -n '/==== BEFORE/,$p' "$OUT/profile.log" | awk '/^G1-fp32 psgn/{n=7} n>0{print; n--}' | cut -c1-140 \
+        | sed 's/^/before: /' | note
+    else
+      say "before: build failed ($(tail -2 /tmp/before_build.log | tr '\n' ' '))"
+    fi
+  fi
+fi
+
+echo
+echo "===== summary ($OUT/summary.txt; $(($(date +%s) - START)) s in all)"
+cat "$OUT/summary.txt"

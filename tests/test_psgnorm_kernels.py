@@ -239,3 +239,25 @@ def test_kernels_with_inputs_that_require_grad():
     want = kernels.seq_linear_outer_norms_ref(a.detach(), d)[0]
     torch.testing.assert_close(kernels.seq_linear_outer_norms(a, d, with_grad=True)[0], want)
     torch.testing.assert_close(kernels.seq_linear_gram_norms(a, d), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_triton_fused_outer_matches_float64(dtype):
+    """The fused tensor-core kernel: tile edges, one tile with the examples split over programs, strided
+    (unfolded-convolution) operands, and the dispatch that sends half-precision CUDA inputs to it."""
+    from elasticlab.gns import triton_outer
+    if not triton_outer.HAS_TRITON:
+        pytest.skip("triton not importable")
+    for shape in [(3, 130, 70, 45), (40, 5, 8, 6), (2, 1, 300, 129), (4, 200, 768, 2304)]:
+        a, d = seq(*shape, dtype=torch.float32)
+        a, d = a.to(dtype).cuda(), d.to(dtype).cuda()
+        want, want_grad = kernels.seq_linear_outer_norms_ref(a.double(), d.double(), with_grad=True)
+        n, g = triton_outer.outer_norms(a, d, True)
+        assert n.dtype == g.dtype == torch.float32
+        torch.testing.assert_close(n.double(), want, rtol=1e-4, atol=0)
+        torch.testing.assert_close(g.double(), want_grad, rtol=1e-4, atol=1e-4 * want_grad.abs().max())
+        at = a.transpose(1, 2).contiguous().transpose(1, 2)
+        torch.testing.assert_close(triton_outer.outer_norms(at, d, False)[0], n, rtol=1e-5, atol=0)
+        n2, g2 = kernels.seq_linear_outer_norms(a, d, with_grad=True)            # dispatch: the fused kernel
+        torch.testing.assert_close(n2, n, rtol=0, atol=0)

@@ -1,0 +1,130 @@
+"""Where the time of a G1 step with per-example norms goes: top kernels by self time, fp32 and bf16 autocast.
+
+Builds workload G1 of ``bench_psgnorm.py`` (GPT-2-small class, B=8, T=1024; ``--quick``: 2 layers, D=256,
+T=128), runs ``--warmup`` steps of the ``psgn`` method (elasticlab, fused backward), then profiles
+``--steps`` steps with ``torch.profiler`` and prints the top-10 kernels by self CUDA time (total ms over
+the profiled steps, ms a step, % of all kernel time, name cut to 90 characters), and the plain model's
+top-5 for comparison, at each precision. On CPU (``--device cpu``, a smoke test) the same for CPU operators
+by self CPU time. A precision whose step raises is reported as ``error: ...`` and the others go on.
+``--kernels off`` sets ``elasticlab.gns.kernels.USE_KERNELS = False`` (the PyTorch reference paths).
+Last line: ``RESULT {json}``.
+
+    python benchmarks/profile_psgnorm.py [--device cuda] [--precision fp32,bf16] [--kernels on|off]
+        [--steps 3] [--warmup 3] [--top 10] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_psgnorm as bench  # noqa: E402
+
+from elasticlab.gns import kernels  # noqa: E402
+
+NAME_WIDTH = 90
+
+
+def _device_kind(evt) -> str:
+    return str(getattr(evt, "device_type", "")).rsplit(".", 1)[-1]
+
+
+def top_events(prof, device, k: int, steps: int) -> dict:
+    """{"total_ms_per_step", "top": [{"name", "ms", "pct"}]}: the k largest device kernels by self device time
+    (CUDA), or CPU operators by self CPU time (CPU); ms summed over the profiled steps."""
+    evts = prof.key_averages()
+    if device.type == "cuda":
+        rows = [(e.key, e.self_device_time_total) for e in evts if _device_kind(e) == "CUDA"]
+        if not rows:                                   # no separate kernel events: CPU ops' device time
+            rows = [(e.key, e.self_device_time_total) for e in evts if e.self_device_time_total > 0]
+    else:
+        rows = [(e.key, e.self_cpu_time_total) for e in evts]
+    total = sum(t for _, t in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+    return {"total_ms_per_step": total / 1e3 / steps,
+            "top": [{"name": n[:NAME_WIDTH], "ms": t / 1e3, "pct": 100.0 * t / total} for n, t in rows[:k]]}
+
+
+def profile_method(method: str, prec: str, device, args, k: int) -> dict:
+    """Warm up, then profile ``args.steps`` steps of ``method`` on G1 at ``prec``."""
+    model, x, y = bench.build("G1", device, args.quick)
+    step = bench.make_step(method, model, x, y, prec)
+    try:
+        for _ in range(args.warmup):
+            step()
+        bench._sync(device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            for _ in range(args.steps):
+                step()
+            bench._sync(device)
+        wall = (time.perf_counter() - t0) / args.steps
+    finally:
+        bench.close(step)
+        del model, step
+        bench._free_cuda(device)
+    out = top_events(prof, device, k, args.steps)
+    out["wall_ms_per_step_profiled"] = wall * 1e3
+    return out
+
+
+def print_top(label: str, res: dict, device, steps: int) -> None:
+    if "error" in res:
+        print(f"\n{label}: {res['error']}")
+        return
+    unit = "kernel" if device.type == "cuda" else "CPU op"
+    print(f"\n{label}: {unit} time {res['total_ms_per_step']:.2f} ms/step "
+          f"(wall {res['wall_ms_per_step_profiled']:.2f} ms/step under the profiler)")
+    print(f"  {'total ms':>9s} {'ms/step':>8s} {'%':>5s}  name")
+    for r in res["top"]:
+        print(f"  {r['ms']:9.2f} {r['ms'] / steps:8.2f} {r['pct']:5.1f}  {r['name']}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--precision", default="fp32,bf16")
+    ap.add_argument("--kernels", choices=["on", "off"], default="on")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="small G1 (2 layers, D=256, T=128): a smoke test")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available (use --device cpu --quick)")
+    kernels.USE_KERNELS = args.kernels == "on"
+    from elasticlab import _ext
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"torch {torch.__version__}, _C built {_ext.HAS_C}, USE_KERNELS {kernels.USE_KERNELS}, "
+          f"G1{' quick' if args.quick else ''}, {args.steps} profiled steps after {args.warmup} warm-up")
+    result = {"device": str(device), "torch": torch.__version__, "kernels": args.kernels, "quick": args.quick,
+              "steps": args.steps, "precisions": {}}
+    for prec in [p for p in args.precision.split(",") if p]:
+        res = {}
+        for method, k in (("psgn", args.top), ("plain", min(5, args.top))):
+            try:
+                res[method] = profile_method(method, prec, device, args, k)
+            except Exception as e:
+                res[method] = {"error": bench.error_text(e)}
+            print_top(f"G1-{prec} {method} (top {k})", res[method], device, args.steps)
+        if "error" not in res["psgn"] and "error" not in res["plain"]:
+            res["psgn_over_plain"] = res["psgn"]["total_ms_per_step"] / res["plain"]["total_ms_per_step"]
+            print(f"  psgn/plain {'kernel' if device.type == 'cuda' else 'CPU op'} time: "
+                  f"{res['psgn_over_plain']:.2f}x")
+        result["precisions"][prec] = res
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
