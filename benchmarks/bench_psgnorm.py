@@ -242,7 +242,7 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
                 kernels.USE_KERNELS = True
         step.close = inner.close
         return step
-    if method == "psgn-cublas":                        # elasticlab without the Triton fused kernel (cuBLAS + fold)
+    if method == "psgn-cublas":                 # elasticlab without the Triton fused kernel (cuBLAS + fold)
         from elasticlab.gns import triton_outer
         inner = make_step("psgn", model, x, y, prec)
 
