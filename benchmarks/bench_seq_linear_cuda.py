@@ -75,6 +75,35 @@ def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
     return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs}
 
 
+SWEEP = {"layers": ["G3.up"],
+         "configs": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
+                     (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]}
+
+
+def _sweep_layer(name: str, iters: int) -> dict:
+    B, T, Din, Dout = SHAPES[name]
+    a = torch.randn(B, T, Din, device="cuda").to(torch.bfloat16)
+    d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(torch.bfloat16)
+    base = timed(lambda: d.view(-1, Dout).t() @ a.view(-1, Din), iters)
+    row = {}
+    for cfg in SWEEP["configs"]:
+        try:
+            row[str(cfg)] = timed(lambda cfg=cfg: triton_outer.outer_norms(a, d, True, cfg), iters) / base
+        except Exception as e:                                      # e.g. out of shared memory
+            row[str(cfg)] = f"error: {type(e).__name__}"
+    return row
+
+
+def sweep_triton(iters: int) -> dict:
+    """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16)."""
+    out = {}
+    for name in SWEEP["layers"]:
+        row = out[name] = _sweep_layer(name, iters)
+        print(f"sweep {name:8s} " + "  ".join(f"{c}: {v:.2f}x" if isinstance(v, float) else f"{c}: {v}"
+                                              for c, v in row.items()))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10)
@@ -94,7 +123,8 @@ def main(argv=None) -> int:
         print(f"{name:10s} {str(dt).split('.')[-1]:9s} {res['wgrad_ms']:9.3f} "
               + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in ("triton", "cublas", "gram"))
               + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in ("triton", "cublas", "gram")))
-    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows}))
+    sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
+    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep}))
     return 0
 
 

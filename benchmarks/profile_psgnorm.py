@@ -52,8 +52,8 @@ def top_events(prof, device, k: int, steps: int) -> dict:
 
 
 def profile_method(method: str, prec: str, device, args, k: int) -> dict:
-    """Warm up, then profile ``args.steps`` steps of ``method`` on G1 at ``prec``."""
-    model, x, y = bench.build("G1", device, args.quick)
+    """Warm up, then profile ``args.steps`` steps of ``method`` on ``args.workload`` at ``prec``."""
+    model, x, y = bench.build(args.workload, device, args.quick)
     step = bench.make_step(method, model, x, y, prec)
     try:
         for _ in range(args.warmup):
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--precision", default="fp32,bf16")
+    ap.add_argument("--workload", default="G1", help="a workload of bench_psgnorm (default G1)")
     ap.add_argument("--kernels", choices=["on", "off"], default="on")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
     from elasticlab import _ext
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"torch {torch.__version__}, _C built {_ext.HAS_C}, USE_KERNELS {kernels.USE_KERNELS}, "
-          f"G1{' quick' if args.quick else ''}, {args.steps} profiled steps after {args.warmup} warm-up")
+          f"{args.workload}{' quick' if args.quick else ''}, "
+          f"{args.steps} profiled steps after {args.warmup} warm-up")
     result = {"device": str(device), "torch": torch.__version__, "kernels": args.kernels, "quick": args.quick,
               "steps": args.steps, "precisions": {}}
     for prec in [p for p in args.precision.split(",") if p]:
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
                 res[method] = profile_method(method, prec, device, args, k)
             except Exception as e:
                 res[method] = {"error": bench.error_text(e)}
-            print_top(f"G1-{prec} {method} (top {k})", res[method], device, args.steps)
+            print_top(f"{args.workload}-{prec} {method} (top {k})", res[method], device, args.steps)
         if "error" not in res["psgn"] and "error" not in res["plain"]:
             res["psgn_over_plain"] = res["psgn"]["total_ms_per_step"] / res["plain"]["total_ms_per_step"]
             print(f"  psgn/plain {'kernel' if device.type == 'cuda' else 'CPU op'} time: "

@@ -220,7 +220,9 @@ def test_cuda_autocast_norms_match_fp32(fused, dtype, tol):
 @pytest.mark.gpu
 def test_cuda_compiled_model_norms_equal_eager():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)).cuda()
+    # (not LayerNorm last: under a squared loss of LayerNorm's output, its input gradient is pure rounding)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16), nn.Linear(16, 3))
+    model = model.cuda()
     x = torch.randn(6, 40, 16, device="cuda")
     want, _ = _model_norms(model, (x,), True)
     torch._dynamo.reset()

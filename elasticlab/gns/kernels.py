@@ -41,6 +41,11 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd history (kernels' BLAS calls may run on threads where grad mode is on)."""
+    return t.detach() if t.requires_grad else t
+
+
 def _chunks(B: int, per_example: int):
     step = max(1, _CHUNK_ELEMS // max(1, per_example))
     for b0 in range(0, B, step):
@@ -49,6 +54,8 @@ def _chunks(B: int, per_example: int):
 
 # The operators _C defines, read once (a plain constant: torch.compile traces _op without a cache wrapper).
 _OPERATORS = frozenset(_ext.operators())
+_OP_CACHE: dict[tuple[str, str], object] = {}      # (operator, device type) -> torch.ops handle or None
+_MISSING = object()
 
 
 def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
@@ -58,8 +65,13 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
         if use_kernel:
             raise ValueError(f"kernel {name!r} supports {', '.join(map(str, FLOATING))}, got {t.dtype}")
         return None
-    # _ext.has_kernel raises for an operator _C does not define (an older build): ask _ext.operators() first.
-    op = _ext.kernel(name, t.device.type) if (not _ext.HAS_C or name in _OPERATORS) else None
+    key = (name, t.device.type)
+    op = _OP_CACHE.get(key, _MISSING)
+    if op is _MISSING:
+        # _ext.has_kernel raises for an operator an older build of _C lacks: ask _ext.operators() first.
+        op = _ext.kernel(*key) if (not _ext.HAS_C or name in _OPERATORS) else None
+        if _ext.HAS_C:
+            _OP_CACHE[key] = op
     if op is None and use_kernel:
         raise RuntimeError(f"kernel elasticlab::{name} is not built for device {t.device.type!r}")
     return op
@@ -115,7 +127,7 @@ def row_sq(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
     if x.dim() < 1:
         raise ValueError("row_sq: expected a tensor with a batch dimension, got a 0-d tensor")
     op = _op("row_sq_norms", x, use_kernel)
-    return op(x.detach()) if op is not None else row_sq_ref(x)
+    return op(_plain(x)) if op is not None else row_sq_ref(x)
 
 
 def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
@@ -123,7 +135,7 @@ def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | N
     _check_seq(a, d, "seq_linear_gram_norms")
     op = _op("seq_linear_gram_norms", a, use_kernel)
     # Kernels get detached inputs: their BLAS calls run on OpenMP threads, where grad mode is on.
-    return op(a.detach(), d.detach()) if op is not None else seq_linear_gram_norms_ref(a, d)
+    return op(_plain(a), _plain(d)) if op is not None else seq_linear_gram_norms_ref(a, d)
 
 
 def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False,
@@ -133,12 +145,12 @@ def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = F
     Triton kernel of :mod:`elasticlab.gns.triton_outer` (products never leave registers); others, and
     ``use_kernel=True``, the compiled ``seq_linear_outer_norms`` (cuBLAS batched GEMMs on CUDA)."""
     _check_seq(a, d, "seq_linear_outer_norms")
-    if use_kernel is None and USE_KERNELS and triton_outer.supported(a):
-        return triton_outer.outer_norms(a.detach(), d.detach(), with_grad)     # fused on tensor cores
+    if use_kernel is None and USE_KERNELS and triton_outer.preferred(a, d):
+        return triton_outer.outer_norms(_plain(a), _plain(d), with_grad)       # fused on tensor cores
     op = _op("seq_linear_outer_norms", a, use_kernel)
     if op is None:
         return seq_linear_outer_norms_ref(a, d, with_grad)
-    norms, grad = op(a.detach(), d.detach(), with_grad)
+    norms, grad = op(_plain(a), _plain(d), with_grad)
     return norms, (grad if with_grad else None)
 
 
@@ -154,14 +166,16 @@ def layernorm_per_example(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, 
     mean, rstd = mean.to(acc_dtype(x.dtype)), rstd.to(acc_dtype(x.dtype))
     if op is None:
         return layernorm_per_example_ref(x, d, mean, rstd)
-    return tuple(op(x.detach(), d.detach(), mean.detach(), rstd.detach()))
+    return tuple(op(_plain(x), _plain(d), _plain(mean), _plain(rstd)))
 
 
-# Rates of the CUDA cost model behind :func:`use_gram` (H100 SXM, measured by benchmarks/gpu_check.sh):
+# Rates of the CUDA cost model behind :func:`use_gram`, from benchmarks/bench_seq_linear_cuda.py on an H100
+# (2026-11-26: copy 2.9 TB/s, 8192³ GEMM 781 TFLOP/s bf16 and 52 fp32; the rates below are what the layers'
+# own, smaller GEMMs reached there: G1's weight gradients ran at 400-600 bf16 and 45-50 fp32 TFLOP/s):
 # sustained GEMM rate per input dtype ("tf32": float32 with TF32 matmuls allowed), memory bandwidth, and the
-# fused Triton GEMM's extra time as a fraction of the weight-gradient GEMM's.
-CUDA_RATES = {"bandwidth": 2.8e12, "fused_overhead": 0.2,
-              "flops": {torch.bfloat16: 6e14, torch.float16: 6e14, "tf32": 3e14, torch.float32: 5e13,
+# fused Triton kernel's extra time in units of 2·T·Din·Dout/rate (G3: 0.6; G1's head: 0.45).
+CUDA_RATES = {"bandwidth": 2.8e12, "fused_overhead": 0.6,
+              "flops": {torch.bfloat16: 5e14, torch.float16: 5e14, "tf32": 3e14, torch.float32: 4.7e13,
                         torch.float64: 5e13}}
 
 
@@ -172,7 +186,7 @@ def _gemm_rate(dtype: torch.dtype) -> float:
 
 
 def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch.Tensor | None = None,
-             batch: int = 1) -> bool:
+             batch: int = 1, row_major: bool = True) -> bool:
     """Per-layer choice between the two forms (Bu, Mao & Xu 2022, "mixed ghost clipping").
 
     CPU: unfused, the outer product costs a second weight-gradient GEMM (T·Din·Dout per example) against the
@@ -182,11 +196,15 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
     CUDA (``like`` on a GPU): a cost model. The outer form writes and reads each per-example gradient once
     (2·Din·Dout elements per example; bfloat16 ones for bfloat16 inputs, else float32), plus, unfused, a
     second weight-gradient GEMM; the Gram form costs 2·T²·(Din+Dout) GEMM FLOPs and the traffic of two T×T
-    float32 Gram matrices per example. Rates in :data:`CUDA_RATES`."""
+    float32 Gram matrices per example. Rates in :data:`CUDA_RATES`. Half-precision row-major operands that
+    :func:`elasticlab.gns.triton_outer.preferred` sends to the fused kernel write no products: the outer form
+    then costs only that kernel's shortfall against the weight-gradient GEMM (``row_major=False``: operands
+    such as an unfolded convolution's, which go to cuBLAS)."""
     if like is not None and like.device.type == "cuda":
         bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(like.dtype)
         g_bytes = 2 if like.dtype == torch.bfloat16 else (8 if like.dtype == torch.float64 else 4)
-        if fused_outer and USE_KERNELS and triton_outer.supported(like):
+        if fused_outer and row_major and USE_KERNELS and triton_outer.supported(like) and (
+                -(-din // 128) * -(-dout // 128) >= triton_outer.MIN_TILES or T <= triton_outer.MAX_SHORT_T):
             # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
             outer = CUDA_RATES["fused_overhead"] * 2.0 * T * din * dout / rate
         else:

@@ -26,7 +26,7 @@ class _Slot:
 
     def __init__(self, owner: PerSampleGradNorms, name: str, module: nn.Module, rule, need: tuple[str, ...]):
         self.owner, self.name, self.module, self.rule, self.need = owner, name, module, rule, need
-        self.calls = 0
+        self.calls, self.batch = 0, 0
         self.norms: dict[str, torch.Tensor] = {}
 
     def called(self) -> None:
@@ -40,11 +40,16 @@ class _Slot:
                 "supported; call the model once per backward")
 
     def record(self, norms: dict, batch: int) -> None:
-        scale = float(batch) ** 2 if self.owner.loss_reduction == "mean" else 1.0
+        """Keeps the norms as the backward made them (no launch here: the B² of a mean-reduced loss and the
+        loss scale are applied when they are read, one multiply per layer)."""
+        self.batch = batch
         for pname, v in norms.items():
             if pname in self.need:
-                v = v.detach()
-                self.norms[pname] = v * scale if scale != 1.0 else v
+                self.norms[pname] = v if not v.requires_grad else v.detach()
+
+    def factor(self) -> float:
+        """B² for a mean-reduced loss (per-example losses are ℓ_i/B), 1 for a summed one."""
+        return float(self.batch) ** 2 if self.owner.loss_reduction == "mean" else 1.0
 
 
 class PerSampleGradNorms:
@@ -105,10 +110,12 @@ class PerSampleGradNorms:
             return torch.tensor(float(sc.get_scale()), dtype=torch.float64)
         return t.detach().clone()
 
-    def _unscale(self, v: torch.Tensor) -> torch.Tensor:
+    def _finish(self, v: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        """Recorded norms → ‖∇θ ℓ_i‖²: times B² for a mean-reduced loss, divided by the squared loss scale."""
+        f = slot.factor()
         if self._scale is None:
-            return v
-        return v / self._scale.to(device=v.device, dtype=v.dtype) ** 2
+            return v * f if f != 1.0 else v
+        return v * (f / self._scale.to(device=v.device, dtype=v.dtype) ** 2)
 
     def _grads_unscaled(self) -> bool:
         """Whether the scaler has already unscaled the optimizer's gradients this step (``unscale_``)."""
@@ -165,7 +172,7 @@ class PerSampleGradNorms:
         out = {}
         for s in self._slots:
             for pname, v in s.norms.items():
-                out[f"{s.name}.{pname}" if s.name else pname] = self._unscale(v)
+                out[f"{s.name}.{pname}" if s.name else pname] = self._finish(v, s)
         return out
 
     def layer_sq_norms(self) -> dict[str, torch.Tensor]:
@@ -177,7 +184,7 @@ class PerSampleGradNorms:
                 total = vals[0]
                 for v in vals[1:]:
                     total = total + v
-                out[s.name] = self._unscale(total)
+                out[s.name] = self._finish(total, s)
         return out
 
     def sq_norms(self) -> torch.Tensor:

@@ -57,9 +57,35 @@ if HAS_TRITON:
         tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+# Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
+# 2026-11-26): layers with at least this many 128×128 gradient tiles (G1's 768→50304 head: 1.71× the weight
+# GEMM against 2.26×; G3's 1024↔4096 at B=64: 1.94× against 2.2×) or short sequences (T=128: 2.86× against
+# 4.02×). On G1's block layers (36–144 tiles, T=1024) cuBLAS won (2.07–2.23× against 2.27–2.77×).
+MIN_TILES, MAX_SHORT_T = 200, 128
+_SMS: dict[int, int] = {}
+
+
 def supported(a: torch.Tensor) -> bool:
     """Whether the fused tensor-core path takes these inputs (half precision on CUDA, Triton present)."""
     return HAS_TRITON and ENABLED and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def preferred(a: torch.Tensor, d: torch.Tensor) -> bool:
+    """Whether to send this layer to the fused kernel rather than to cuBLAS: supported inputs, row-major
+    operands (an unfolded convolution's transposed views load uncoalesced), and a shape where it measured
+    faster (:data:`MIN_TILES`, :data:`MAX_SHORT_T`)."""
+    if not supported(a) or a.stride(-1) != 1 or d.stride(-1) != 1:
+        return False
+    tiles = -(-a.shape[2] // 128) * -(-d.shape[2] // 128)
+    return tiles >= MIN_TILES or a.shape[1] <= MAX_SHORT_T
+
+
+def _sm_count(dev: torch.device) -> int:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    n = _SMS.get(idx)
+    if n is None:
+        n = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
 
 
 def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int]:
@@ -69,23 +95,27 @@ def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int]:
     return bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4, 3
 
 
-def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
-    """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout)."""
+def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
+    """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
+    ``config``: (BM, BN, BK, num_warps, num_stages) instead of :func:`_config`'s (for tuning sweeps)."""
     B, T, Din = a.shape
     Dout = d.shape[2]
     if B == 0 or T == 0 or Din == 0 or Dout == 0:
         z = torch.zeros(B, device=a.device)
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
-    bm, bn, bk, warps, stages = _config(Din, Dout)
+    bm, bn, bk, warps, stages = config or _config(Din, Dout)
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    split = max(1, min(B, (2 * sms) // tiles))           # enough programs for two per SM
+    split = max(1, min(B, (2 * _sm_count(a.device)) // tiles))     # enough programs for two per SM
     partial = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
     grad = torch.empty(split, Dout, Din, device=a.device, dtype=torch.float32)
-    with torch.cuda.device(a.device):
-        _outer_norms_kernel[(tiles, split)](
-            a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split,
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    launch = _outer_norms_kernel[(tiles, split)]
+    args = (a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split)
+    meta = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    if a.device.index is None or a.device.index == torch.cuda.current_device():
+        launch(*args, **meta)
+    else:
+        with torch.cuda.device(a.device):
+            launch(*args, **meta)
     norms = partial.sum(1)
     if not with_grad:
         return norms, None

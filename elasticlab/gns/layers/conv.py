@@ -88,7 +88,8 @@ class _ConvNorms(torch.autograd.Function):
         d3 = g.reshape(B, cout, -1)
         L = d3.shape[2]
         K = w[0].numel()                                    # Cin/G · k
-        gram = need_w and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x, batch=B * G)
+        gram = need_w and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x, batch=B * G,
+                                           row_major=False)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(
             g, x, w, None, list(m.stride), list(m.padding), list(m.dilation), False,
             [0] * len(m.stride), G, [need_x, bool(gram), False])
