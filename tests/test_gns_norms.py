@@ -223,3 +223,20 @@ def test_bad_arguments():
         n.model(torch.randn(2))
     with pytest.raises(RuntimeError, match="no per-example norms recorded"):
         PerSampleGradNorms(nn.Linear(2, 2)).sq_norms()
+
+
+@SETTINGS
+@given(nd=st.sampled_from([1, 2]), k=st.integers(1, 3), stride=st.integers(1, 2), dil=st.integers(1, 2),
+       pad=st.sampled_from([0, 1, 2, "same"]), mode=st.sampled_from(["zeros", "reflect", "circular"]),
+       groups=st.sampled_from([1, 2]))
+def test_conv_patches_equal_unfold(nd, k, stride, dil, pad, mode, groups):
+    """The single-copy im2col used on CUDA equals F.unfold (transposed), every padding and dilation."""
+    from elasticlab.gns.layers.conv import conv_patches, conv_unfold
+    if pad == "same":
+        stride = 1
+    if mode != "zeros" and pad == 2 and k * dil < 3:
+        mode = "zeros"                                     # reflect needs padding < input size
+    cls = nn.Conv1d if nd == 1 else nn.Conv2d
+    m = cls(4, 6, k, stride=stride, padding=pad, dilation=dil, groups=groups, padding_mode=mode)
+    x = torch.randn(3, 4, *([11] if nd == 1 else [9, 10]))
+    assert torch.equal(conv_patches(m, x), conv_unfold(m, x).transpose(1, 2))

@@ -261,5 +261,8 @@ def test_cuda_triton_fused_outer_matches_float64(dtype):
         torch.testing.assert_close(g.double(), want_grad, rtol=1e-4, atol=1e-4 * want_grad.abs().max())
         at = a.transpose(1, 2).contiguous().transpose(1, 2)
         torch.testing.assert_close(triton_outer.outer_norms(at, d, False)[0], n, rtol=1e-5, atol=0)
-        n2, g2 = kernels.seq_linear_outer_norms(a, d, with_grad=True)            # dispatch: the fused kernel
-        torch.testing.assert_close(n2, n, rtol=0, atol=0)
+        n2, _ = kernels.seq_linear_outer_norms(a, d, with_grad=True)             # dispatch by measured shape
+        if triton_outer.preferred(a, d):
+            torch.testing.assert_close(n2, n, rtol=0, atol=0)                      # the fused kernel itself
+        else:
+            torch.testing.assert_close(n2.double(), want, rtol=1e-2, atol=0)      # cuBLAS, bf16 products
