@@ -73,7 +73,9 @@ def test_finite_step_change_is_exact(slope, bias):
     """theory/02 Eq. (2.6) and theory/01 Eq. (1.6): one GD step changes the invariants by exactly η² times
     the invariants of the gradient (so gradient descent breaks the symmetry only at O(η²) per step)."""
     rng = np.random.default_rng(4)
-    net = D.random_init((4, 6, 5, 2), 0.8, slope=slope, biases=bias, seed=4)
+    net = D.random_init((4, 6, 5, 2), 0.8, slope=slope, biases=bias, seed=4, bias_scale=0.5 if bias else 0.0)
+    if bias:                      # nonzero biases, so the b² term of (2.6) and b·g of (2.3) are exercised
+        assert min(np.abs(b).min() for b in net.biases) > 0
     X, Y = rng.standard_normal((9, 4)), rng.standard_normal((9, 2))
     lr = 0.05
     tr = D.train(net, X, Y, lr, 1, record_every=1)
@@ -113,8 +115,38 @@ def test_saxe_closed_forms_solve_their_ode():
     for n in (2, 3, 5):
         tf = D.time_to(1.5, 2.0, 1e-3, depth=n)
         assert D.mode_strength([tf], 2.0, 1e-3, depth=n)[0] == pytest.approx(1.5, rel=1e-6)
-    assert D.half_time(4.0, 1e-4) == pytest.approx(np.log((4 - 1e-4) / 1e-4) / 8)
-    assert np.allclose(D.mode_strength(t, 0.0, 0.5), 0.5 / (1 + t))
+    # (1.11), s = 0: against the integrated ODE τu' = −2u², not against its own formula
+    sol = solve_ivp(lambda _t, u: -2.0 * u**2, (0, 8), [0.5], t_eval=t, rtol=1e-11, atol=1e-14)
+    assert np.allclose(D.mode_strength(t, 0.0, 0.5), sol.y[0], rtol=1e-8)
+    # (1.12) and the N-layer half-times: the time the integrated ODE needs to reach s/2
+    for s, u0, n in ((4.0, 1e-4, 2), (1.0, 1e-3, 2), (2.0, 1e-2, 3), (0.5, 1e-2, 4)):
+        hit = lambda _t, u, s=s: u[0] - s / 2                         # noqa: E731
+        hit.terminal = True
+        sol = solve_ivp(lambda _t, u, s=s, n=n: n * u ** (2 - 2 / n) * (s - u), (0, 1e4), [u0], events=hit,
+                        rtol=1e-11, atol=1e-14)
+        assert D.half_time(s, u0, depth=n) == pytest.approx(sol.t_events[0][0], rel=1e-6)
+
+
+def test_zero_mode_decay_matches_gd():
+    """theory/01 Eq. (1.11): gradient descent (η = 1e-3) on a balanced aligned 2-layer net decays a mode the
+    teacher lacks (s = 0) as u0/(1 + 2u0 t/τ), while the s = 1 mode follows (1.10)."""
+    task = D.saxe_task([1.0, 0.0], seed=11)
+    u0 = np.array([1e-2, 0.5])
+    net = D.aligned_init(task.U, task.V, u0, depth=2, seed=11)
+    tr = D.train(net, task.X, task.Y, 1e-3, 8000, record_every=20)
+    u = D.mode_strengths(tr, task.U, task.V)
+    assert u[-1, 1] < 0.15                                            # decayed from 0.5 to 0.5/(1 + 8)
+    assert np.allclose(u[:, 1], D.mode_strength(tr.time, 0.0, 0.5), rtol=2e-3)
+    assert np.allclose(u[:, 0], D.mode_strength(tr.time, 1.0, 1e-2), atol=2e-3)
+
+
+def test_plateau_time_is_half_saxe_learning_time():
+    """theory/01 §1.4: the plateau ends at the first burst's midpoint (1/2s)·ln(s/u0) ≈ t½ (1.12), half of
+    Saxe's ε → s − ε time (1/s)·ln(s/ε)."""
+    s, u0 = 4.0, 1e-6
+    assert D.plateau_time(s, u0) == pytest.approx(np.log(s / u0) / (2 * s), rel=1e-12)
+    assert D.plateau_time(s, u0) == pytest.approx(D.half_time(s, u0), rel=1e-6)
+    assert D.plateau_time(s, u0) == pytest.approx(D.time_to(s - u0, s, u0) / 2, rel=1e-6)
 
 
 def test_deep_saxe_matches_gd():
@@ -207,6 +239,12 @@ def test_trajectory_records_and_divergence():
     (lambda: D.mode_strength([1.0], 1.0, 0.0), "u0"),
     (lambda: D.mode_strength([1.0], 1.0, 0.1, depth=0), "depth"),
     (lambda: D.time_to(2.0, 1.0, 0.1), "not reachable"),
+    (lambda: D.time_to(0.1, 1.0, 0.5), r"u_f=0\.1 .*u0=0\.5.*s=1\.0"),
+    (lambda: D.time_to(0.1, 1.0, 0.5, depth=3), r"u_f=0\.1 .*u0=0\.5"),
+    (lambda: D.time_to(4.0, 1.0, 3.0), r"u_f=4\.0 .*u0=3\.0"),
+    (lambda: D.time_to(0.6, 0.0, 0.5), r"u_f=0\.6 .*u0=0\.5.*s=0\.0"),
+    (lambda: D.time_to(-0.1, 0.0, 0.5), "not reachable"),
+    (lambda: D.plateau_time(1.0, 2.0), r"s=1\.0, u0=2\.0"),
     (lambda: D.train(D.MLP((2, 2)), np.zeros((3, 2)), np.zeros((3, 2)), -0.1, 10), "lr"),
     (lambda: D.train(D.MLP((2, 2)), np.zeros((3, 4)), np.zeros((3, 2)), 0.1, 10), "inputs"),
     (lambda: D.train(D.MLP((2, 2)), np.zeros((3, 2)), np.zeros((4, 2)), 0.1, 10), "targets"),

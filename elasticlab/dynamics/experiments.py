@@ -11,7 +11,7 @@ import numpy as np
 from . import saxe
 from .init import aligned_init, random_init
 from .invariants import balancedness_drift, invariant_drift
-from .linearise import exactness_error, mask_change, masked_layer_norms
+from .linearise import activation_masks, exactness_error, mask_change, masked_layer_norms
 from .modes import crossing_times, mode_strengths
 from .phases import detect_phases
 from .tasks import regression_task, saxe_task
@@ -93,13 +93,21 @@ def p3_t2_saxe(s=(4.0, 2.0, 1.0, 0.5, 0.25), d: int = 6, u0: float = 1e-4, lr: f
 def p3_t3_phases(s=P3_T1_S, scale: float = 1e-3, lr: float = 1e-3, steps: int = 20000, seed: int = 0,
                  layer: int = 0, details: bool = False) -> dict:
     """P3-T3: ‖W_j‖²_F of the P3-T1 run shows a plateau, then one growth burst per distinct nonzero
-    singular value (Saxe's staircase), then saturation; burst k lasts ~1/s_k and adds ~s_k."""
+    singular value (Saxe's staircase), then saturation; burst k lasts ~1/s_k and adds ~s_k.
+
+    The plateau time is the first burst's midpoint (1/2s₁)·ln(s₁/u₀) (theory/01 Eq. (1.12)), with u₀ = |u₁(0)|
+    the strongest mode's starting strength u₁ᵀW_e(0)v₁ (papers.md P3-T3), not ‖W_j(0)‖²_F."""
     task, tr = _linear_run(s, scale, lr, steps, seed)
     y = tr.weight_norms[:, layer]
     ph = detect_phases(tr.time, y)
     s_nz = np.unique(task.s[task.s > 1e-12])[::-1]
-    eps = float(y[0])
-    t_plateau = saxe.plateau_time(float(s_nz[0]), eps)           # units of τ
+    top = np.flatnonzero(task.s == s_nz[0])
+    u = mode_strengths(tr, task.U, task.V)[:, top]
+    u0 = float(np.abs(u[0]).max())
+    t_plateau = saxe.plateau_time(float(s_nz[0]), u0)            # units of τ
+    # near 0 the flow is ȧ = s·b, ḃ = s·a (a = W₁v₁, b = W₂ᵀu₁; theory/01 §1.4), so u = a·b ≈ |a+b|²/4·e^{2st}
+    w1, w2 = tr.net.weights_at(tr.params[0])[:2]
+    u0_grow = max(float(np.sum((w1 @ task.V[:, a] + w2.T @ task.U[:, a]) ** 2) / 4) for a in top)
     k40 = tr.time <= 0.4 * t_plateau
     out = {
         "n_bursts": ph.n_bursts,
@@ -109,7 +117,11 @@ def p3_t3_phases(s=P3_T1_S, scale: float = 1e-3, lr: float = 1e-3, steps: int = 
         "s_distinct": _fl(s_nz),
         "plateau_end": ph.plateau_end / lr,
         "saturation_start": ph.saturation_start / lr,
+        "u0_top_mode": u0,
+        "norm_initial": float(y[0]),
         "plateau_time_theory": t_plateau / lr,
+        "plateau_time_growing_mode": saxe.plateau_time(float(s_nz[0]), u0_grow) / lr,
+        "top_mode_half_time": float(np.nanmin(crossing_times(tr.time, u, s_nz[0] / 2))) / lr,
         "plateau_growth_fraction": float((y[k40].max() - y[0]) / (y[-1] - y[0])),
     }
     if details:
@@ -180,7 +192,9 @@ def p3_t5_relu_bias(lr: float = 1e-2, steps: int = 3000, scale: float = 0.3, see
 def p3_t6_linearisation(lr: float = 1e-2, steps: int = 3000, scale: float = 0.3, seed: int = 0,
                         details: bool = False) -> dict:
     """P3-T6 (exploratory): the mask-linearised net W_eff(x)·x + b_eff(x) reproduces the ReLU net exactly
-    at every recorded step; growth of E_x‖D_h(x)W_h‖²_F per layer versus a linear net from the same start."""
+    at every recorded step; growth of E_x‖D_h(x)W_h‖²_F per layer versus a linear net from the same start.
+    E_x‖D_hW_h‖²_F = Σ_i p_i‖W_h[i,:]‖² (p_i: unit i's active fraction), so its spread across layers is built
+    in by the masks (theory/02 §2.5); ``active_fraction_*`` report the mean p per hidden layer."""
     out, runs = {}, {}
     for biases in (False, True):
         X, Y, tr = _relu_run(biases, lr, steps, scale, seed=seed, record_every=300)
@@ -192,6 +206,8 @@ def p3_t6_linearisation(lr: float = 1e-2, steps: int = 3000, scale: float = 0.3,
             "masked_growth": _fl(masked[-1] - masked[0]),
             "weight_growth": _fl(tr.growth),
             "mask_change_final": float(mask_change(tr, X)[-1]),
+            "active_fraction_initial": _fl([m.mean() for m in activation_masks(tr.net, X, tr.params[0])]),
+            "active_fraction_final": _fl([m.mean() for m in activation_masks(tr.net, X, tr.params[-1])]),
         }
         runs[key] = tr
     X, Y = regression_task(seed=0)

@@ -69,11 +69,23 @@ def mode_curves(t, s, u0, depth: int = 2) -> np.ndarray:
 
 
 def time_to(u_f: float, s: float, u0: float, depth: int = 2) -> float:
-    """Time (units of τ) for a mode to go from u0 to u_f; N = 2: (1/2s)·ln[u_f(s − u0)/(u0(s − u_f))]."""
+    """Time (units of τ) for a mode to go from u0 to u_f; N = 2: (1/2s)·ln[u_f(s − u0)/(u0(s − u_f))].
+
+    u moves monotonically from u0 towards s (Eq. (1.8)), so u_f must lie between u0 (included) and s
+    (excluded); otherwise a ValueError names the three values (the formula would give a negative time)."""
     s, u0, depth = _check(s, u0, depth)
-    lo, hi = sorted((u0, float(u_f)))
-    if s > 0 and not (lo < s and hi < s) and not (lo > s and hi > s):
-        raise ValueError(f"u_f={u_f!r} is not reachable from u0={u0!r} (the mode tends to s={s!r})")
+    u_f = float(u_f)
+    if u0 < s:
+        ok = u0 <= u_f < s
+    elif u0 > s:
+        ok = s < u_f <= u0
+    else:
+        ok = u_f == u0
+    if not (np.isfinite(u_f) and ok):
+        raise ValueError(f"u_f={u_f!r} is not reachable from u0={u0!r}: the mode moves monotonically from u0 "
+                         f"towards s={s!r}, so u_f must lie between u0 (included) and s (excluded)")
+    if u_f == u0:
+        return 0.0
     if depth == 2 and s > 0:
         return float(np.log(u_f * (s - u0) / (u0 * (s - u_f))) / (2.0 * s))
     n = depth
@@ -87,9 +99,11 @@ def half_time(s: float, u0: float, depth: int = 2) -> float:
     return time_to(s / 2.0, s, u0, depth)
 
 
-def plateau_time(s: float, eps: float) -> float:
-    """Saxe's learning-time scale (1/s)·ln(s/ε) (units of τ) of a two-layer net started at strength ε."""
-    s, eps, _ = _check(s, eps, 2)
-    if s <= 0:
-        raise ValueError(f"plateau_time needs s > 0, got {s!r}")
-    return float(np.log(s / eps) / s)
+def plateau_time(s: float, u0: float) -> float:
+    """End of the plateau of a two-layer net: the midpoint (1/2s)·ln(s/u0) of the first burst (units of τ;
+    theory/01 Eq. (1.12) with u0 ≪ s), s the strongest mode and u0 its starting strength. Saxe's learning
+    time (1/s)·ln(s/ε) is the time from ε to s − ε, twice this: by then the mode is fully learnt."""
+    s, u0, _ = _check(s, u0, 2)
+    if not 0 < u0 < s:
+        raise ValueError(f"plateau_time needs 0 < u0 < s, got s={s!r}, u0={u0!r}")
+    return float(np.log(s / u0) / (2.0 * s))

@@ -98,7 +98,8 @@ def p3_t2(quick: bool) -> Outcome:
     claim="Learning has distinct phases: a plateau, then one burst of layer growth per distinct singular "
     "value (a staircase), then saturation (our operationalisation of P3's phases).",
     target="P3-T1 run: detected growth bursts = number of distinct nonzero s (5); growth < 1% of the total "
-    "over the first 40% of the plateau time",
+    "over the first 40% of the plateau time tau/(2 s_max) ln(s_max/u0), u0 = |u_1(0)| the top mode's "
+    "starting strength",
     needs=_NEEDS,
 )
 def p3_t3(quick: bool) -> Outcome:
@@ -118,7 +119,8 @@ def p3_t3(quick: bool) -> Outcome:
         r,
         passed,
         f"{r['n_bursts']} bursts for {r['n_distinct_modes']} modes, plateau growth "
-        f"{100 * r['plateau_growth_fraction']:.2f}%",
+        f"{100 * r['plateau_growth_fraction']:.3f}% (plateau time {r['plateau_time_theory']:.0f} steps, "
+        f"first burst at {r['burst_times'][0]:.0f})",
         fig,
     )
 
@@ -208,7 +210,8 @@ def p3_t6(quick: bool) -> Outcome:
         r,
         passed,
         f"exactness error {err:.1e}; masked growth spread "
-        f"{r['masked_relative_spread']:.2f} "
+        f"{r['masked_relative_spread']:.2f} (built in by the masks: hidden units active "
+        f"{' / '.join(f'{p:.2f}' for p in r['no_bias']['active_fraction_final'])} of the time) "
         f"vs linear {r['linear_relative_spread']:.4f}",
         fig,
     )

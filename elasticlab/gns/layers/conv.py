@@ -98,6 +98,8 @@ class _ConvNorms(torch.autograd.Function):
         xc, wc, bc = cast(x, dtype), cast(weight, dtype), cast(bias, dtype)
         ctx.save_for_backward(xc, wc)
         conv = F.conv1d if isinstance(module, nn.Conv1d) else F.conv2d
+        if dtype is None:
+            return conv(xc, wc, bc, module.stride, module.padding, module.dilation, module.groups)
         with torch.autocast(x.device.type, enabled=False):
             return conv(xc, wc, bc, module.stride, module.padding, module.dilation, module.groups)
 

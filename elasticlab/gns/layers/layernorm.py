@@ -47,7 +47,9 @@ class _LayerNormNorms(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):          # autocast's layer_norm runs in float32
             x = cast(x, torch.promote_types(x.dtype, torch.float32))
-        with torch.autocast(x.device.type, enabled=False):
+            with torch.autocast(x.device.type, enabled=False):
+                out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        else:
             out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.slot, ctx.shape = slot, normalized_shape
         ctx.save_for_backward(x, weight, bias, mean, rstd)

@@ -53,8 +53,11 @@ class _LinearNorms(torch.autograd.Function):
     def forward(ctx, x, weight, bias, slot, dtype):
         ctx.slot, ctx.dtypes = slot, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         xc, wc, bc = cast(x, dtype), cast(weight, dtype), cast(bias, dtype)
-        with torch.autocast(x.device.type, enabled=False):
+        if dtype is None:
             out = F.linear(xc, wc, bc)
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                out = F.linear(xc, wc, bc)
         # ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it.
         ctx.x_sq = kernels.row_sq(xc) if xc.dim() == 2 and ctx.needs_input_grad[1] else None
         ctx.save_for_backward(xc, wc)
