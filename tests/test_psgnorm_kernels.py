@@ -266,3 +266,25 @@ def test_cuda_triton_fused_outer_matches_float64(dtype):
             torch.testing.assert_close(n2, n, rtol=0, atol=0)                      # the fused kernel itself
         else:
             torch.testing.assert_close(n2.double(), want, rtol=1e-2, atol=0)      # cuBLAS, bf16 products
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_cuda_backward_makes_no_host_sync(autocast):
+    """Forward and backward with norms never wait on the GPU (torch.cuda sync debug mode raises on a sync):
+    every fused family, the embedding's segment sums and both outer-product paths."""
+    torch.manual_seed(0)
+    model = _ConvSeq().cuda()
+    img, idx = torch.randn(16, 3, 9, 9, device="cuda"), torch.randint(0, 20, (16, 7), device="cuda")
+    _model_norms(model, (img, idx), True, autocast=autocast)                  # warm-up: lazy init may sync
+    model.zero_grad()
+    with PerSampleGradNorms(model) as n:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(img, idx)
+            out.pow(2).mean().backward()
+            total = n.sq_norms()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(total).all()
