@@ -231,27 +231,18 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
                 loss = loss_fn(model(x), y)
             loss.backward()
         return step
-    if method == "psgn-ref":                           # elasticlab with its kernels off (reference path)
-        inner = make_step("psgn", model, x, y, prec)
-
-        def step():
-            kernels.USE_KERNELS = False
-            try:
-                return inner()
-            finally:
-                kernels.USE_KERNELS = True
-        step.close = inner.close
-        return step
-    if method == "psgn-cublas":                 # elasticlab without the Triton fused kernel (cuBLAS + fold)
+    if method in ("psgn-ref", "psgn-cublas"):
+        # elasticlab with its kernels off (reference path), or without the Triton fused kernel (cuBLAS + fold)
         from elasticlab.gns import triton_outer
+        switch, attr = (kernels, "USE_KERNELS") if method == "psgn-ref" else (triton_outer, "ENABLED")
         inner = make_step("psgn", model, x, y, prec)
 
         def step():
-            triton_outer.ENABLED = False
+            setattr(switch, attr, False)
             try:
                 return inner()
             finally:
-                triton_outer.ENABLED = True
+                setattr(switch, attr, True)
         step.close = inner.close
         return step
     if method in ("psgn", "psgn-hooks"):

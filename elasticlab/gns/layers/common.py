@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elasticlab.gns import kernels
+
 
 def batched(module: nn.Module, x: torch.Tensor, min_dim: int) -> None:
     """ValueError naming the module when ``x`` has fewer than ``min_dim`` dimensions (no batch dimension)."""
@@ -39,4 +41,14 @@ def wider(*ts: torch.Tensor) -> torch.dtype:
     out = ts[0].dtype
     for t in ts[1:]:
         out = torch.promote_types(out, t.dtype)
+    return out
+
+
+def affine_norms(gw: torch.Tensor, gb: torch.Tensor, need) -> dict:
+    """{weight, bias: (B,) squared norms} of per-example affine-parameter gradients (B, …) of a norm layer."""
+    out = {}
+    if "weight" in need:
+        out["weight"] = kernels.row_sq(gw)
+    if "bias" in need:
+        out["bias"] = kernels.row_sq(gb)
     return out

@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import batched, cast, wider
+from elasticlab.gns.layers.common import affine_norms, batched, cast, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -45,12 +45,7 @@ def groupnorm_norms(module: nn.GroupNorm, inputs, d: torch.Tensor, need) -> dict
     x3, d3 = cast(x, dt).reshape(B, C, -1), cast(d, dt).reshape(B, C, -1)
     mean, rstd = group_stats(x3, module.num_groups, module.eps)
     gw, gb = channel_per_example(x3, d3, mean, rstd)
-    out = {}
-    if "weight" in need:
-        out["weight"] = kernels.row_sq(gw)
-    if "bias" in need:
-        out["bias"] = kernels.row_sq(gb)
-    return out
+    return affine_norms(gw, gb, need)
 
 
 def memory_format(x: torch.Tensor) -> torch.memory_format:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import batched, cast, wider
+from elasticlab.gns.layers.common import affine_norms, batched, cast, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -33,12 +33,7 @@ def layernorm_norms(module: nn.LayerNorm, inputs, d: torch.Tensor, need) -> dict
     x3, d3 = cast(x, dt).reshape(B, -1, D), cast(d, dt).reshape(B, -1, D)
     mean, rstd = layernorm_stats(x3, module.eps)
     gw, gb = kernels.layernorm_per_example(x3, d3, mean, rstd)
-    out = {}
-    if "weight" in need:
-        out["weight"] = kernels.row_sq(gw)
-    if "bias" in need:
-        out["bias"] = kernels.row_sq(gb)
-    return out
+    return affine_norms(gw, gb, need)
 
 
 class _LayerNormNorms(torch.autograd.Function):
