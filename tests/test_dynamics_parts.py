@@ -285,3 +285,16 @@ def test_linearisation_exact_any_net(widths, slope, bias, seed):
     if slope == 1.0 and not bias:
         weff, _ = D.effective_maps(net, X)
         assert np.allclose(weff, net.end_to_end(), atol=1e-12)
+
+
+def test_deeper_is_longer_only_up_to_a_peak():
+    """theory/01 §1.5: under the exact N-layer law the half-time grows with depth only up to
+    N* = Λ + √(Λ² − 4Λ), Λ = ln(s/u0), and falls after it."""
+    for u0 in (1e-3, 1e-4):
+        lam = np.log(1.0 / u0)
+        n_star = lam + np.sqrt(lam * lam - 4 * lam)
+        depths = list(range(3, 41))
+        ts = np.array([D.half_time(1.0, u0, depth=n) for n in depths])
+        k = int(np.argmax(ts))
+        assert abs(depths[k] - n_star) <= 1.0, (u0, depths[k], n_star)
+        assert (np.diff(ts[:k + 1]) > 0).all() and (np.diff(ts[k:]) < 0).all()
