@@ -166,3 +166,20 @@ def test_fidelity_workload6_full():
 
     df = fidelity("workload-6", ("tiresias", "optimus", "pollux"))
     assert df.within_tolerance.all(), df[["policy", "avg_jct", "artifact_avg_jct", "rel_error"]]
+
+
+def test_throughput_fit_cache_keys_on_the_fitting_code(tmp_path, monkeypatch):
+    """The on-disk fit is keyed by the traces *and* the fitting code's source: a hit equals a fresh fit, and
+    a change to the fitting code misses the old entry (issue 21: a stale cache hid changes to the fit)."""
+    from elasticlab.sim import traces
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fresh = traces.Application("ncf").throughput_model                 # miss: fits and writes
+    files = list((tmp_path / "elasticlab").glob("throughput-ncf-*.json"))
+    assert len(files) == 1
+    hit = traces.Application("ncf").throughput_model                   # hit: read back
+    assert hit.as_dict() == fresh.as_dict()
+    monkeypatch.setattr(traces, "fit_code_version", lambda: "another version of the fitting code")
+    refit = traces.Application("ncf").throughput_model                 # a miss: fitted again
+    assert len(list((tmp_path / "elasticlab").glob("throughput-ncf-*.json"))) == 2
+    assert refit.as_dict() == fresh.as_dict()

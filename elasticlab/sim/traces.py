@@ -22,6 +22,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+
+@functools.lru_cache(maxsize=1)
+def fit_code_version() -> str:
+    """SHA-1 of the source of the modules that define the throughput model and its fit: part of the on-disk
+    cache key of :attr:`Application.throughput_model`."""
+    import inspect
+    import sys
+
+    from elasticlab.goodput import ThroughputModel, fit_throughput_model
+
+    h = hashlib.sha1()
+    for obj in (fit_throughput_model, ThroughputModel):
+        h.update(inspect.getsource(sys.modules[obj.__module__]).encode())
+    return h.hexdigest()
+
+
 __all__ = ["Application", "load_application", "data_dir", "APPLICATIONS", "canonical_placement"]
 
 APPLICATIONS = ("bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3")
@@ -154,7 +170,8 @@ class Application:
     @functools.cached_property
     def throughput_model(self):
         """Pollux theta_sys fitted to every measured (placement, per-GPU batch) of this model; the fit is
-        cached on disk ($XDG_CACHE_HOME/elasticlab, keyed by a hash of the traces)."""
+        cached on disk ($XDG_CACHE_HOME/elasticlab), keyed by a hash of the traces and of the fitting code
+        (:func:`fit_code_version`), so a change to the fit is never served a stale model."""
         from elasticlab.goodput import ThroughputModel, fit_throughput_model
 
         pl, sc = self.placements, self.scalability
@@ -164,7 +181,7 @@ class Application:
             np.column_stack([sc.num_nodes, sc.num_replicas, sc.local_bsz, np.zeros(len(sc)), sc.step_time,
                              np.minimum(sc.sync_time, 0.999 * sc.step_time)]),
         ]).astype(float)
-        key = hashlib.sha1(rows.tobytes()).hexdigest()[:16]
+        key = hashlib.sha1(rows.tobytes() + fit_code_version().encode()).hexdigest()[:16]
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "elasticlab"
         path = cache / f"throughput-{self.name}-{key}.json"
         try:
