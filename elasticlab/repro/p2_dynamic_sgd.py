@@ -94,8 +94,9 @@ def p2_t2(quick: bool) -> Outcome:
     "no worse than immediate linear scaling.",
     target="scikit-learn digits MLP (examples/digits.py: b0 = 32, lr 0.05, momentum 0.9), 40 epochs, "
     "k workers = k accumulated micro-batches, equal steps per phase; seed-mean final test accuracy: Dynamic "
-    "SGD within 0.5 pt of the fixed-batch (b0) run, and no worse than immediate linear scaling (paired "
-    "difference over seeds >= -2 standard errors). Qualitative: the paper has no numbers",
+    "SGD within 0.5 pt of the fixed-batch (b0) run, and no worse than immediate linear scaling (seed-mean "
+    "paired difference >= 0, as papers.md writes it; whether a shortfall is within 2 standard errors is "
+    "reported apart, never as a pass). Qualitative: the paper has no numbers",
     needs=_NEEDS,
 )
 def p2_t3(quick: bool) -> Outcome:
@@ -105,7 +106,9 @@ def p2_t3(quick: bool) -> Outcome:
     res = elastic_digits(variants=variants, seeds=8 if quick else 64)
     acc, diff = res["accuracy"], res["difference"]
     vs_fixed, vs_imm = diff["dynamic_sgd-fixed"], diff["dynamic_sgd-immediate"]
-    passed = abs(vs_fixed["mean"]) <= 0.5 and vs_imm["mean"] >= -2.0 * vs_imm["se"]
+    passed = abs(vs_fixed["mean"]) <= 0.5 and vs_imm["mean"] >= 0.0
+    # Reported, not judged: a shortfall against immediate scaling within 2 SE is a statistical tie.
+    res["dynamic_vs_immediate_within_2se"] = bool(vs_imm["mean"] >= -2.0 * vs_imm["se"])
     curves = res.pop("curves")
     names = {"fixed": "fixed batch b0", "dynamic_sgd": "Dynamic SGD (ramp 8k)",
              "immediate": "immediate linear scaling", "none": "no LR change"}
@@ -124,7 +127,9 @@ def p2_t3(quick: bool) -> Outcome:
         passed,
         f"test acc. fixed {acc['fixed']:.2f}%, Dynamic SGD {acc['dynamic_sgd']:.2f}%, immediate "
         f"{acc['immediate']:.2f}% ({res['seeds']} seeds); Dynamic - fixed {vs_fixed['mean']:+.2f} "
-        f"+- {vs_fixed['se']:.2f} pt, Dynamic - immediate {vs_imm['mean']:+.2f} +- {vs_imm['se']:.2f} pt; "
+        f"+- {vs_fixed['se']:.2f} pt, Dynamic - immediate {vs_imm['mean']:+.2f} +- {vs_imm['se']:.2f} pt"
+        + (" (a shortfall within 2 SE: a statistical tie, not a pass)" if vs_imm["mean"] < 0
+           and res["dynamic_vs_immediate_within_2se"] else "") + "; "
         "accuracy drop after each switch (Dynamic / immediate): "
         + ", ".join(f"{s} {max(0.0, d):.1f} / {max(0.0, drops['immediate'][s]):.1f} pt"
                     for s, d in drops["dynamic_sgd"].items()),
