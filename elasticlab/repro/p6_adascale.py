@@ -51,7 +51,7 @@ def p6_t1(quick: bool) -> Outcome:
         "sigma2": float(ests[:, 0].mean() / truth["trace_cov"] - 1),
         "mu2": float(ests[:, 1].mean() / truth["grad_sq"] - 1),
     }
-    tol = 0.02 if not quick else 0.03
+    tol = 0.02                     # the target as written, quick mode included (2000 draws: 0.3% and 1.4%)
     passed = (
         max(ident.values()) < 1e-12
         and noise_limit < 1e-8
