@@ -68,6 +68,16 @@ def test_bias_corrected_ema_and_ratio_of_means():
     assert est.num_updates == 2
 
 
+def test_b_simple_is_trace_over_grad_sq_away_from_one():
+    """B_simple = tr Σ/‖G‖² with ‖G‖² ≠ 1 (at ‖G‖² = 1 a product would pass for the ratio: a mutant did)."""
+    est = GNSEstimator(beta=0.5)
+    est.update_two_batch(6.0, 5.0, 1, 2)                    # g2 = 4, S = 2
+    assert (est.grad_sq, est.trace_cov) == pytest.approx((4.0, 2.0))
+    assert est.b_simple == pytest.approx(0.5)
+    est.update_two_batch(6.0, 5.0, 1, 2, layer="l")
+    assert est.layer_b_simple()["l"] == pytest.approx(0.5)
+
+
 def test_nan_and_inf_updates_are_skipped_and_counted():
     est = GNSEstimator()
     assert est.update(torch.tensor([1.0, 2.0, 3.0]), 1.0)
