@@ -31,3 +31,28 @@ def test_load_state_dict_drops_the_cached_permutation():
     assert not np.array_equal(before, after)
     s.load_state_dict({"epoch": 0, "position": 0, "seed": 5, "num_samples": 40, "shuffle": False})
     np.testing.assert_array_equal(s.step_indices(40), np.arange(40))
+
+
+def test_fresh_sampler_serves_any_epoch_first_and_counts_what_remains():
+    s = ElasticSampler(30, seed=3)
+    np.testing.assert_array_equal(s.permutation(1), np.random.default_rng(4).permutation(30))
+    assert s.remaining == 30
+    s.advance(12)
+    assert (s.remaining, s.position) == (18, 12)
+    s.advance(100)                                         # the rest of the epoch, then the next one
+    assert (s.epoch, s.position, s.remaining) == (1, 0, 30)
+
+
+def test_restored_later_epoch_does_not_reuse_a_cached_order():
+    s = ElasticSampler(20, seed=0)
+    s.permutation(1)                                        # caches epoch 1's order under seed 0
+    s.load_state_dict({"epoch": 1, "position": 4, "seed": 9, "num_samples": 20, "shuffle": True})
+    np.testing.assert_array_equal(s.step_indices(3), np.random.default_rng(10).permutation(20)[4:7])
+
+
+def test_effective_rows_keep_the_latest_generation_whatever_the_order():
+    from elasticlab.elastic.sampler import effective_rows
+    rows = [{"step": 5, "generation": 2, "rank": 0}, {"step": 5, "generation": 1, "rank": 0},
+            {"step": 6, "rank": 0}]
+    kept = effective_rows(rows)
+    assert [r.get("generation") for r in kept] == [2, None]
