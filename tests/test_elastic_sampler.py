@@ -56,3 +56,20 @@ def test_effective_rows_keep_the_latest_generation_whatever_the_order():
             {"step": 6, "rank": 0}]
     kept = effective_rows(rows)
     assert [r.get("generation") for r in kept] == [2, None]
+
+
+def test_check_exactly_once_reports_world_sizes_and_completeness():
+    from elasticlab.elastic.sampler import check_exactly_once
+    rows = [{"step": 0, "rank": 0, "epoch": 0, "world_size": 2, "indices": [0, 1]},
+            {"step": 0, "rank": 1, "epoch": 0, "world_size": 2, "indices": [2]},
+            {"step": 1, "rank": 0, "epoch": 0, "world_size": 1, "indices": [3]},
+            {"step": 2, "rank": 0, "epoch": 1, "world_size": 3, "indices": [0, 2]}]
+    rep = check_exactly_once(rows, 4)
+    assert rep["world_sizes"] == [2, 1, 3]
+    assert rep["epochs"][0] == {"missing": [], "duplicates": [], "complete": True}
+    assert rep["epochs"][1]["missing"] == [1, 3] and rep["epochs"][1]["complete"] is False
+    assert rep["ok"] is True                                # an unfinished last epoch is not an error
+    rows[2]["indices"] = [1]                                # epoch 0 now misses 3 and repeats 1
+    rep = check_exactly_once(rows, 4)
+    assert rep["epochs"][0]["missing"] == [3] and rep["epochs"][0]["duplicates"] == [1]
+    assert rep["epochs"][0]["complete"] is True and rep["ok"] is False
