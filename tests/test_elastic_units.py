@@ -205,3 +205,62 @@ def test_single_worker_gns_is_the_same_with_gradient_accumulation():
     (g0, s0, l0), (g3, s3, l3) = states
     assert l0 == pytest.approx(l3, rel=1e-6)
     assert s0 == pytest.approx(s3, rel=1e-5) and g0 == pytest.approx(g3, rel=1e-4, abs=1e-9)
+
+
+def test_job_states_transitions_and_terminal_states_are_shared():
+    """Every non-terminal state may fail, terminal states go nowhere, and the live cluster's end states are
+    the job's plus its own "dropped"."""
+    from elasticlab.cluster.view import TERMINAL as CLUSTER_TERMINAL
+    from elasticlab.elastic.states import TERMINAL, TRANSITIONS, JobState, check_transition
+
+    assert set(TRANSITIONS) == set(JobState)
+    for s in JobState:
+        assert (JobState.FAILED in TRANSITIONS[s]) == (s not in TERMINAL)
+        check_transition(s, s)  # setting a state again is always allowed
+    for s in TERMINAL:
+        assert not TRANSITIONS[s]
+    check_transition(JobState.DRAINING, JobState.SPAWNING)
+    with pytest.raises(RuntimeError, match="from finished to running"):
+        check_transition(JobState.FINISHED, JobState.RUNNING)
+    assert set(CLUSTER_TERMINAL) == {*TERMINAL, "dropped"} and "stopped" in CLUSTER_TERMINAL
+    assert JobState.RUNNING == "running" and f"{JobState.PAUSED}" == "paused"
+
+
+def test_job_status_is_a_record_read_like_a_dict(tmp_path):
+    """status() is a typed record, and the dict-style reads of its callers keep working."""
+    import json
+
+    from elasticlab.cluster.torchrun import TorchrunJob
+    from elasticlab.elastic import ElasticJob
+    from elasticlab.elastic.states import ElasticJobStatus, JobStatus, TorchrunJobStatus
+
+    job = ElasticJob("examples/digits.py:make_task", checkpoint_dir=str(tmp_path), slots=2)
+    st = job.status()
+    assert isinstance(st, ElasticJobStatus) and isinstance(st, JobStatus)
+    assert st["state"] == st.state == "new" and type(st.state) is str and st["step"] == 0
+    assert st.get("nope", 7) == 7 and st.get("gns") is None and "lost_steps" in st
+    assert set(st.keys()) == {"state", "world_size", "target_world_size", "slots", "generation", "step",
+                              "epoch", "loss", "samples_per_s", "global_batch", "accum_steps",
+                              "per_worker_batch", "gns", "predicted_goodput", "workers", "lost_steps",
+                              "error", "checkpoint_dir", "record_samples"}
+    assert json.loads(json.dumps({**st})) == st.to_dict() == dict(st) and st == dict(st)
+    with pytest.raises(KeyError):
+        st["agents"]
+    tr = TorchrunJob("examples/digits.py:make_task", workers=1, max_workers=2, checkpoint_dir=str(tmp_path))
+    ts = tr.status()
+    assert isinstance(ts, TorchrunJobStatus) and ts["agents"] == 0 and ts["state"] == "new"
+    assert set(ts) == set(JobStatus.__dataclass_fields__) | {"agents"}
+
+
+def test_messages_are_typed_records_that_pickle():
+    """The job and its workers exchange the records of messages.py; a control carries its step vector."""
+    import pickle
+
+    from elasticlab.elastic import messages as M
+
+    ctl = M.Control(3, M.Command.SET_BATCH, 64, 1)
+    assert pickle.loads(pickle.dumps(ctl)) == ctl and ctl.vector == (2, 64, 1)
+    assert M.Control(1, M.CMD_LEAVE).vector == (M.CMD_LEAVE, 0, 0)
+    join = M.Join(1, 0, 2, 1234, None, "/tmp/x", (32, 0))
+    assert pickle.loads(pickle.dumps(join)).batch == (32, 0)
+    assert isinstance(pickle.loads(pickle.dumps(M.Exit())), M.Exit)

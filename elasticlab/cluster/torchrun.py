@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from elasticlab.elastic.records import EventLog, RecordLog, step_time_rows
+from elasticlab.elastic.states import TERMINAL, TorchrunJobStatus
 
 
 class TorchrunJob:
@@ -166,7 +167,7 @@ class TorchrunJob:
         while True:
             time.sleep(0.1)
             with self._lock:
-                if self._state in ("finished", "failed", "stopped"):
+                if self._state in TERMINAL:
                     return
                 paused = self._state == "paused"
             if paused or not self._agents:
@@ -278,23 +279,23 @@ class TorchrunJob:
 
     def wait(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
-        while self.state not in ("finished", "failed", "stopped"):
+        while self.state not in TERMINAL:
             if end is not None and time.monotonic() > end:
                 return False
             time.sleep(0.05)
         return True
 
-    def status(self) -> dict:
+    def status(self) -> TorchrunJobStatus:
         with self._lock:
             r = self._last
             running = self._state == "running"
-            return {"state": self._state, "world_size": int(r.get("world_size") or 0) if running else 0,
-                    "target_world_size": self._target, "agents": self._alive(), "step": r.get("step", 0),
-                    "epoch": r.get("epoch", 0), "loss": r.get("loss"),
-                    "samples_per_s": r.get("samples_per_s"),
-                    "global_batch": r.get("global_batch"), "accum_steps": r.get("accum_steps"),
-                    "per_worker_batch": r.get("per_worker_batch"), "gns": r.get("gns"),
-                    "generation": r.get("generation"), "error": self._error}
+            return TorchrunJobStatus(
+                state=self._state, world_size=int(r.get("world_size") or 0) if running else 0,
+                target_world_size=self._target, agents=self._alive(), step=r.get("step", 0),
+                epoch=r.get("epoch", 0), loss=r.get("loss"), samples_per_s=r.get("samples_per_s"),
+                global_batch=r.get("global_batch"), accum_steps=r.get("accum_steps"),
+                per_worker_batch=r.get("per_worker_batch"), gns=r.get("gns"),
+                generation=r.get("generation"), error=self._error)
 
     def metrics(self, since: int = 0) -> list[dict]:
         return self._metrics.since(since)

@@ -15,10 +15,12 @@ import threading
 import numpy as np
 
 from elasticlab.elastic.policies import BatchConfig
+from elasticlab.elastic.states import TERMINAL as JOB_TERMINAL
 
 #: How a policy's jobs choose their batch: goodput (Pollux agent), throughput (Saxena), fixed (M0).
 BATCH_MODES = ("goodput", "throughput", "fixed")
-TERMINAL = ("finished", "failed", "dropped", "stopped")
+#: A live job's end states: its elastic job's, and "dropped" (refused at admission).
+TERMINAL = (*JOB_TERMINAL, "dropped")
 
 
 class LiveJob:

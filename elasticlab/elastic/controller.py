@@ -1,0 +1,389 @@
+"""The controller thread of an :class:`~elasticlab.elastic.ElasticJob`: it serves the worker pool's
+messages, takes the caller's requests at step boundaries, and forms each generation.
+
+:class:`JobController` is the base of :class:`~elasticlab.elastic.ElasticJob`, which adds the public API
+and queues requests as ``(kind, info, future, t_request)``. Every state change goes through
+:meth:`JobController._set_state`, which checks it against :data:`~elasticlab.elastic.states.TRANSITIONS`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import multiprocessing as mp
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import wait as mp_wait
+from pathlib import Path
+
+from elasticlab.elastic import messages as M
+from elasticlab.elastic.messages import CMD_CHECKPOINT, CMD_LEAVE, CMD_SET_BATCH
+from elasticlab.elastic.policies import BatchConfig
+from elasticlab.elastic.pool import PoolWorker, WorkerPool
+from elasticlab.elastic.records import EventLog, RecordLog
+from elasticlab.elastic.states import TERMINAL, JobState, WorkerState, check_transition
+
+S, W = JobState, WorkerState
+
+
+class JobController:
+    """The controller's state and thread (see the module docstring)."""
+
+    def __init__(self, start_method: str):
+        self._lock = threading.RLock()
+        self._pool = WorkerPool(start_method, self.entrypoint, self.entry_kwargs, self.options, self._lock)
+        self._requests: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._active: list[PoolWorker] = []
+        self._state = S.NEW
+        self._gen = 0
+        self._store = None
+        self._drain_reason = None
+        self._drain_deadline = None
+        self._restart_pending = False  # the next generation replaces one lost to a fault
+        self._pending: dict = {}  # kind -> (future, info)
+        self._last_step = 0
+        self._last_rec: dict | None = None
+        self._epoch = 0
+        self._batch: BatchConfig | None = None
+        self._throughput = None  # the fitted throughput model (see ElasticJob._refit_goodput)
+        self._predicted_goodput = None
+        self._lost_steps = 0
+        self._thread: threading.Thread | None = None
+        self._metrics = RecordLog()
+        self._events = EventLog()
+        self._record_file = None
+        self._error: str | None = None
+
+    def _set_state(self, new: JobState) -> None:
+        with self._lock:
+            check_transition(self._state, new)
+            self._state = new
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._pool.spawn_upto(self.warm)
+            import torch.distributed  # noqa: F401  (the controller hosts each generation's TCPStore)
+            while True:
+                ready = mp_wait([self._wake_r, *self._pool.waitables()], timeout=0.25)
+                for obj in ready:
+                    if obj is self._wake_r:
+                        while self._wake_r.poll():
+                            self._wake_r.recv()
+                        continue
+                    for w in self._pool.values():
+                        if obj is w.conn:
+                            self._pool.drain(w, self._on_message)
+                        elif obj == w.proc.sentinel and w.state != W.DEAD:
+                            self._pool.drain(w, self._on_message)
+                            self._on_death(w)
+                if self._record_file is not None:
+                    self._record_file.flush()
+                self._advance()
+                if self._state in TERMINAL:
+                    break
+        except Exception as e:  # never leave processes behind because of a controller bug
+            self._error = f"controller failed: {e!r}"
+            self._events.emit("error", message=self._error)
+            with self._lock:
+                self._state = S.FAILED  # from any state: not checked
+        finally:
+            self._pool.kill_all()
+            self._fail_pending(RuntimeError(f"the job is {self._state}"))
+            if self._record_file is not None:
+                self._record_file.close()
+                self._record_file = None
+
+    def _on_message(self, w: PoolWorker, msg) -> None:
+        if isinstance(msg, M.Ready):
+            w.state = W.IDLE
+            w.pid = msg.pid
+            self._events.emit("ready", worker=w.id, pid=w.pid)
+        elif isinstance(msg, M.Step):
+            self._on_step(msg.record)
+        elif isinstance(msg, M.Samples):
+            if self._record_file is not None:
+                self._record_file.write(json.dumps(msg.row) + "\n")
+        elif isinstance(msg, M.Checkpointed):
+            self._events.emit("checkpoint", generation=msg.generation, step=msg.step, path=msg.path,
+                              probe_loss=msg.probe_loss, reason=msg.reason)
+            self._resolve("checkpoint", lambda info: msg.step >= info.get("min_step", 0), msg.step)
+        elif isinstance(msg, M.Resumed):
+            self._events.emit("resume", generation=msg.generation, step=msg.step, probe_loss=msg.probe_loss,
+                              checkpoint=msg.checkpoint, world_size=len(self._active))
+        elif isinstance(msg, M.Scheduled):  # rank 0 leaves at a scheduled step; re-form at the scheduled size
+            if self._state == S.RUNNING and msg.generation == self._gen:
+                self._target = msg.world_size
+                self._pending["resize"] = (Future(), {"n": msg.world_size, "from": len(self._active),
+                                                      "batch": None, "t_request": time.perf_counter(),
+                                                      "scheduled": msg.step})
+                self._drain("resize")
+        elif isinstance(msg, M.Left):
+            pass
+        elif isinstance(msg, M.Finished):
+            self._events.emit("checkpoint", generation=msg.generation, step=msg.step, path=msg.path,
+                              probe_loss=msg.probe_loss, reason="final")
+            self._events.emit("finished", generation=msg.generation, step=msg.step)
+            self._drain("finished")
+        elif isinstance(msg, M.Idle):
+            if w.state != W.DEAD:
+                w.state, w.rank = W.IDLE, None
+        elif isinstance(msg, M.Error):
+            self._events.emit("error", worker=msg.worker_id, generation=msg.generation, message=msg.text)
+            if msg.generation is None:  # the task could not even be built: nothing will work
+                self._error = msg.text
+                self._set_state(S.FAILED)
+
+    def _on_step(self, rec: dict) -> None:
+        rec["predicted_goodput"] = self._predicted_goodput
+        with self._lock:
+            self._last_step, self._last_rec = rec["step"], rec
+            self._batch = BatchConfig(rec["global_batch"], rec["accum_steps"])
+        self._metrics.append(rec)
+        now = time.perf_counter()
+        p = self._pending.get("resize_done")
+        if p and rec["generation"] == p[1]["generation"]:
+            del self._pending["resize_done"]
+            res = {"world_size": rec["world_size"], "step": rec["step"], "latency_s": now - p[1]["t_request"]}
+            self._events.emit("resize", from_size=p[1]["from"], to_size=rec["world_size"], step=rec["step"],
+                              latency_s=res["latency_s"])
+            p[0].set_result(res)
+        p = self._pending.get("set_batch")
+        if p and rec["step"] > p[1]["step"] and rec["global_batch"] == p[1]["batch"].global_batch \
+                and rec["accum_steps"] == p[1]["batch"].accum_steps:
+            del self._pending["set_batch"]
+            self._events.emit("set_batch", step=rec["step"], global_batch=rec["global_batch"],
+                              accum_steps=rec["accum_steps"])
+            p[0].set_result({"step": rec["step"], "global_batch": rec["global_batch"],
+                             "accum_steps": rec["accum_steps"]})
+        self._maybe_refit(rec)
+
+    def _resolve(self, kind, pred, value) -> None:
+        p = self._pending.get(kind)
+        if p and pred(p[1]):
+            del self._pending[kind]
+            p[0].set_result(value)
+
+    def _on_death(self, w: PoolWorker) -> None:
+        was, code = self._pool.bury(w)
+        if self._state == S.STOPPED:
+            return
+        self._events.emit("fault", worker=w.id, pid=w.pid, exitcode=code, rank=w.rank, was=was,
+                          generation=self._gen, step=self._last_step)
+        if was == W.ACTIVE and self._state in (S.RUNNING, S.DRAINING):
+            p = self._pending.pop("checkpoint", None)
+            if p and not p[0].done():
+                p[0].set_exception(RuntimeError(f"worker {w.id} died before the requested checkpoint"))
+            with self._lock:
+                reason = self._drain_reason if self._drain_reason in ("stop", "finished") else "fault"
+                self._drain(reason, time.monotonic() + self.options["timeout_s"] + 5)
+        elif was == W.STARTING and not any(x.state in (W.IDLE, W.ACTIVE) for x in self._pool.values()):
+            self._error = f"worker {w.id} died while starting (exit code {code})"
+
+    # ---- state machine -------------------------------------------------------------------------
+    def _advance(self) -> None:
+        st = self._state
+        if st == S.FAILED:
+            return
+        if st == S.STARTING:
+            if len(self._pool.idle()) >= self._target:  # a checkpoint dir from an earlier run is resumed
+                self._form(self._target, *self._resume_from())
+            elif self._error:
+                self._set_state(S.FAILED)
+            return
+        if st == S.RUNNING:
+            self._take_requests()
+            return
+        if st == S.DRAINING:
+            self._check_drained()
+            return
+        if st == S.SPAWNING:
+            if len(self._pool.idle()) >= self._target:
+                self._form(self._target, *self._resume_from())
+            else:  # replace any that died while starting
+                self._pool.spawn_upto(self._target)
+            return
+        if st == S.PAUSED:
+            self._take_requests()
+
+    def _take_requests(self) -> None:
+        while True:
+            try:
+                kind, info, fut, t = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            info["t_request"] = t
+            st = self._state
+            if kind == "stop":
+                self._pending["stop"] = (fut, info)
+                if st == S.RUNNING:
+                    self._leave("stop")
+                else:
+                    self._finish(S.STOPPED)
+                return
+            if kind == "resize":
+                if st == S.PAUSED:
+                    self._target = info["n"]
+                    fut.set_result({"world_size": info["n"], "step": self._last_step, "latency_s": 0.0})
+                    continue
+                if info["n"] == len(self._active) and info["batch"] is None:
+                    fut.set_result({"world_size": info["n"], "step": self._last_step, "latency_s": 0.0})
+                    continue
+                self._target = info["n"]
+                info["from"] = len(self._active)
+                self._pending["resize"] = (fut, info)
+                self._leave("resize")
+                return
+            if kind == "pause":
+                if st == S.PAUSED:
+                    fut.set_result(self._last_step)
+                    continue
+                self._pending["pause"] = (fut, info)
+                self._leave("pause")
+                return
+            if kind == "resume":
+                if st != S.PAUSED:
+                    fut.set_exception(RuntimeError(f"cannot resume: the job is {st}, not paused"))
+                    continue
+                if info.get("n"):
+                    self._target = info["n"]
+                info["from"] = 0
+                self._pending["resize"] = (fut, info)
+                self._start_generation()
+                return
+            if st != S.RUNNING:
+                fut.set_exception(RuntimeError(f"cannot {kind}: the job is {st}"))
+                continue
+            if kind == "set_batch":
+                b = info["batch"]
+                info["step"] = self._last_step
+                self._pending["set_batch"] = (fut, info)
+                self._send_rank0(CMD_SET_BATCH, b.global_batch, b.accum_steps)
+            elif kind == "checkpoint":
+                info["min_step"] = self._last_step + 1
+                self._pending["checkpoint"] = (fut, info)
+                self._send_rank0(CMD_CHECKPOINT)
+
+    def _send_rank0(self, command: M.Command, global_batch: int = 0, accum_steps: int = 0) -> None:
+        r0 = next((w for w in self._active if w.rank == 0), None)
+        if r0 is not None:
+            with contextlib.suppress(Exception):  # tagged: a generation ignores its predecessors' leftovers
+                r0.conn.send(M.Control(self._gen, command, global_batch, accum_steps))
+
+    def _drain(self, reason: str, deadline: float | None = None) -> None:
+        """The generation leaves its group (because of ``reason``); kill what is left after ``deadline``."""
+        with self._lock:
+            self._set_state(S.DRAINING)
+            self._drain_reason, self._drain_deadline = reason, deadline
+
+    def _leave(self, reason: str) -> None:
+        self._drain(reason)
+        self._send_rank0(CMD_LEAVE)
+
+    def _check_drained(self) -> None:
+        busy = [w for w in self._active if w.state == W.ACTIVE]
+        if busy:
+            if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                for w in busy:  # stuck in a collective with a dead peer: replace it
+                    self._events.emit("fault", worker=w.id, pid=w.pid, reason="did not leave the group",
+                                      generation=self._gen)
+                    with contextlib.suppress(Exception):
+                        w.proc.kill()
+            return
+        self._close_store()
+        with self._lock:
+            self._active = []
+        reason = self._drain_reason
+        if reason == "finished":
+            self._finish(S.FINISHED)
+        elif reason == "stop":
+            self._finish(S.STOPPED)
+        elif reason == "pause":
+            self._set_state(S.PAUSED)
+            self._events.emit("pause", step=self._last_step)
+            p = self._pending.pop("pause", None)
+            if p:
+                p[0].set_result(self._last_step)
+        elif reason == "fault":
+            self._start_generation(restart=True)
+        else:  # resize
+            self._start_generation()
+
+    def _start_generation(self, restart: bool = False) -> None:
+        if restart:
+            self._restart_pending = True
+        if len(self._pool.idle()) < self._target:
+            self._pool.spawn_upto(self._target)
+            self._set_state(S.SPAWNING)
+            return
+        self._form(self._target, *self._resume_from())
+
+    def _resume_from(self):
+        path, bad = self.checkpoint_dir.latest()
+        for p, why in bad:
+            self._events.emit("checkpoint_corrupt", path=str(p), reason=why)
+        return (str(path) if path else None), bad
+
+    def _form(self, n: int, checkpoint: str | None, bad=None) -> None:
+        import torch.distributed as dist
+
+        members = self._pool.idle()[:n]
+        self._close_store()
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.options["timeout_s"]))
+        with self._lock:
+            self._gen += 1
+            gen = self._gen
+        batch = self._decide_batch(n)
+        ck_step = int(Path(checkpoint).stem.split("-")[1]) if checkpoint else 0
+        for rank, w in enumerate(members):
+            w.state, w.rank = W.ACTIVE, rank
+            w.conn.send(M.Join(gen, rank, n, self._store.port, checkpoint, str(self.checkpoint_dir.directory),
+                               (batch.global_batch, batch.accum_steps) if batch else None))
+        with self._lock:
+            self._active = members
+            self._set_state(S.RUNNING)
+        self._events.emit("generation", generation=gen, world_size=n, port=self._store.port,
+                          checkpoint=checkpoint, from_step=ck_step,
+                          workers=[w.id for w in members])
+        if self._restart_pending:
+            self._restart_pending = False
+            lost = max(0, self._last_step - ck_step)
+            self._lost_steps += lost
+            self._events.emit("restart", generation=gen, from_step=ck_step, last_step=self._last_step,
+                              lost_steps=lost, world_size=n)
+        p = self._pending.pop("resize", None)
+        if p:
+            p[1]["generation"] = gen
+            self._pending["resize_done"] = p
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store = None  # dropping the master store closes its listening port
+
+    def _finish(self, state: JobState) -> None:
+        self._pool.shutdown()
+        with self._lock:
+            self._set_state(state)
+            self._active = []
+        if state == S.STOPPED:
+            self._events.emit("stop", step=self._last_step)
+        p = self._pending.pop("stop", None)
+        if p:
+            p[0].set_result(self._last_step)
+
+    def _fail_pending(self, exc: Exception) -> None:
+        for _, (fut, _) in list(self._pending.items()):
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
+        while True:
+            try:
+                _, _, fut, _ = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if not fut.done():
+                fut.set_exception(exc)

@@ -1,0 +1,132 @@
+"""Lifecycle states of a job and its workers, the allowed transitions, and the job's status record.
+
+As ``torch.distributed.elastic`` keeps an enum of worker states, the job's states are :class:`JobState`
+and its pool workers' :class:`WorkerState`; both compare equal to their plain-string values. A job's
+status snapshot is a :class:`JobStatus` (an :class:`ElasticJobStatus` or a :class:`TorchrunJobStatus`),
+read like the dict it used to be (``status()["step"]``, ``.get``, ``keys``, ``**status``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+
+class _StrEnum(str, Enum):
+    """A string enum whose ``str`` and ``format`` give the plain value (``enum.StrEnum`` from 3.11)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class JobState(_StrEnum):
+    """A job's lifecycle state (see :data:`TRANSITIONS`)."""
+
+    NEW = "new"  # built, not started
+    STARTING = "starting"  # the pool's first workers are starting
+    SPAWNING = "spawning"  # replacing or adding workers before the next generation
+    RUNNING = "running"  # a generation is training
+    DRAINING = "draining"  # the generation is leaving its group at a step boundary
+    PAUSED = "paused"  # no generation; the processes stay warm
+    FINISHED = "finished"  # all the work is done
+    STOPPED = "stopped"  # stopped on request
+    FAILED = "failed"  # could not go on
+
+
+#: States a job never leaves; also the live cluster's (which adds its own ``"dropped"``).
+TERMINAL = (JobState.FINISHED, JobState.STOPPED, JobState.FAILED)
+
+_ANY = frozenset(JobState) - frozenset(TERMINAL)
+#: The allowed transitions of an :class:`~elasticlab.elastic.ElasticJob`, checked at every change; a
+#: state may always be set again. Any state that is not terminal may fail (a worker cannot build the
+#: task, or the controller itself fails).
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.NEW: frozenset({JobState.STARTING, JobState.STOPPED}),
+    JobState.STARTING: frozenset({JobState.RUNNING}),  # the first generation forms
+    JobState.SPAWNING: frozenset({JobState.RUNNING}),  # enough idle workers: the generation forms
+    JobState.RUNNING: frozenset({JobState.DRAINING}),  # resize, pause, stop, fault, schedule, finished
+    JobState.DRAINING: frozenset({JobState.RUNNING, JobState.SPAWNING, JobState.PAUSED,
+                                  JobState.FINISHED, JobState.STOPPED}),
+    JobState.PAUSED: frozenset({JobState.RUNNING, JobState.SPAWNING, JobState.STOPPED}),
+    JobState.FINISHED: frozenset(),
+    JobState.STOPPED: frozenset(),
+    JobState.FAILED: frozenset(),
+}
+for _s in _ANY:
+    TRANSITIONS[_s] = TRANSITIONS[_s] | {JobState.FAILED}
+
+
+def check_transition(old: JobState, new: JobState) -> None:
+    """Raise :class:`RuntimeError` unless ``old -> new`` is in :data:`TRANSITIONS` (or ``new == old``)."""
+    if new != old and new not in TRANSITIONS[JobState(old)]:
+        raise RuntimeError(f"job state cannot go from {old!s} to {new!s}")
+
+
+class WorkerState(_StrEnum):
+    """A pool worker process's state."""
+
+    STARTING = "starting"  # importing torch, building the task
+    IDLE = "idle"  # ready, in no group
+    ACTIVE = "active"  # a member of the current generation
+    DEAD = "dead"  # exited (or killed)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JobStatus(Mapping):
+    """What every job handle's ``status()`` reports; reads as a read-only mapping of its fields."""
+
+    state: str
+    world_size: int
+    target_world_size: int
+    step: int
+    epoch: int
+    loss: float | None
+    samples_per_s: float | None
+    global_batch: int | None
+    accum_steps: int | None
+    per_worker_batch: int | None
+    gns: float | None
+    generation: int | None
+    error: str | None
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict:
+        """A plain dict of the fields (e.g. for JSON)."""
+        return {k: getattr(self, k) for k in self._names()}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ElasticJobStatus(JobStatus):
+    """:meth:`ElasticJob.status <elasticlab.elastic.ElasticJob.status>`: the common fields, the machine's
+    slots, the predicted goodput, the pool's workers (``{id: {"pid", "state", "rank"}}``), the steps lost
+    to faults and where checkpoints and samples go."""
+
+    slots: int = 0
+    predicted_goodput: float | None = None
+    workers: dict = dataclasses.field(default_factory=dict)
+    lost_steps: int = 0
+    checkpoint_dir: str | None = None
+    record_samples: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TorchrunJobStatus(JobStatus):
+    """:meth:`TorchrunJob.status <elasticlab.cluster.torchrun.TorchrunJob.status>`: the common fields and
+    the number of live torchrun agents."""
+
+    agents: int = 0
