@@ -3,16 +3,25 @@
 * :class:`LocalCluster` (cluster.py) -- the pool, the queue/drop admission and the scheduling loop.
 * :class:`JobSpec` (spec.py) -- what a user submits (entrypoint, slot range, batch range, work).
 * :class:`LiveJob` (view.py) -- a live job as the policies see it (fitted throughput model, GNS, speedups).
-* policies.py -- goodput, pollux, saxena, fifo (from :mod:`elasticlab.alloc`) and equal_share.
+* policies.py -- the ``live`` policies of :mod:`elasticlab.alloc` (goodput, pollux, saxena, fifo) and
+  equal_share.
 * :class:`RestartCost` (restart.py) -- the measured resize cost used as Pollux's restart penalty.
 * torchrun.py -- the same decisions driving jobs launched under ``torchrun`` (c10d rendezvous).
 * experiments.py -- the three-job comparison shared by tests, benchmark and ``elasticlab reproduce``.
 """
 from elasticlab.cluster.cluster import ADMISSION, LocalCluster
-from elasticlab.cluster.policies import BATCH_MODE, EqualSharePolicy, make_policy, policy_names
+from elasticlab.cluster.policies import EqualSharePolicy, batch_mode, make_policy, policy_names
 from elasticlab.cluster.restart import RestartCost, measure_restart_cost
 from elasticlab.cluster.spec import JobSpec
 from elasticlab.cluster.view import LiveJob
 
 __all__ = ["LocalCluster", "JobSpec", "LiveJob", "RestartCost", "measure_restart_cost", "EqualSharePolicy",
-           "make_policy", "policy_names", "BATCH_MODE", "ADMISSION"]
+           "make_policy", "policy_names", "batch_mode", "BATCH_MODE", "ADMISSION"]
+
+
+def __getattr__(name):  # ``BATCH_MODE`` is read from the policies when asked
+    if name == "BATCH_MODE":
+        from elasticlab.cluster import policies
+
+        return policies.BATCH_MODE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

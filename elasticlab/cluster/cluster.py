@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from elasticlab.alloc.policies.base import Cluster as _Shape
-from elasticlab.cluster.policies import BATCH_MODE, make_policy
+from elasticlab.cluster.policies import make_policy
 from elasticlab.cluster.restart import RestartCost
 from elasticlab.cluster.spec import JobSpec
 from elasticlab.cluster.view import TERMINAL, LiveJob
@@ -113,7 +113,7 @@ class LocalCluster:
         pol = make_policy(name, **kwargs)
         with getattr(self, "_lock", contextlib.nullcontext()):
             self.policy_name, self.policy = name, pol
-            self.batch_mode = BATCH_MODE[name]
+            self.batch_mode = pol.batch_mode
             for j in getattr(self, "_jobs", {}).values():
                 j.batch_mode = self._mode_for(j.spec)
             self._dirty = True

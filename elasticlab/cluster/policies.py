@@ -1,5 +1,5 @@
-"""The cluster's policies: the allocation policies of :mod:`elasticlab.alloc.policies`, plus a fixed
-equal-share baseline, each with the batch mode its jobs run in.
+"""The cluster's policies: the allocation policies of :mod:`elasticlab.alloc.policies` marked ``live``,
+plus a fixed equal-share baseline, each with the batch mode its jobs run in (its ``batch_mode``):
 
 * ``goodput`` -- elasticlab's goodput-DP (goodput speedups, least-attained-service weights, restart penalty);
 * ``pollux`` -- Pollux's p = -1 power mean of fair-share speedups with the restart penalty (Eq. (9), §4.2);
@@ -14,9 +14,6 @@ from elasticlab.alloc.policies import POLICIES as ALLOC_POLICIES
 from elasticlab.alloc.policies import get_policy
 from elasticlab.alloc.policies.base import Policy
 
-#: The batch mode of each cluster policy (see :data:`elasticlab.cluster.view.BATCH_MODES`).
-BATCH_MODE = {"goodput": "goodput", "pollux": "goodput", "saxena": "throughput", "fifo": "fixed",
-              "equal_share": "fixed"}
 #: Defaults scaled to a local cluster's seconds-long jobs (the alloc defaults are for hour-long jobs).
 DEFAULT_KWARGS = {"goodput": {"s0": 60.0}}
 
@@ -26,6 +23,7 @@ class EqualSharePolicy(Policy):
 
     name = "equal_share"
     batch_mode = "fixed"
+    live = True
 
     def allocate(self, jobs, now, cluster):
         jobs = sorted(jobs, key=lambda j: (j.submission_time, j.name))[:cluster.total_gpus]
@@ -38,15 +36,37 @@ class EqualSharePolicy(Policy):
         return out
 
 
+def _policies() -> dict[str, type[Policy]]:
+    out = {name: cls for name, cls in ALLOC_POLICIES.items() if cls.live}
+    out[EqualSharePolicy.name] = EqualSharePolicy
+    return out
+
+
 def policy_names() -> list[str]:
-    return sorted(BATCH_MODE)
+    return sorted(_policies())
+
+
+def batch_mode(name: str) -> str:
+    """The batch mode of cluster policy ``name`` (see :data:`elasticlab.cluster.view.BATCH_MODES`)."""
+    return _lookup(name).batch_mode
+
+
+def __getattr__(name):  # ``BATCH_MODE``: {policy: batch mode}, read from the policies when asked
+    if name == "BATCH_MODE":
+        return {n: cls.batch_mode for n, cls in _policies().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _lookup(name: str) -> type[Policy]:
+    pols = _policies()
+    if name not in pols:
+        raise ValueError(f"unknown cluster policy {name!r}; choose one of {policy_names()}")
+    return pols[name]
 
 
 def make_policy(name: str, **kwargs) -> Policy:
     """A fresh cluster policy by name; ``kwargs`` go to its constructor."""
-    if name not in BATCH_MODE:
-        raise ValueError(f"unknown cluster policy {name!r}; choose one of {policy_names()}")
-    if name == "equal_share":
-        return EqualSharePolicy(**kwargs)
-    assert name in ALLOC_POLICIES
+    cls = _lookup(name)
+    if name not in ALLOC_POLICIES:
+        return cls(**kwargs)
     return get_policy(name, **{**DEFAULT_KWARGS.get(name, {}), **kwargs})

@@ -1,7 +1,8 @@
 """The measured cost of a re-allocation: Pollux's restart delay delta (Qiao et al. §4.2), from real resizes.
 
 Pollux multiplies a job's speedup at every allocation other than its current one by
-``max(T - R delta, 0) / (T + delta)`` (:func:`elasticlab.goodput.restart_penalty`), with delta = 30 s assumed.
+``max(T - R delta, 0) / (T + delta)`` (:func:`elasticlab.alloc.objective.restart_penalty`), with delta = 30 s
+assumed.
 Here delta is measured: every resize of a live job reports its latency (request to the first step at the
 new size, :meth:`elasticlab.elastic.ElasticJob.resize`), and :class:`RestartCost` keeps their median.
 """
@@ -30,7 +31,7 @@ class RestartCost:
 
     def penalty(self, age, restarts):
         """Pollux §4.2's factor with the measured delta."""
-        from elasticlab.goodput import restart_penalty
+        from elasticlab.alloc.objective import restart_penalty
 
         return restart_penalty(age, restarts, self.estimate)
 

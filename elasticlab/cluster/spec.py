@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elasticlab.elastic.scaling import LR_RULES
+from elasticlab.elastic.scaling import lr_rules
 
 #: ``pool``: an ElasticJob (worker pool re-forming gloo groups); ``torchrun``: one torchrun agent per slot.
 BACKENDS = ("pool", "torchrun")
@@ -84,8 +84,9 @@ class JobSpec:
         _pos_int("epochs", self.epochs)
         if self.max_steps is not None:
             _pos_int("max_steps", self.max_steps)
-        if self.lr_rule not in LR_RULES:
-            raise ValueError(f"job {self.name!r}: unknown lr_rule {self.lr_rule!r}; choose one of {LR_RULES}")
+        if self.lr_rule not in lr_rules():
+            raise ValueError(f"job {self.name!r}: unknown lr_rule {self.lr_rule!r}; "
+                             f"choose one of {lr_rules()}")
         self.warm = self.max_slots if self.warm is None else _pos_int("warm", self.warm)
         self.warm = max(min(self.warm, self.max_slots), self.min_slots)
         return self

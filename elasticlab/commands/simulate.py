@@ -4,14 +4,28 @@ from __future__ import annotations
 NAME = "simulate"
 HELP = "replay a Pollux-artifact workload (CSV) on a simulated GPU cluster under a scheduling policy"
 
-_POLICIES = ("fifo", "tiresias", "optimus", "gpu-elastic", "saxena", "pollux", "goodput")
+
+class _PolicyNames:
+    """The names of :data:`elasticlab.alloc.policies.POLICIES`, sorted; imported when argparse first asks
+    (so ``elasticlab --help`` does not import numba)."""
+
+    def _names(self) -> list[str]:
+        from elasticlab.alloc.policies import policy_names
+
+        return policy_names()
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--workload", required=True,
                         help="workload CSV (name,time,application,num_replicas,batch_size) or a shared name "
                              "such as workload-6")
-    parser.add_argument("--policy", required=True, choices=_POLICIES)
+    parser.add_argument("--policy", required=True, choices=_PolicyNames())
     parser.add_argument("--cluster", default="16x4", help="NODESxGPUS_PER_NODE (default 16x4)")
     parser.add_argument("--interval", type=float, default=60.0, help="scheduling interval, s (default 60)")
     parser.add_argument("--restart-delay", type=float, default=30.0,

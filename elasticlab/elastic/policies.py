@@ -9,6 +9,10 @@ Pollux's ``M = R·m·(s+1)``) — and names the LR rule that goes with it:
   ramp over ``T = 8·k`` steps after a change of ``M`` by ``k`` (Lin et al. 2019).
 * :class:`GoodputAdaptive` — Pollux's agent: ``(m, s) = argmax GOODPUT`` (Pollux Eq. (1)) from a
   throughput model fitted online to the job's step times and the efficiency from its GNS.
+
+Each policy registers itself by name where it is defined (:func:`register_batch_policy`) in
+:data:`POLICIES`, the one list of batch policies (read by the job panel), and says how it is sized from a
+running job's batch (``for_batch(global_batch, world_size, max_batch=None)``).
 """
 from __future__ import annotations
 
@@ -33,10 +37,40 @@ class BatchConfig:
         return math.ceil(self.global_batch / (world_size * (self.accum_steps + 1)))
 
 
+#: The batch policies by name, in registration order: name -> class.
+POLICIES: dict[str, type] = {}
+
+
+def register_batch_policy(name: str):
+    """Class decorator: put a batch policy in :data:`POLICIES` as ``name``. The class gives ``decide``,
+    ``initial_global_batch``, ``lr_rule`` and a classmethod ``for_batch(global_batch, world_size,
+    max_batch=None)`` that sizes it from a running job's global batch and world size."""
+
+    def deco(cls):
+        POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def batch_policy_name(policy, default: str | None = None) -> str | None:
+    """The registered name of ``policy``'s class (exact class), else ``default``."""
+    return next((n for n, cls in POLICIES.items() if type(policy) is cls), default)
+
+
+def make_batch_policy(name: str, global_batch: int, world_size: int, max_batch: int | None = None):
+    """A batch policy by name, sized from a job's current global batch and world size."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown batch policy {name!r}; choose one of {tuple(POLICIES)}")
+    global_batch, world_size = max(1, int(global_batch)), max(1, int(world_size))
+    return POLICIES[name].for_batch(global_batch, world_size, max_batch)
+
+
 def _accum_for(local: int, max_per_worker: int | None) -> int:
     return 0 if not max_per_worker else max(0, math.ceil(local / max_per_worker) - 1)
 
 
+@register_batch_policy("fixed_global")
 @dataclass
 class FixedGlobalBatch:
     """Keep ``global_batch`` whatever the world size (Dynamic SGD option (a)); LR unchanged.
@@ -55,7 +89,12 @@ class FixedGlobalBatch:
     def initial_global_batch(self) -> int:
         return int(self.global_batch)
 
+    @classmethod
+    def for_batch(cls, global_batch: int, world_size: int, max_batch: int | None = None):
+        return cls(global_batch)
 
+
+@register_batch_policy("fixed_per_worker")
 @dataclass
 class FixedPerWorkerBatch:
     """Keep the per-worker batch; ``M = R·m`` and the LR follows the Dynamic-SGD ramp.
@@ -74,7 +113,12 @@ class FixedPerWorkerBatch:
     def initial_global_batch(self) -> int:
         return int(self.per_worker_batch)
 
+    @classmethod
+    def for_batch(cls, global_batch: int, world_size: int, max_batch: int | None = None):
+        return cls(max(1, global_batch // world_size))
 
+
+@register_batch_policy("goodput")
 @dataclass
 class GoodputAdaptive:
     """Pollux's batch choice: ``argmax_{m,s} THROUGHPUT(R, m, s) · EFFICIENCY(M)`` (Pollux Eq. (1)-(4)).
@@ -103,6 +147,10 @@ class GoodputAdaptive:
     def initial_global_batch(self) -> int:
         return int(self.base_batch)
 
+    @classmethod
+    def for_batch(cls, global_batch: int, world_size: int, max_batch: int | None = None):
+        return cls(base_batch=global_batch, max_batch=int(max_batch or 16 * global_batch))
+
     def decide(self, world_size: int, stats: dict | None = None) -> BatchConfig:
         stats = stats or {}
         model, gns = stats.get("throughput_model"), stats.get("gns")
@@ -128,6 +176,3 @@ class GoodputAdaptive:
                 return current
         return choice
 
-
-POLICIES = {"fixed_global": FixedGlobalBatch, "fixed_per_worker": FixedPerWorkerBatch,
-            "goodput": GoodputAdaptive}

@@ -9,7 +9,7 @@ from .adascale import (
     gain_from_noise_scale,
     gain_ratio,
 )
-from .base import RULES, ScalingRule, get_rule, register
+from .base import RULES, RuleInfo, ScalingRule, get_rule, job_rules, register, rule_info
 from .dynamic_sgd import MOMENTUM_MODES, DynamicSGD
 from .linear import IdentityScaling, LinearScaling
 from .progress import ScaleInvariantProgress
@@ -25,6 +25,7 @@ __all__ = [
     "LinearScaling",
     "MOMENTUM_MODES",
     "RULES",
+    "RuleInfo",
     "ScaleInvariantProgress",
     "ScalingRule",
     "SqrtScaling",
@@ -33,5 +34,7 @@ __all__ = [
     "gain_from_noise_scale",
     "gain_ratio",
     "get_rule",
+    "job_rules",
     "register",
+    "rule_info",
 ]

@@ -133,7 +133,7 @@ class AdaScaleEstimator:
         self.updates = int(state["updates"])
 
 
-@register("adascale")
+@register("adascale", label="AdaScale (Johnson et al. 2020)", needs_gns=True, order=30)
 class AdaScale:
     """LR multiplier ``r(S)^power`` from live gradient statistics (power 1: AdaScale for SGD; 0.5:
     AdaptDL's AdamScale for Adam). ``stats``: phi, ``(sqr, var)``, an object with ``b_simple`` /

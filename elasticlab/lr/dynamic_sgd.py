@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import math
 
+from .base import register
+
 MOMENTUM_MODES = ("keep", "reset", "correct")
 
 
+@register("dynamic_sgd", label="Dynamic SGD ramp to linear (Lin et al. 2019)", ramp_to="linear", order=40)
 class DynamicSGD:
     def __init__(self, steps: int | None = None, steps_per_k: float = 8.0, momentum: str = "keep"):
         if steps is not None and (int(steps) != steps or steps < 0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from .base import check_scale, register
 
 
-@register("linear")
+@register("linear", label="linear scaling (Goyal et al. 2017)", order=10)
 class LinearScaling:
     """``multiplier(S) = S``. Counts every step as S steps at M0 (the perfect-scaling assumption)."""
 
@@ -18,7 +18,8 @@ class LinearScaling:
         return "LinearScaling()"
 
 
-@register("identity")
+@register("constant", label="constant (base LR)", order=0)
+@register("identity", job_rule=False)
 class IdentityScaling:
     """Keep the base LR whatever the batch (``multiplier = 1``); a step counts as S steps at M0."""
 

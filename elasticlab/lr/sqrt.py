@@ -8,7 +8,7 @@ import math
 from .base import check_scale, register
 
 
-@register("sqrt")
+@register("sqrt", label="square-root scaling", order=20)
 class SqrtScaling:
     """``multiplier(S) = sqrt(S)``; a step counts as S steps at M0 (perfect-scaling assumption)."""
 

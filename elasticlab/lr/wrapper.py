@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from numbers import Real
 
 from .adascale import AdaScale
-from .base import get_rule
+from .base import get_rule, needs_gns
 from .dynamic_sgd import DynamicSGD
 from .progress import ScaleInvariantProgress
 
@@ -40,7 +40,7 @@ class ElasticLR:
         self.optimizer = optimizer
         self.init_batch = float(init_batch)
         self.gns = gns
-        self.rule = get_rule(rule, stats=gns) if rule == "adascale" else get_rule(rule)
+        self.rule = get_rule(rule, stats=gns) if needs_gns(rule) else get_rule(rule)
         if isinstance(self.rule, AdaScale):
             if self.rule.init_batch is None:
                 self.rule.init_batch = self.init_batch

@@ -74,8 +74,8 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
     value, Pollux Eq. (8), then summed: comparable across jobs whose step rates differ by orders of
     magnitude), ``fitness`` (Pollux Eq. (9) at this p) and ``gpus`` used."""
     from elasticlab.alloc import dp_allocate
+    from elasticlab.alloc.objective import fitness
     from elasticlab.alloc.policies import Cluster, get_policy
-    from elasticlab.goodput import fitness
 
     capacity, p = int(capacity), float(p)
     if capacity < 1:

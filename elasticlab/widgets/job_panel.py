@@ -22,26 +22,39 @@ CHARTS = (("loss", "Loss", "loss", False), ("samples_per_s", "Throughput", "samp
           ("gns", "Gradient noise scale", "B_noise", False),
           ("global_batch", "Global batch", "samples", True),
           ("lr", "Learning rate", "lr", True), ("world_size", "World size", "workers", True))
-BATCH_POLICIES = ("fixed_global", "fixed_per_worker", "goodput")
-LR_RULES = ("constant", "linear", "sqrt", "adascale", "dynamic_sgd")
 #: Events that change the job's shape and are drawn as vertical lines.
 MARKED = ("generation",)
 _LOGGED = ("start", "generation", "resize", "set_batch", "checkpoint_corrupt", "resume", "pause", "fault",
            "restart", "finished", "stop", "error")
 
 
+def batch_policies() -> tuple[str, ...]:
+    """The batch-policy choices: the registry :data:`elasticlab.elastic.policies.POLICIES`, in its order."""
+    from elasticlab.elastic.policies import POLICIES
+
+    return tuple(POLICIES)
+
+
+def lr_rules() -> tuple[str, ...]:
+    """The LR-rule choices: the job rules of the registry :data:`elasticlab.lr.RULES`, in order."""
+    from elasticlab.elastic.scaling import lr_rules as rules
+
+    return rules()
+
+
+def __getattr__(name):  # ``BATCH_POLICIES`` and ``LR_RULES``, read from the registries when asked
+    if name == "BATCH_POLICIES":
+        return batch_policies()
+    if name == "LR_RULES":
+        return lr_rules()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def make_policy(name: str, global_batch: int, world_size: int, max_batch: int | None = None):
     """A batch policy of :mod:`elasticlab.elastic.policies` by name, sized from the job's current batch."""
-    from elasticlab.elastic import policies as P
+    from elasticlab.elastic.policies import make_batch_policy
 
-    if name not in BATCH_POLICIES:
-        raise ValueError(f"unknown batch policy {name!r}; choose one of {BATCH_POLICIES}")
-    global_batch, world_size = max(1, int(global_batch)), max(1, int(world_size))
-    if name == "fixed_global":
-        return P.FixedGlobalBatch(global_batch)
-    if name == "fixed_per_worker":
-        return P.FixedPerWorkerBatch(max(1, global_batch // world_size))
-    return P.GoodputAdaptive(base_batch=global_batch, max_batch=int(max_batch or 16 * global_batch))
+    return make_batch_policy(name, global_batch, world_size, max_batch)
 
 
 class JobPanel:
@@ -94,13 +107,13 @@ class JobPanel:
         self.pause_button = W.Button(description="pause", icon="pause", layout=W.Layout(width="100px"))
         self.stop_button = W.Button(description="stop", icon="stop", button_style="danger",
                                     layout=W.Layout(width="90px"))
-        pol = getattr(job, "policy", None)
-        pol_name = {"FixedGlobalBatch": "fixed_global", "FixedPerWorkerBatch": "fixed_per_worker",
-                    "GoodputAdaptive": "goodput"}.get(type(pol).__name__, "fixed_global")
-        self.policy = W.Dropdown(options=BATCH_POLICIES, value=pol_name, description="batch",
+        from elasticlab.elastic.policies import batch_policy_name
+
+        pol_name = batch_policy_name(getattr(job, "policy", None), "fixed_global")
+        self.policy = W.Dropdown(options=batch_policies(), value=pol_name, description="batch",
                                  layout=W.Layout(width="230px"))
-        rule = getattr(job, "options", {}).get("lr_rule", "constant")
-        self.lr_rule = W.Dropdown(options=LR_RULES, value=rule if rule in LR_RULES else "constant",
+        rule, rules = getattr(job, "options", {}).get("lr_rule", "constant"), lr_rules()
+        self.lr_rule = W.Dropdown(options=rules, value=rule if rule in rules else "constant",
                                   description="LR rule", layout=W.Layout(width="230px"))
         self.status_label = W.HTML(value="")
         self.status_label.add_class("elasticlab-job-status")

@@ -33,10 +33,11 @@ class Cluster:
 class Policy:
     """Base class. ``batch_mode`` says how its jobs pick their batch (see ``SimJob``); ``gang`` policies
     need a job's whole count placed or nothing; ``one_distributed_per_node`` is Pollux's interference
-    avoidance."""
+    avoidance; ``live`` policies are offered on the live cluster (:mod:`elasticlab.cluster`)."""
 
     name = "base"
     batch_mode = "fixed"
+    live = False
     gang = False
     one_distributed_per_node = False
 

@@ -7,6 +7,7 @@ from elasticlab.alloc.policies.base import Policy
 class FifoPolicy(Policy):
     name = "fifo"
     batch_mode = "fixed"
+    live = True
     gang = True
 
     def allocate(self, jobs, now, cluster):

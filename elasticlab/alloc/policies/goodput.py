@@ -19,18 +19,14 @@ from __future__ import annotations
 import numpy as np
 
 from elasticlab.alloc.dp import dp_allocate
+from elasticlab.alloc.objective import restart_penalty
 from elasticlab.alloc.policies.base import Policy
-
-
-def _penalty(age, restarts, delay):
-    """Pollux §4.2 re-allocation penalty max(T - R delta, 0) / (T + delta) (scalar form of
-    ``elasticlab.goodput.restart_penalty``)."""
-    return max(age - restarts * delay, 0.0) / (age + delay)
 
 
 class GoodputPolicy(Policy):
     name = "goodput"
     batch_mode = "goodput"
+    live = True
     one_distributed_per_node = False
 
     def __init__(self, weight: str = "remaining", q: float = 1.0, s0: float = 3600.0,
@@ -69,7 +65,7 @@ class GoodputPolicy(Policy):
             else:
                 s = job.speedup_curve(total, cluster.gpus_per_node, upto=hi[i])
                 w = (1.0 + job.attained_service / self.s0) ** (-self.q)
-                pen = _penalty(job.age(now), job.restarts, self.restart_delay)
+                pen = restart_penalty(job.age(now), job.restarts, self.restart_delay)
                 U[i] = w * np.where(g == job.gpus, s, s * pen)
         lo = None
         if self.min_one:

@@ -19,8 +19,8 @@ import math
 import numpy as np
 
 from elasticlab.alloc.dp import dp_allocate
+from elasticlab.alloc.objective import restart_penalty
 from elasticlab.alloc.policies.base import Policy
-from elasticlab.alloc.policies.goodput import _penalty
 
 __all__ = ["PolluxPolicy", "power_utility"]
 
@@ -36,6 +36,7 @@ def power_utility(x, p: float):
 class PolluxPolicy(Policy):
     name = "pollux"
     batch_mode = "goodput"
+    live = True
     one_distributed_per_node = False
 
     def __init__(self, p: float = -1.0, restart_delay: float = 30.0, eps: float = 1e-3, max_gpus_per_job=64,
@@ -59,7 +60,7 @@ class PolluxPolicy(Policy):
             s = job.speedup_curve(total, cluster.gpus_per_node, upto=max(hi[i], fair))
             base = s[min(fair, total)]
             scaled = s / base / cluster.gpus_per_node if base > 0 else s
-            pen = _penalty(job.age(now), job.restarts, self.restart_delay)
+            pen = restart_penalty(job.age(now), job.restarts, self.restart_delay)
             g = np.arange(total + 1)
             scaled = np.where(g == job.gpus, scaled, scaled * pen)
             U[i] = power_utility(scaled + self.eps, self.p)

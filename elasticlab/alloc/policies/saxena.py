@@ -12,3 +12,4 @@ from elasticlab.alloc.policies.gpu_elastic import ThroughputDPPolicy
 class SaxenaPolicy(ThroughputDPPolicy):
     name = "saxena"
     batch_mode = "throughput"
+    live = True

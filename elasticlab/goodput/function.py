@@ -1,0 +1,223 @@
+"""Pollux's GOODPUT = THROUGHPUT x EFFICIENCY (Qiao et al., OSDI 2021, Eq. (1)), the agent's ``(b, s)``
+choice (PolluxAgent) and the speedups the scheduler reads.
+
+:func:`goodput` is the one place the product is written: :meth:`GoodputFunction.evaluate` and the candidate
+grid behind :meth:`GoodputFunction.optimize` / :meth:`~GoodputFunction.speedup_table` both call it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from elasticlab.goodput.efficiency import GradParams, _check_positive, _efficiency, efficiency, noise_scale
+from elasticlab.goodput.throughput import ThroughputModel, global_batch
+
+__all__ = ["GoodputFunction", "goodput"]
+
+
+def goodput(model: ThroughputModel, phi, init_batch, nodes, gpus, per_gpu_batch, accum_steps=0):
+    """``GOODPUT(N, K, b, s) = M / T_iter * E(M)`` with ``M = K b (s + 1)``, in M0-equivalent samples/s,
+    broadcast over all arguments; no input checks (defined for M >= M0, phi >= 0)."""
+    gpus = np.asarray(gpus, dtype=float)
+    b = np.asarray(per_gpu_batch, dtype=float)
+    s = np.asarray(accum_steps, dtype=float)
+    return model.throughput(nodes, gpus, b, s) * _efficiency(phi, init_batch, global_batch(gpus, b, s))
+
+
+class GoodputFunction:
+    """Pollux GOODPUT: ``GOODPUT(N, K, b, s) = THROUGHPUT * EFFICIENCY(M)`` in M0-equivalent samples/s.
+
+    ``grad_stats``: phi, ``(sqr, var)`` or a GNS estimator object (see :func:`noise_scale`), or give
+    Pollux's ``grad_sqr=`` and ``grad_var=`` instead; ``init_batch``: M0, the batch size the job's
+    learning rate was tuned for.
+    """
+
+    __slots__ = ("model", "phi", "init_batch")
+
+    def __init__(self, throughput_model: ThroughputModel, grad_stats=None, init_batch=None, *,
+                 grad_sqr=None, grad_var=None):
+        if not isinstance(throughput_model, ThroughputModel):
+            raise TypeError(f"throughput_model must be a ThroughputModel, got {type(throughput_model)}")
+        if init_batch is None:
+            raise ValueError("init_batch (M0) is required")
+        _check_positive("init_batch", init_batch)
+        if (grad_sqr is None) != (grad_var is None) or (grad_sqr is not None and grad_stats is not None):
+            raise ValueError("give either grad_stats or both grad_sqr and grad_var")
+        if grad_sqr is not None:
+            grad_stats = GradParams(float(grad_sqr), float(grad_var))
+        if grad_stats is None:
+            raise ValueError("gradient statistics are required: grad_stats, or grad_sqr and grad_var")
+        self.model = throughput_model
+        self.init_batch = float(init_batch)
+        self.phi = noise_scale(grad_stats, self.init_batch)
+
+    def __repr__(self):
+        return f"GoodputFunction({self.model}, phi={self.phi:g}, init_batch={self.init_batch:g})"
+
+    def efficiency(self, batch):
+        return efficiency(self.phi, self.init_batch, batch)
+
+    def throughput(self, nodes, gpus, per_gpu_batch, accum_steps=0):
+        return self.model.throughput(nodes, gpus, per_gpu_batch, accum_steps)
+
+    def evaluate(self, nodes, gpus, per_gpu_batch, accum_steps=0):
+        """Goodput of a configuration, broadcast over all arguments (defined for M >= M0)."""
+        return goodput(self.model, self.phi, self.init_batch, nodes, gpus, per_gpu_batch, accum_steps)
+
+    def _batch_range(self, max_batch, batch_range):
+        m0 = self.init_batch
+        if batch_range is None:
+            if max_batch is not None and max_batch < m0:
+                raise ValueError(f"max_batch {max_batch} is below the initial batch size {m0}")
+            batch_range = (m0, m0 if max_batch is None else max_batch)
+        elif max_batch is not None and max_batch != batch_range[1]:
+            raise ValueError(f"max_batch={max_batch} disagrees with batch_range={batch_range}")
+        lo, hi = (float(v) for v in batch_range)
+        if not lo <= hi:
+            raise ValueError(f"batch_range minimum {lo} is greater than its maximum {hi}")
+        if hi < m0:
+            raise ValueError(f"the maximum batch size {hi} is below the initial batch size {m0}")
+        return max(lo, m0), hi
+
+    def optimize(self, nodes, gpus, *, max_batch=None, batch_range=None, max_per_gpu_batch=None,
+                 min_per_gpu_batch=1, max_accum=None, accumulation=True, num_candidates=50,
+                 force_accum_single_gpu=True, max_batch_size=None, atomic_bsz_range=None):
+        """PolluxAgent's choice: best ``(goodput, per_gpu_batch, accum_steps)`` per allocation.
+
+        Candidates: ``num_candidates`` global batches on a geometric grid over ``batch_range`` (global,
+        default ``(M0, max_batch)``; ``max_batch`` defaults to M0, i.e. no batch-size adaptation), from at
+        least ``min_per_gpu_batch * K``. Each uses the fewest accumulation steps that keep the per-GPU
+        batch within ``max_per_gpu_batch`` (the memory cap) and ``max_accum``. On one GPU a batch above M0
+        gets >= 1 accumulation step when ``force_accum_single_gpu`` (Pollux's GNS needs two
+        micro-batches). Allocations with no feasible candidate (or zero GPUs) get goodput 0 and b = s = 0.
+        Broadcast over ``nodes`` and ``gpus``; scalars in give scalars out. The artifact's keywords
+        ``max_batch_size`` (= ``max_batch``) and ``atomic_bsz_range`` (= ``(min_per_gpu_batch,
+        max_per_gpu_batch)``) are accepted too.
+        """
+        cands = self._candidates(nodes, gpus, max_batch=max_batch, batch_range=batch_range,
+                                 max_per_gpu_batch=max_per_gpu_batch, min_per_gpu_batch=min_per_gpu_batch,
+                                 max_accum=max_accum, accumulation=accumulation,
+                                 num_candidates=num_candidates, force_accum_single_gpu=force_accum_single_gpu,
+                                 max_batch_size=max_batch_size, atomic_bsz_range=atomic_bsz_range)
+        return self._pick(cands)
+
+    def _candidates(self, nodes, gpus, *, max_batch=None, batch_range=None, max_per_gpu_batch=None,
+                    min_per_gpu_batch=1, max_accum=None, accumulation=True, num_candidates=50,
+                    force_accum_single_gpu=True, max_batch_size=None, atomic_bsz_range=None):
+        """The (allocation x candidate) grid of (b, s) choices; independent of theta_sys and phi."""
+        if max_batch_size is not None:
+            if max_batch is not None and max_batch != max_batch_size:
+                raise ValueError(f"max_batch={max_batch} disagrees with max_batch_size={max_batch_size}")
+            max_batch = max_batch_size
+        if atomic_bsz_range is not None:
+            min_per_gpu_batch, max_per_gpu_batch = atomic_bsz_range
+        lo, hi = self._batch_range(max_batch, batch_range)
+        min_b = float(min_per_gpu_batch)
+        max_b = np.inf if max_per_gpu_batch is None else float(max_per_gpu_batch)
+        if not 1 <= min_b <= max_b:
+            raise ValueError(f"need 1 <= min_per_gpu_batch <= max_per_gpu_batch, got {min_b}, {max_b}")
+        if max_accum is not None and max_accum < 0:
+            raise ValueError(f"max_accum must be >= 0, got {max_accum}")
+        if int(num_candidates) < 1:
+            raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
+        nodes_a, gpus_a = np.broadcast_arrays(np.asarray(nodes, dtype=float), np.asarray(gpus, dtype=float))
+        if np.any(nodes_a < 0) or np.any(gpus_a < 0):
+            raise ValueError(f"nodes and gpus must be >= 0, got nodes={nodes}, gpus={gpus}")
+        shape = nodes_a.shape
+        n = nodes_a.reshape(-1, 1)
+        k = gpus_a.reshape(-1, 1)
+        valid = (k >= 1) & (n >= 1) & (n <= k)
+        k_safe = np.where(valid, k, 1.0)
+        start = np.maximum(lo, min_b * k_safe)
+        valid &= start <= hi
+        grid = np.linspace(0.0, 1.0, int(num_candidates))
+        ratio = np.where(valid, hi / start, 1.0)
+        batch = start * ratio**grid  # (n_alloc, C) geometric candidates
+        local = batch / k_safe
+        if accumulation:
+            steps = np.maximum(np.ceil(local / max_b) - 1.0, 0.0)
+            if force_accum_single_gpu:
+                steps = np.where((k_safe == 1) & (batch > self.init_batch), np.maximum(steps, 1.0), steps)
+            if max_accum is not None:
+                steps = np.minimum(steps, float(max_accum))
+            per_gpu = np.ceil(local / (steps + 1.0))
+        else:
+            steps = np.zeros_like(local)
+            per_gpu = np.ceil(local)
+            if force_accum_single_gpu:
+                per_gpu = np.where(k_safe == 1, self.init_batch, per_gpu)
+        ok = valid & (per_gpu >= min_b) & (per_gpu <= max_b)
+        return _Candidates(shape, n, k_safe, per_gpu, steps, ok)
+
+    def _pick(self, c):
+        """Goodput of every candidate (GOODPUT = THROUGHPUT x EFFICIENCY), then the best per allocation."""
+        good = goodput(self.model, self.phi, self.init_batch, c.nodes, c.gpus, c.per_gpu, c.steps)
+        good[~c.ok] = -np.inf
+        best = np.argmax(good, axis=1)
+        rows = np.arange(len(best))
+        g, b, s = good[rows, best], c.per_gpu[rows, best], c.steps[rows, best]
+        feasible = np.isfinite(g)
+        g = np.where(feasible, g, 0.0).reshape(c.shape)
+        b = np.where(feasible, b, 0).astype(np.int64).reshape(c.shape)
+        s = np.where(feasible, s, 0).astype(np.int64).reshape(c.shape)
+        if not c.shape:
+            return float(g), int(b), int(s)
+        return g, b, s
+
+    def speedup(self, nodes, gpus, *, base=(1, 1), **optimize_kw):
+        """Pollux SPEEDUP: best goodput on (nodes, gpus) over best goodput on ``base`` = (nodes, gpus)."""
+        g, _, _ = self.optimize(nodes, gpus, **optimize_kw)
+        g0, _, _ = self.optimize(base[0], base[1], **optimize_kw)
+        if g0 <= 0:
+            raise ValueError(f"no feasible configuration on the base allocation {base}")
+        return g / g0
+
+    def speedup_table(self, max_nodes, gpus_per_node, *, base=(1, 1), **optimize_kw):
+        """Speedups of every allocation, shape ``(max_nodes + 1, max_nodes * gpus_per_node + 1)``:
+        entry ``[N, K]`` for N nodes holding K GPUs in all; 0 where ``K < N`` or ``K > N * gpus_per_node``
+        (and at [0, 0]). One vectorised :meth:`optimize` over all valid pairs plus the base."""
+        if int(max_nodes) < 1 or int(gpus_per_node) < 1:
+            raise ValueError(f"need max_nodes >= 1 and gpus_per_node >= 1, got {max_nodes}, {gpus_per_node}")
+        nn, kk, un, uk, inverse = _allocation_grid(int(max_nodes), int(gpus_per_node))
+        # theta_sys sees nodes only through "more than one node", so (2, K) stands for every (N > 1, K);
+        # the candidate grid does not depend on theta_sys or phi, so it is cached across calls
+        kw = tuple(sorted((k, v if np.isscalar(v) or v is None else tuple(v))
+                          for k, v in optimize_kw.items()))
+        key = (int(max_nodes), int(gpus_per_node), tuple(base), self.init_batch, kw)
+        cands = _CANDIDATE_CACHE.get(key)
+        if cands is None:
+            cands = self._candidates(np.append(un, base[0]), np.append(uk, base[1]), **optimize_kw)
+            if len(_CANDIDATE_CACHE) > 256:
+                _CANDIDATE_CACHE.clear()
+            _CANDIDATE_CACHE[key] = cands
+        g, _, _ = self._pick(cands)
+        if g[-1] <= 0:
+            raise ValueError(f"no feasible configuration on the base allocation {base}")
+        table = np.zeros((int(max_nodes) + 1, int(max_nodes) * int(gpus_per_node) + 1))
+        table[nn, kk] = g[inverse] / g[-1]
+        return table
+
+
+class _Candidates(NamedTuple):
+    shape: tuple
+    nodes: np.ndarray  # (A, 1)
+    gpus: np.ndarray  # (A, 1)
+    per_gpu: np.ndarray  # (A, C)
+    steps: np.ndarray  # (A, C)
+    ok: np.ndarray  # (A, C) feasible
+
+
+_GRID_CACHE: dict = {}
+_CANDIDATE_CACHE: dict = {}
+
+
+def _allocation_grid(max_nodes, gpus_per_node):
+    """Valid (N, K) pairs of a cluster, and their distinct (min(N, 2), K) classes with the inverse map."""
+    key = (max_nodes, gpus_per_node)
+    if key not in _GRID_CACHE:
+        nn = np.concatenate([np.full(n * gpus_per_node - n + 1, n) for n in range(1, max_nodes + 1)])
+        kk = np.concatenate([np.arange(n, n * gpus_per_node + 1) for n in range(1, max_nodes + 1)])
+        pairs, inverse = np.unique(np.stack([np.minimum(nn, 2), kk], axis=1), axis=0, return_inverse=True)
+        _GRID_CACHE[key] = (nn, kk, pairs[:, 0], pairs[:, 1], inverse.ravel())
+    return _GRID_CACHE[key]
