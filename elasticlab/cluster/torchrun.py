@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from elasticlab.elastic.records import EventLog, RecordLog, step_time_rows
-from elasticlab.elastic.states import TERMINAL, TorchrunJobStatus
+from elasticlab.elastic.states import TERMINAL, TorchrunJobStatus, wait_terminal
 
 
 class TorchrunJob:
@@ -278,12 +278,7 @@ class TorchrunJob:
                 p.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.state not in TERMINAL:
-            if end is not None and time.monotonic() > end:
-                return False
-            time.sleep(0.05)
-        return True
+        return wait_terminal(lambda: self.state, timeout)
 
     def status(self) -> TorchrunJobStatus:
         with self._lock:

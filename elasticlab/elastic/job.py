@@ -32,7 +32,7 @@ from elasticlab.elastic.controller import JobController
 from elasticlab.elastic.policies import BatchConfig, FixedGlobalBatch
 from elasticlab.elastic.pool import default_slots
 from elasticlab.elastic.records import step_time_rows
-from elasticlab.elastic.states import TERMINAL, ElasticJobStatus, JobState
+from elasticlab.elastic.states import TERMINAL, ElasticJobStatus, JobState, wait_terminal
 from elasticlab.elastic.task import entrypoint_name
 from elasticlab.elastic.trainer import default_options
 
@@ -187,10 +187,8 @@ class ElasticJob(JobController):
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job finished, stopped or failed; True unless the timeout passed."""
         end = None if timeout is None else time.monotonic() + timeout
-        while self.state not in TERMINAL:
-            if end is not None and time.monotonic() > end:
-                return False
-            time.sleep(0.05)
+        if not wait_terminal(lambda: self.state, timeout):
+            return False
         if self._thread is not None:
             self._thread.join(None if end is None else max(0.0, end - time.monotonic()))
         return True

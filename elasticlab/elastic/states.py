@@ -8,6 +8,7 @@ read like the dict it used to be (``status()["step"]``, ``.get``, ``keys``, ``**
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
@@ -38,6 +39,16 @@ class JobState(_StrEnum):
 TERMINAL = (JobState.FINISHED, JobState.STOPPED, JobState.FAILED)
 
 _ANY = frozenset(JobState) - frozenset(TERMINAL)
+
+
+def wait_terminal(state_of, timeout: float | None = None, poll_s: float = 0.05) -> bool:
+    """Poll ``state_of()`` until it is in :data:`TERMINAL`; False when ``timeout`` seconds pass first."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while state_of() not in TERMINAL:
+        if end is not None and time.monotonic() > end:
+            return False
+        time.sleep(poll_s)
+    return True
 #: The allowed transitions of an :class:`~elasticlab.elastic.ElasticJob`, checked at every change; a
 #: state may always be set again. Any state that is not terminal may fail (a worker cannot build the
 #: task, or the controller itself fails).
