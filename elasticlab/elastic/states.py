@@ -40,15 +40,6 @@ TERMINAL = (JobState.FINISHED, JobState.STOPPED, JobState.FAILED)
 
 _ANY = frozenset(JobState) - frozenset(TERMINAL)
 
-
-def wait_terminal(state_of, timeout: float | None = None, poll_s: float = 0.05) -> bool:
-    """Poll ``state_of()`` until it is in :data:`TERMINAL`; False when ``timeout`` seconds pass first."""
-    end = None if timeout is None else time.monotonic() + timeout
-    while state_of() not in TERMINAL:
-        if end is not None and time.monotonic() > end:
-            return False
-        time.sleep(poll_s)
-    return True
 #: The allowed transitions of an :class:`~elasticlab.elastic.ElasticJob`, checked at every change; a
 #: state may always be set again. Any state that is not terminal may fail (a worker cannot build the
 #: task, or the controller itself fails).
@@ -72,6 +63,16 @@ def check_transition(old: JobState, new: JobState) -> None:
     """Raise :class:`RuntimeError` unless ``old -> new`` is in :data:`TRANSITIONS` (or ``new == old``)."""
     if new != old and new not in TRANSITIONS[JobState(old)]:
         raise RuntimeError(f"job state cannot go from {old!s} to {new!s}")
+
+
+def wait_terminal(state_of, timeout: float | None = None, poll_s: float = 0.05) -> bool:
+    """Poll ``state_of()`` until it is in :data:`TERMINAL`; False when ``timeout`` seconds pass first."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while state_of() not in TERMINAL:
+        if end is not None and time.monotonic() > end:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 class WorkerState(_StrEnum):
