@@ -31,7 +31,8 @@ TARGETS = {
     "dp": ("elasticlab/alloc/dp.py", ["tests/test_alloc_dp.py"]),
     "sampler": ("elasticlab/elastic/sampler.py",
                 ["tests/test_elastic_sampler.py", "tests/test_elastic_units.py"]),
-    "checkpoint": ("elasticlab/elastic/checkpoint.py", ["tests/test_elastic_units.py"]),
+    "checkpoint": ("elasticlab/elastic/checkpoint.py",
+                   ["tests/test_elastic_checkpoint.py", "tests/test_elastic_units.py"]),
 }
 
 _SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
