@@ -28,6 +28,18 @@ def grads_of(model):
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_grads_and_norms(model, n, plain, ref):
+    """.grad equals plain autograd's and the recorded norms equal torch.func's, parameter by parameter."""
+    got_grads = grads_of(model)
+    assert set(got_grads) == set(plain)
+    for k in plain:
+        torch.testing.assert_close(got_grads[k], plain[k], rtol=1e-10, atol=1e-12, msg=k)
+    got = n.param_sq_norms()
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-10, msg=k)
+
+
 def check(model, x, reduction, fused, loss_fn=sq_loss, ref=None, y=None):
     """Norms against torch.func (or ``ref``), and the output and ``.grad`` against plain autograd."""
     torch.manual_seed(1)
@@ -46,14 +58,7 @@ def check(model, x, reduction, fused, loss_fn=sq_loss, ref=None, y=None):
         out = model(x)
         (loss_fn(out, y) / div).backward()
     torch.testing.assert_close(out, out0, rtol=1e-10, atol=1e-12)
-    got_grads = grads_of(model)
-    assert set(got_grads) == set(plain)
-    for k in plain:
-        torch.testing.assert_close(got_grads[k], plain[k], rtol=1e-10, atol=1e-12, msg=k)
-    got = n.param_sq_norms()
-    assert set(got) == set(ref)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-10, msg=k)
+    assert_grads_and_norms(model, n, plain, ref)
     assert all("forward" not in m.__dict__ for m in model.modules())      # restored on exit
     return n
 
@@ -302,13 +307,7 @@ def check_attn(model, x, kpm, mask3, reduction, fused=True):
         assert w is None
     else:
         torch.testing.assert_close(w, w0, rtol=1e-10, atol=1e-12)
-    got_grads = grads_of(model)
-    for k in plain:
-        torch.testing.assert_close(got_grads[k], plain[k], rtol=1e-10, atol=1e-12, msg=k)
-    got = n.param_sq_norms()
-    assert set(got) == set(ref)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-10, msg=k)
+    assert_grads_and_norms(model, n, plain, ref)
     return n
 
 
