@@ -203,8 +203,8 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
     if like is not None and like.device.type == "cuda":
         bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(like.dtype)
         g_bytes = 2 if like.dtype == torch.bfloat16 else (8 if like.dtype == torch.float64 else 4)
-        if fused_outer and row_major and USE_KERNELS and triton_outer.supported(like) and (
-                -(-din // 128) * -(-dout // 128) >= triton_outer.MIN_TILES or T <= triton_outer.MAX_SHORT_T):
+        if (fused_outer and row_major and USE_KERNELS and triton_outer.supported(like)
+                and triton_outer.shape_preferred(T, din, dout)):
             # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
             outer = CUDA_RATES["fused_overhead"] * 2.0 * T * din * dout / rate
         else:

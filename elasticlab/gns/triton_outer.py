@@ -76,8 +76,13 @@ def preferred(a: torch.Tensor, d: torch.Tensor) -> bool:
     faster (:data:`MIN_TILES`, :data:`MAX_SHORT_T`)."""
     if not supported(a) or a.stride(-1) != 1 or d.stride(-1) != 1:
         return False
-    tiles = -(-a.shape[2] // 128) * -(-d.shape[2] // 128)
-    return tiles >= MIN_TILES or a.shape[1] <= MAX_SHORT_T
+    return shape_preferred(a.shape[1], a.shape[2], d.shape[2])
+
+
+def shape_preferred(T: int, din: int, dout: int) -> bool:
+    """The measured shape rule alone: at least :data:`MIN_TILES` 128×128 gradient tiles, or T ≤
+    :data:`MAX_SHORT_T`."""
+    return -(-din // 128) * -(-dout // 128) >= MIN_TILES or T <= MAX_SHORT_T
 
 
 def _sm_count(dev: torch.device) -> int:
