@@ -86,7 +86,7 @@ def conv_norms(module: nn.Module, inputs, d: torch.Tensor, need) -> dict:
         out["weight"] = sum(seq_weight_norms(a, dd[:, gi].transpose(1, 2))        # a: (B, L, K) per group
                             for gi, a in enumerate(_patches(module, x, G, K)))
     if "bias" in need:
-        out["bias"] = kernels.row_sq(d3.sum(2, dtype=torch.float32 if d3.dtype.itemsize < 4 else None))
+        out["bias"] = kernels.row_sq(d3.sum(2, dtype=kernels.acc_dtype(d3.dtype)))
     return out
 
 
@@ -132,7 +132,7 @@ class _ConvNorms(torch.autograd.Function):
                 norms["weight"], gw = _conv_per_example(m, x, g, w)
         gb = None
         if need_b:
-            db = d3.sum(2, dtype=torch.float32 if d3.dtype.itemsize < 4 else None)
+            db = d3.sum(2, dtype=kernels.acc_dtype(d3.dtype))
             gb = db.sum(0)
             norms["bias"] = kernels.row_sq(db)
         ctx.slot.record(norms, B)
@@ -153,7 +153,7 @@ def _patches(m, x: torch.Tensor, G: int, K: int) -> list[torch.Tensor]:
 def _conv_gram_norms(m, x, d3, G, K, L):
     """Gram form over the L output positions of the unfolded input, chunk by chunk."""
     B, cout = x.shape[0], d3.shape[1]
-    per = torch.empty(B, device=x.device, dtype=torch.float32 if x.dtype.itemsize < 4 else x.dtype)
+    per = torch.empty(B, device=x.device, dtype=kernels.acc_dtype(x.dtype))
     step = max(1, _chunk_elems(x) // (K * G * L))
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
@@ -168,7 +168,7 @@ def _conv_outer_unfolded(m, x, d3, w):
     outer-product operator on (L, K) and (L, Cout/G) views, its Σ_b G_b the weight gradient."""
     B, G, cout = x.shape[0], m.groups, w.shape[0]
     K, L, cog = w[0].numel(), d3.shape[2], cout // G
-    per = torch.zeros(B, device=x.device, dtype=torch.float32 if x.dtype.itemsize < 4 else x.dtype)
+    per = torch.zeros(B, device=x.device, dtype=kernels.acc_dtype(x.dtype))
     gw = torch.zeros(G, cog, K, device=x.device, dtype=per.dtype)
     step = max(1, _chunk_elems(x) // (K * G * L))
     for b0 in range(0, B, step):
@@ -185,7 +185,7 @@ def _conv_per_example(m, x, g, w):
     """Per-example weight gradients of c examples at once as the weight gradient of one convolution with
     c·groups groups (CPU), chunk by chunk; returns (‖G_b‖² (B,), Σ_b G_b)."""
     B, G, cout = x.shape[0], m.groups, w.shape[0]
-    acc = torch.float32 if x.dtype.itemsize < 4 else x.dtype
+    acc = kernels.acc_dtype(x.dtype)
     per, gw = torch.empty(B, dtype=acc), torch.zeros(w.shape, dtype=acc)
     step = max(1, min(32, _chunk_elems(x) // w.numel()))
     nd = x.dim() - 2

@@ -28,8 +28,7 @@ def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict
     B, D, V = idx.shape[0], d.shape[-1], module.num_embeddings
     idx2 = idx.reshape(B, -1)
     d2 = d.reshape(B, -1, D)
-    if d2.dtype.itemsize < 4:
-        d2 = d2.float()
+    d2 = d2.to(kernels.acc_dtype(d2.dtype))
     if module.padding_idx is not None:
         d2 = d2.masked_fill((idx2 == module.padding_idx).unsqueeze(-1), 0)
     key = (torch.arange(B, device=idx.device).unsqueeze(1) * V + idx2).reshape(-1)

@@ -42,7 +42,7 @@ def linear_norms(module: nn.Linear, inputs, d: torch.Tensor, need) -> dict:
     if "weight" in need:
         out["weight"] = seq_weight_norms(a3, d3)
     if "bias" in need:
-        out["bias"] = kernels.row_sq(d3.sum(1, dtype=torch.float32 if d3.dtype.itemsize < 4 else None))
+        out["bias"] = kernels.row_sq(d3.sum(1, dtype=kernels.acc_dtype(d3.dtype)))
     return out
 
 
@@ -74,7 +74,7 @@ class _LinearNorms(torch.autograd.Function):
         gw = gb = None
         norms = {}
         B = x.shape[0]
-        acc = torch.float32 if g.dtype.itemsize < 4 else None      # sums of half-precision values in fp32
+        acc = kernels.acc_dtype(g.dtype)                          # sums of half-precision values in fp32
         if x.dim() == 2:
             g_sq = kernels.row_sq(g) if (need_w or need_b) else None
             if need_w:
