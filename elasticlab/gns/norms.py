@@ -11,8 +11,19 @@ Mixed precision: under ``torch.autocast`` (bfloat16 or float16) the norms are ac
 float32. With a ``torch.amp.GradScaler`` passed as ``grad_scaler``, the loss scale is divided out of the
 norms and of :meth:`grad_sq_norm`; a step whose float16 gradients overflowed gives non-finite norms, which
 :class:`~elasticlab.gns.GNSEstimator` skips and counts.
+
+Coverage guard: the norms come from the modules' calls, so a covered parameter used without calling its
+module (``F.linear(x, self.lin.weight)``; an unregistered container that uses a child's weight directly) would
+be silently missing from the sum. After each forward of the model, the parameters of the covered modules that
+did not run get a one-shot post-accumulate-grad hook; one that fires means the loss depended on a parameter
+whose per-example norm nobody recorded. Reading the results then raises (``strict``) naming the module, or
+leaves the parameter out of the norms *and* of :meth:`grad_sq_norm`, lists it in ``left_out`` and warns once.
+Modules that ran cost nothing. (Not detected: a parameter used both by its module's call and directly, as in
+tied weights.)
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -28,6 +39,10 @@ class _Slot:
         self.owner, self.name, self.module, self.rule, self.need = owner, name, module, rule, need
         self.calls, self.batch = 0, 0
         self.norms: dict[str, torch.Tensor] = {}
+        self.touched: set[str] = set()                    # needed params whose .grad was written, not run
+
+    def full(self, pname: str) -> str:
+        return f"{self.name}.{pname}" if self.name else pname
 
     def called(self) -> None:
         if self.rule.check is not None:
@@ -56,7 +71,10 @@ class PerSampleGradNorms:
     """Context manager measuring per-example squared gradient norms of ``model``.
 
     ``strict``: a trainable parameter no rule covers is a ValueError naming its module; with
-    ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters are always skipped.
+    ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters are always skipped. A
+    covered parameter that the loss depended on although its module never ran (see the module docstring)
+    makes the readers raise a RuntimeError naming the module (``strict``), or is left out and listed in
+    ``left_out`` with a warning.
     ``grad_scaler``: the ``torch.amp.GradScaler`` whose scaled loss is backpropagated (its scale is read,
     without a host sync, at each forward and divided out of the results).
     """
@@ -74,11 +92,17 @@ class PerSampleGradNorms:
         self._scale: torch.Tensor | None = None           # the loss scale of the current step
         self.skipped: list[str] = []
         self._slots: list[_Slot] = []
+        self._warned: set[tuple[str, ...]] = set()
         for name, mod in model.named_modules():
             direct = [pn for pn, p in mod.named_parameters(recurse=False) if p.requires_grad]
-            if not direct:
-                continue
             rule = rule_for(mod)
+            if not direct:
+                # A rule whose forward calls the children the original forward bypasses (MHA's out_proj)
+                # is installed, with nothing of its own to record, when one of their parameters trains.
+                if rule is not None and rule.calls_children and any(
+                        p.requires_grad for p in mod.parameters()):
+                    self._slots.append(_Slot(self, name, mod, rule, ()))
+                continue
             covered = tuple(pn for pn in direct if rule is not None and pn in rule.params)
             missing = [pn for pn in direct if pn not in covered]
             if missing:
@@ -92,6 +116,7 @@ class PerSampleGradNorms:
             if covered:
                 self._slots.append(_Slot(self, name, mod, rule, covered))
         self._handles: list = []
+        self._probes: list = []                           # this step's one-shot hooks on unrun modules
         self._patched: list[tuple[nn.Module, object]] = []
         self._active = False
 
@@ -99,7 +124,62 @@ class PerSampleGradNorms:
     def _begin_step(self, *_):
         for s in self._slots:
             s.calls, s.norms = 0, {}
+            if s.touched:
+                s.touched = set()
+        if self._probes:
+            self._drop_probes()
         self._scale = self._current_scale()
+
+    def _drop_probes(self) -> None:
+        for h in self._probes:
+            h.remove()
+        self._probes = []
+
+    def _end_forward(self, *_):
+        """After the model's forward: a one-shot probe on each needed parameter of a module that did not run,
+        noting (without a host sync) whether the backward writes its gradient."""
+        for s in self._slots:
+            if s.calls == 0:
+                for pname in s.need:
+                    p = getattr(s.module, pname, None)
+                    if isinstance(p, torch.Tensor) and p.requires_grad:
+                        self._probes.append(p.register_post_accumulate_grad_hook(self._probe(s, pname)))
+
+    @staticmethod
+    def _probe(slot: _Slot, pname: str):
+        def hook(_):
+            slot.touched.add(pname)
+        return hook
+
+    def _left_out(self) -> list[tuple[_Slot, str]]:
+        """(slot, parameter) pairs the loss depended on in the last step with no norm of them recorded."""
+        return [(s, pn) for s in self._slots if s.touched for pn in sorted(s.touched) if pn not in s.norms]
+
+    @property
+    def left_out(self) -> list[str]:
+        """Covered parameters of the last step that the loss depended on but whose module never ran (and so
+        have no per-example norm); they are not in the results (``strict=False``) or make them raise."""
+        return [s.full(pn) for s, pn in self._left_out()]
+
+    def _check_coverage(self) -> set[tuple[int, str]]:
+        """Raises (strict) or warns once about :attr:`left_out`; returns {(slot id, param)} to leave out."""
+        lost = self._left_out()
+        if not lost:
+            return set()
+        names = tuple(s.full(pn) for s, pn in lost)
+        mods = sorted({f"{s.name or '(root)'!r} ({type(s.module).__name__})" for s, _ in lost})
+        why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
+               f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "
+               "module (e.g. F.linear(x, module.weight), or a parent that reads a child's weight), so no "
+               "rule saw their per-example gradients")
+        if self.strict:
+            raise RuntimeError(f"{why}. Call the module, register a rule for the parent that uses them, "
+                               "freeze them, or pass strict=False to leave them out (listed in left_out)")
+        if names not in self._warned:
+            self._warned.add(names)
+            warnings.warn(f"{why}; they are left out of the per-example norms and of grad_sq_norm "
+                          "(PerSampleGradNorms.left_out)", RuntimeWarning, stacklevel=3)
+        return {(id(s), pn) for s, pn in lost}
 
     def _current_scale(self) -> torch.Tensor | None:
         sc = self.grad_scaler
@@ -140,6 +220,7 @@ class PerSampleGradNorms:
         if self._active:
             raise RuntimeError("PerSampleGradNorms is already active")
         self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
+        self._handles.append(self.model.register_forward_hook(self._end_forward))
         for s in self._slots:
             fused_only = s.rule.norms is None
             fwd = s.rule.fused(s.module, s) if ((self.fused or fused_only) and s.rule.fused) else None
@@ -157,6 +238,7 @@ class PerSampleGradNorms:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._drop_probes()
         for h in self._handles:
             h.remove()
         for mod, old in self._patched:
@@ -169,6 +251,7 @@ class PerSampleGradNorms:
     # ------------------------------------------------------------------------------------------ results
     def param_sq_norms(self) -> dict[str, torch.Tensor]:
         """{parameter name: (B,)} per-example squared gradient norms of the last backward."""
+        self._check_coverage()
         out = {}
         for s in self._slots:
             for pname, v in s.norms.items():
@@ -177,6 +260,7 @@ class PerSampleGradNorms:
 
     def layer_sq_norms(self) -> dict[str, torch.Tensor]:
         """{module name: (B,)}: per-example squared norms of each module's own trainable parameters."""
+        self._check_coverage()
         out = {}
         for s in self._slots:
             if s.norms:
@@ -215,9 +299,12 @@ class PerSampleGradNorms:
         """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
         batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
         ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
+        lost = self._check_coverage()
         total = 0.0
         for s in self._slots:
             for pname in s.need:
+                if lost and (id(s), pname) in lost:
+                    continue
                 p = getattr(s.module, pname)
                 if p is not None and p.grad is not None:
                     total += float(p.grad.detach().double().pow(2).sum())
@@ -239,10 +326,13 @@ class PerSampleGradNorms:
         div = self._grad_scale_sq()
         if self.loss_reduction == "sum":
             div *= float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
+        lost = self._check_coverage()
         out = {}
         for s in self._slots:
             tot = 0.0
             for pname in s.need:
+                if lost and (id(s), pname) in lost:
+                    continue
                 p = getattr(s.module, pname)
                 if p is not None and p.grad is not None:
                     tot += float(p.grad.detach().double().pow(2).sum())

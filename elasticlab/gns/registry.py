@@ -7,7 +7,9 @@ the layer's inputs and the gradient of its output, for the direct parameters nam
 ``fused(module, slot)`` returns a replacement forward whose backward forms the parameter gradients and the
 norms in one pass, or None when that configuration is not supported. Its optional ``check(module)`` runs at
 every forward and raises a ValueError when per-example gradients are not defined in the module's current
-state (BatchNorm in training mode).
+state (BatchNorm in training mode). ``calls_children``: the fused forward calls child modules whose
+parameters the module's own forward uses directly (``nn.MultiheadAttention``'s ``out_proj``), so it is
+installed whenever any parameter below the module trains, even with none of its own trainable.
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ class Rule:
     params: tuple[str, ...] = ("weight", "bias")
     fused: Callable | None = None
     check: Callable | None = None
+    calls_children: bool = False
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias"), fused=None,
-                  check=None) -> Rule:
+                  check=None, calls_children: bool = False) -> Rule:
     """Register (or replace) the rule for ``module_type``; returns it."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise ValueError(f"register_rule: expected an nn.Module subclass, got {module_type!r}")
@@ -38,7 +41,10 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
                          "or both")
     if norms is not None and not callable(norms):
         raise ValueError(f"register_rule: norms must be callable or None, got {norms!r}")
-    rule = Rule(norms=norms, params=tuple(params), fused=fused, check=check)
+    if calls_children and fused is None:
+        raise ValueError(f"register_rule: {module_type.__name__}: calls_children needs a fused form")
+    rule = Rule(norms=norms, params=tuple(params), fused=fused, check=check,
+                calls_children=bool(calls_children))
     RULES[module_type] = rule
     return rule
 

@@ -20,9 +20,11 @@ that re-implements ``F.multi_head_attention_forward`` (same masks, ``is_causal``
 The projections run in the autocast dtype (as ``F.linear`` under autocast); the attention itself runs under
 the ambient autocast state, as in the original forward.
 
-Unsupported: unbatched inputs, nested tensors, and an MHA whose own parameters
-are all frozen while ``out_proj`` trains (no slot then installs the replacement forward, so ``out_proj``
-records nothing: freeze ``out_proj`` too, or keep one MHA parameter trainable).
+The rule is registered with ``calls_children``: an MHA whose own parameters are all frozen while ``out_proj``
+trains still gets the replacement forward (with nothing of its own to record), so ``out_proj`` is called and
+records its norms.
+
+Unsupported: unbatched inputs and nested tensors.
 """
 from __future__ import annotations
 
@@ -288,4 +290,4 @@ def mha_forward(module: nn.MultiheadAttention, slot):
     return forward
 
 
-register_rule(nn.MultiheadAttention, None, params=PARAMS, fused=mha_forward)
+register_rule(nn.MultiheadAttention, None, params=PARAMS, fused=mha_forward, calls_children=True)

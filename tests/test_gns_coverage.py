@@ -1,0 +1,161 @@
+"""The coverage guard of PerSampleGradNorms (issue 16, item 5): a covered parameter that the loss depends on
+while its module never ran is an error naming the module (strict) or left out with a warning; MHA with a
+frozen in-projection still gets exact norms (its rule calls out_proj). Ground truth: torch.func, float64."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elasticlab.gns import RULES, PerSampleGradNorms
+from elasticlab.gns.reference import func_param_sq_norms, func_sq_norms
+
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+
+
+def sq_loss(out, y):
+    """ℓ_i = ‖out_i − y_i‖², summed over the batch."""
+    return (out - y).pow(2).sum()
+
+
+class Attn(nn.Module):
+    """Self-attention (in-projection frozen below) then a Linear head on the mean over the sequence."""
+
+    def __init__(self, E=8, H=2, out=3):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(E, H, batch_first=True)
+        self.head = nn.Linear(E, out)
+
+    def forward(self, x):
+        return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
+
+
+class Direct(nn.Module):
+    """``lin``'s parameters used through F.linear, never by calling ``lin`` (unless ``call``)."""
+
+    def __init__(self, D=6, out=3):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(D, out)
+        self.unused = nn.Linear(D, D)          # trainable, never used: must not be reported
+        self.call = False
+
+    def forward(self, x):
+        h = self.lin(x) if self.call else F.linear(x, self.lin.weight, self.lin.bias)
+        return self.head(torch.tanh(h))
+
+
+def frozen_in_proj_attn():
+    torch.manual_seed(0)
+    m = Attn().double()
+    m.mha.in_proj_weight.requires_grad_(False)
+    m.mha.in_proj_bias.requires_grad_(False)
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    return m, x, torch.randn(4, 3, dtype=torch.float64)
+
+
+def run(model, x, y, reduction="mean", **kw):
+    div = x.shape[0] if reduction == "mean" else 1
+    model.zero_grad()
+    with PerSampleGradNorms(model, loss_reduction=reduction, **kw) as n:
+        (sq_loss(model(x), y) / div).backward()
+    return n
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mha_with_frozen_in_proj_has_exact_norms(fused, reduction):
+    m, x, y = frozen_in_proj_attn()
+    ref = func_param_sq_norms(m, sq_loss, x, y)
+    assert set(ref) == {"mha.out_proj.weight", "mha.out_proj.bias", "head.weight", "head.bias"}
+    n = run(m, x, y, reduction, fused=fused)
+    got = n.param_sq_norms()
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-8, atol=1e-12, msg=k)
+    torch.testing.assert_close(n.sq_norms(), func_sq_norms(m, sq_loss, x, y), rtol=1e-8, atol=1e-12)
+    assert n.left_out == []
+
+
+def test_mha_without_its_rule_is_a_strict_error_naming_out_proj(monkeypatch):
+    """The guard itself on the case of the issue: with no MHA rule, out_proj's weight is used by
+    F.multi_head_attention_forward without calling out_proj."""
+    monkeypatch.delitem(RULES, nn.MultiheadAttention)
+    m, x, y = frozen_in_proj_attn()
+    n = run(m, x, y)
+    with pytest.raises(RuntimeError, match=r"'mha\.out_proj' \(NonDynamicallyQuantizableLinear\) never ran"):
+        n.sq_norms()
+    with pytest.raises(RuntimeError, match=r"mha\.out_proj\.weight"):
+        n.grad_sq_norm()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_parameter_used_without_calling_its_module_is_a_strict_error(fused):
+    torch.manual_seed(0)
+    m = Direct().double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    n = run(m, x, y, fused=fused)
+    assert n.left_out == ["lin.bias", "lin.weight"]
+    for read in (n.sq_norms, n.param_sq_norms, n.layer_sq_norms, n.grad_sq_norm):
+        with pytest.raises(RuntimeError, match=r"\['lin\.bias', 'lin\.weight'\].*'lin' \(Linear\) never ran"):
+            read()
+
+
+def test_parameter_used_without_calling_its_module_nonstrict_is_left_out_with_one_warning():
+    torch.manual_seed(0)
+    m = Direct().double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    ref = func_param_sq_norms(m, sq_loss, x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = run(m, x, y, reduction="sum", strict=False)
+        got = n.param_sq_norms()
+        n.sq_norms()
+        g2 = n.grad_sq_norm()
+        n.layer_grad_sq_norms()
+    ours = [w for w in caught if "left out" in str(w.message)]
+    assert len(ours) == 1 and "lin.weight" in str(ours[0].message)
+    assert issubclass(ours[0].category, RuntimeWarning)
+    assert n.left_out == ["lin.bias", "lin.weight"]
+    assert set(got) == {"head.weight", "head.bias"}
+    for k in got:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-8, atol=1e-12, msg=k)
+    # ‖ḡ‖² over the same parameters as the per-example norms (the head's), mean gradient of a summed loss
+    B = x.shape[0]
+    want = (m.head.weight.grad.pow(2).sum() + m.head.bias.grad.pow(2).sum()).item() / B ** 2
+    assert g2 == pytest.approx(want, rel=1e-12)
+    assert m.lin.weight.grad is not None and m.lin.weight.grad.abs().sum() > 0
+
+
+def test_guard_resets_each_step_and_a_called_module_is_covered():
+    """Step 1 uses lin's weight directly (error), step 2 calls lin: exact norms, nothing left out; the probe
+    hooks of step 1 are gone after the context."""
+    torch.manual_seed(0)
+    m = Direct().double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    with PerSampleGradNorms(m, loss_reduction="sum") as n:
+        sq_loss(m(x), y).backward()
+        with pytest.raises(RuntimeError, match="never ran"):
+            n.sq_norms()
+        m.call = True
+        m.zero_grad()
+        sq_loss(m(x), y).backward()
+        assert n.left_out == []
+        got = n.sq_norms()
+    torch.testing.assert_close(got, func_sq_norms(m, sq_loss, x, y), rtol=1e-8, atol=1e-12)
+    assert not m.lin.weight._post_accumulate_grad_hooks
+
+
+def test_parameter_used_after_the_forward_is_caught():
+    """A covered module's weight used by the loss outside the model's forward (after it returned)."""
+    torch.manual_seed(0)
+    m = Direct().double()
+    m.call = True
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    with PerSampleGradNorms(m) as n:
+        m(x)
+        h = F.linear(x, m.unused.weight)
+        sq_loss(h, y).backward()
+    with pytest.raises(RuntimeError, match=r"'unused' \(Linear\) never ran"):
+        n.sq_norms()
