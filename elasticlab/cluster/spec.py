@@ -48,6 +48,30 @@ class JobSpec:
     timeout_s: float = 30.0
     backend: str = "pool"
 
+    @classmethod
+    def of(cls, spec=None, **fields) -> JobSpec:
+        """``spec`` if it is a JobSpec (no ``fields`` then), else a JobSpec of ``fields`` with ``spec`` as
+        its entrypoint; the entrypoint normalised to ``"module_or_path:function"``."""
+        if not isinstance(spec, cls):
+            if spec is not None:
+                fields.setdefault("entrypoint", spec)
+            if "entrypoint" not in fields:
+                raise ValueError("submit needs a JobSpec or an entrypoint")
+            spec = cls(**fields)
+        elif fields:
+            raise ValueError("give a JobSpec or keyword fields, not both")
+        from elasticlab.elastic.task import entrypoint_name
+
+        spec.entrypoint = entrypoint_name(spec.entrypoint)
+        return spec
+
+    def free_name(self, taken) -> str:
+        """``<function>-<k>``, the first k not in ``taken``."""
+        base, k = self.entrypoint.rsplit(":", 1)[-1], 1
+        while f"{base}-{k}" in taken:
+            k += 1
+        return f"{base}-{k}"
+
     def validate(self, pool: int) -> JobSpec:
         """Check the spec against a pool of ``pool`` slots and fill defaults; ValueError names a bad value."""
         if self.backend not in BACKENDS:
