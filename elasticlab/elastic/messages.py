@@ -23,7 +23,7 @@ CMD_NONE, CMD_LEAVE, CMD_SET_BATCH, CMD_CHECKPOINT = Command
 # ---- job -> worker ------------------------------------------------------------------------------
 
 class Join(NamedTuple):
-    """Form generation ``generation`` as ``rank`` of ``world_size`` on the store at ``port``."""
+    """Form generation ``generation`` as ``rank`` of ``world_size`` on the store at ``host:port``."""
 
     generation: int
     rank: int
@@ -32,6 +32,7 @@ class Join(NamedTuple):
     checkpoint: str | None  # the checkpoint to load (None: start from the seed)
     checkpoint_dir: str
     batch: tuple[int, int] | None  # (global_batch, accum_steps), None: keep the current one
+    host: str = "127.0.0.1"  # the store's address (a node's own address on a multi-node cluster)
 
 
 class Control(NamedTuple):

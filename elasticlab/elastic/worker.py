@@ -77,7 +77,7 @@ def _run_generation(tr: Trainer, conn, j: M.Join) -> None:
     import torch.distributed as dist
 
     gen, rank, world = j.generation, j.rank, j.world_size
-    store = dist.TCPStore("127.0.0.1", j.port, is_master=False,
+    store = dist.TCPStore(j.host, j.port, is_master=False,
                           timeout=datetime.timedelta(seconds=tr.opts["timeout_s"]))
     tr.form(rank, world, dist.PrefixStore(f"gen{gen}/", store), gen)
     ckdir = CheckpointDir(j.checkpoint_dir, keep=tr.opts["keep_checkpoints"])
