@@ -1,6 +1,7 @@
 """GNSEstimator: unbiasedness on synthetic linear regression (P5-T1), variance ordering (P5-T2), EMAs, NaN."""
 import io
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -154,3 +155,41 @@ def test_two_batch_form_with_unequal_replica_batches_is_unbiased():
     assert abs(s.mean() - true_s) < 0.03 * true_s and abs(g2.mean() - true_g2) < 0.1 * true_g2
     _, s_arith = two_batch_estimates(small, big, n / len(sizes), n)
     assert abs(s_arith.mean() - true_s) > 0.2 * true_s    # the naive B_small is visibly biased here
+
+
+def test_negative_squared_norms_are_skipped_counted_and_warned_once():
+    """Issue 16 item 6: a negative squared norm (the issue's b_simple = -2.4) is rejected like NaN: not
+    folded, counted, and one RuntimeWarning for the estimator's lifetime."""
+    est = GNSEstimator(beta=0.5)
+    assert est.update(torch.tensor([1.0, 2.0, 3.0]), 1.0)
+    before = est.state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not est.update(torch.tensor([4.0, -0.5, 3.0]), 1.0)          # mean 2.17 > 0, one row < 0
+        assert not est.update(torch.tensor([1.0, 2.0]), -1.0)                # ‖ḡ‖² < 0
+        assert not est.update_per_example(-2.0, 4, 1.0)
+        assert not est.update_two_batch(-1.0, 2.0, 1, 4)                    # S_est from a negative norm
+        assert not est.update_two_batch(1.0, float("-inf"), 1, 4)
+        assert not est.update(torch.tensor([1.0, float("inf")]), 1.0)
+        assert est.update(torch.tensor([1.0, 2.0]), 0.5, layers={"l": (torch.tensor([-1e-9, 2.0]), 0.5)})
+    ours = [w for w in caught if "GNSEstimator" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    assert "-0.5" in str(ours[0].message)
+    assert est.skipped == 6 and est.layer_skipped == {"l": 1}
+    assert est.num_updates == 2 and "l" not in est.layer_stats()
+    est2 = GNSEstimator(beta=0.5)
+    est2.load_state_dict(before)
+    est2.update(torch.tensor([1.0, 2.0]), 0.5)
+    assert est.state_dict()["total"] == est2.state_dict()["total"]
+    assert est.b_simple > 0
+
+
+def test_nan_update_warns_too_and_zero_norms_are_accepted():
+    est = GNSEstimator()
+    with pytest.warns(RuntimeWarning, match="nan"):
+        assert not est.update(torch.tensor([float("nan"), 1.0]), 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert est.update(torch.tensor([0.0, 0.0]), 0.0)                    # exactly 0 is a squared norm
+        assert est.update_two_batch(0.0, 0.0, 1, 2)
+    assert est.skipped == 1 and est.num_updates == 2

@@ -10,6 +10,7 @@ ratio of the EMAs, never an EMA of ratios. Pollux's pair is (sqr, var) = (‖G�
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -65,7 +66,9 @@ class GNSEstimator:
     """Running ‖G‖², tr Σ and B_simple from per-example or two-batch gradient norms.
 
     ``beta``: EMA decay (bias-corrected, Adam-style). ``init_batch_size``: Pollux's M0 for ``var``.
-    A NaN or Inf update is skipped and counted in ``skipped``, never folded into the EMAs.
+    An update whose squared norms are not all finite and ≥ 0 (NaN, ±Inf, negative: no squared norm can be)
+    is skipped and counted in ``skipped`` (``layer_skipped`` per layer), never folded into the EMAs; the
+    first one also raises a ``RuntimeWarning`` (once per estimator).
     """
 
     def __init__(self, beta: float = 0.99, init_batch_size: int = 1):
@@ -78,16 +81,35 @@ class GNSEstimator:
         self._layers: dict[str, _Ema] = {}
         self.skipped = 0
         self.layer_skipped: dict[str, int] = {}
+        self._warned = False
 
     # ------------------------------------------------------------------------------------------ updates
+    def _skip(self, layer: str | None, what: str) -> bool:
+        """Counts a rejected update and warns about the first one; returns False (not folded)."""
+        if layer is None:
+            self.skipped += 1
+        else:
+            self.layer_skipped[layer] = self.layer_skipped.get(layer, 0) + 1
+        if not self._warned:
+            self._warned = True
+            where = "" if layer is None else f" of layer {layer!r}"
+            warnings.warn(f"GNSEstimator: skipped an update{where} with {what} (squared norms must be finite "
+                          "and >= 0; NaN/Inf come from overflowed half-precision steps); such updates are "
+                          "counted in `skipped` / `layer_skipped`, and this warning is shown once",
+                          RuntimeWarning, stacklevel=3)
+        return False
+
+    def _valid(self, layer: str | None, **sq_norms: float) -> bool:
+        """Whether every named squared norm is finite and ≥ 0; else the update is skipped (:meth:`_skip`)."""
+        bad = {k: v for k, v in sq_norms.items() if not (v >= 0.0 and math.isfinite(v))}
+        if not bad:
+            return True
+        return self._skip(layer, ", ".join(f"{k}={v!r}" for k, v in bad.items()))
+
     def _fold(self, g2, s, layer: str | None = None) -> bool:
         g2, s = float(g2), float(s)
         if not (math.isfinite(g2) and math.isfinite(s)):
-            if layer is None:
-                self.skipped += 1
-            else:
-                self.layer_skipped[layer] = self.layer_skipped.get(layer, 0) + 1
-            return False
+            return self._skip(layer, f"non-finite estimates (|G|^2={g2!r}, tr(Sigma)={s!r})")
         ema = self._total if layer is None else self._layers.setdefault(layer, _Ema())
         ema.fold(self.beta, g2, s)
         return True
@@ -97,18 +119,31 @@ class GNSEstimator:
         """Per-example form from mean_i ‖g_i‖² over n ≥ 2 examples and ‖ḡ‖²; returns whether it was folded."""
         if n < 2:
             raise ValueError(f"the per-example estimator needs n >= 2 examples, got n={n}")
-        return self._fold(*per_example_estimates(_as_float(mean_sq_norm), n, _as_float(mean_grad_sq_norm)),
-                          layer=layer)
+        mean_sq, grad_sq = _as_float(mean_sq_norm), _as_float(mean_grad_sq_norm)
+        if not self._valid(layer, mean_sq_norm=mean_sq, mean_grad_sq_norm=grad_sq):
+            return False
+        return self._fold(*per_example_estimates(mean_sq, n, grad_sq), layer=layer)
 
     def update(self, sq_norms, mean_grad_sq_norm, layers: dict | None = None) -> bool:
         """Per-example form: ``sq_norms`` (B,) of ‖g_i‖² (``PerSampleGradNorms.sq_norms()``) and ‖ḡ‖² of the
         batch-mean gradient. ``layers``: optional {name: (layer sq_norms (B,), layer ‖ḡ‖²)}, per-layer GNS."""
-        t = torch.as_tensor(sq_norms).detach().reshape(-1)
-        ok = self.update_per_example(t.double().mean(), t.numel(), mean_grad_sq_norm)
+        ok = self._update_rows(sq_norms, mean_grad_sq_norm, None)
         for name, (ln, lg) in (layers or {}).items():
-            lt = torch.as_tensor(ln).detach().reshape(-1)
-            self.update_per_example(lt.double().mean(), lt.numel(), lg, layer=name)
+            self._update_rows(ln, lg, name)
         return ok
+
+    def _update_rows(self, sq_norms, mean_grad_sq_norm, layer: str | None) -> bool:
+        """One per-example update from (B,) squared norms: every one must be finite and ≥ 0 (one host read
+        of their minimum and mean)."""
+        t = torch.as_tensor(sq_norms).detach().reshape(-1).double()
+        if t.numel() < 2:
+            return self.update_per_example(0.0, t.numel(), mean_grad_sq_norm, layer=layer)   # raises
+        lo, mean = torch.stack([t.min(), t.mean()]).tolist()
+        if not (lo >= 0.0 and math.isfinite(mean)):
+            bad = t[~(torch.isfinite(t) & (t >= 0))]
+            return self._skip(layer, f"{bad.numel()} of {t.numel()} per-example squared norms not finite "
+                                     f"and >= 0 (e.g. {bad[0].item()!r})")
+        return self.update_per_example(mean, t.numel(), mean_grad_sq_norm, layer=layer)
 
     def update_from(self, norms) -> bool:
         """Per-example update, total and per layer, from a ``PerSampleGradNorms`` after its backward (the
@@ -125,8 +160,10 @@ class GNSEstimator:
         if not (0 < b_small < b_big):
             raise ValueError(f"the two-batch estimator needs 0 < b_small < b_big, got b_small={b_small}, "
                              f"b_big={b_big}")
-        return self._fold(*two_batch_estimates(_as_float(small_sq_norm), _as_float(big_sq_norm),
-                                               b_small, b_big), layer=layer)
+        small, big = _as_float(small_sq_norm), _as_float(big_sq_norm)
+        if not self._valid(layer, small_sq_norm=small, big_sq_norm=big):
+            return False
+        return self._fold(*two_batch_estimates(small, big, b_small, b_big), layer=layer)
 
     # ------------------------------------------------------------------------------------------ read-out
     @property
