@@ -321,3 +321,20 @@ def test_fit_on_the_artifact_traces():
     scal = pd.read_csv(path.with_name("scalability.csv"))  # 6-16 nodes, never seen by the fit
     pred = model.iter_time(scal.num_nodes, scal.num_replicas, scal.local_bsz)
     assert np.mean(np.abs(pred / scal.step_time - 1)) < 0.2
+
+
+@pytest.mark.filterwarnings("error")
+def test_goodput_outside_its_domain_does_not_warn():
+    """Issue 16 item 6: zero GPUs or a zero batch (cluster runs evaluate such rows, then mask them) used to
+    print numpy divide-by-zero RuntimeWarnings; the values are unchanged (IEEE arithmetic: nan here)."""
+    model = ThroughputModel(0.0, 0.1)
+    fn = GoodputFunction(model, 0.0, 4)
+    gpus, b = np.array([0.0, 1.0, 2.0, 1.0]), np.array([8.0, 8.0, 8.0, 0.0])
+    got = fn.evaluate(1, gpus, b)
+    m, t_iter = gpus * b, 0.1 * b
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = (m / t_iter) * (1.0 - (m - 4.0) / (0.0 + m))
+    np.testing.assert_array_equal(got, want)
+    assert math.isnan(got[0]) and math.isnan(got[3])          # 0 samples/s × E(0) = 0·inf; 0/0 samples/s
+    assert got[2] == pytest.approx(16 / 0.8 * (1 - 12 / 16))
+    assert math.isnan(float(fn.evaluate(1, 0, 8))) and math.isnan(float(gp.goodput(model, 0.0, 4, 1, 1, 0)))

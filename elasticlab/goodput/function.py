@@ -18,11 +18,14 @@ __all__ = ["GoodputFunction", "goodput"]
 
 def goodput(model: ThroughputModel, phi, init_batch, nodes, gpus, per_gpu_batch, accum_steps=0):
     """``GOODPUT(N, K, b, s) = M / T_iter * E(M)`` with ``M = K b (s + 1)``, in M0-equivalent samples/s,
-    broadcast over all arguments; no input checks (defined for M >= M0, phi >= 0)."""
+    broadcast over all arguments; no input checks (defined for M >= M0, phi >= 0). Outside that domain
+    (zero GPUs, a zero batch) the value is what IEEE arithmetic gives (0, inf or nan; callers mask those
+    entries) and numpy's divide-by-zero / invalid-value warnings are silenced."""
     gpus = np.asarray(gpus, dtype=float)
     b = np.asarray(per_gpu_batch, dtype=float)
     s = np.asarray(accum_steps, dtype=float)
-    return model.throughput(nodes, gpus, b, s) * _efficiency(phi, init_batch, global_batch(gpus, b, s))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return model.throughput(nodes, gpus, b, s) * _efficiency(phi, init_batch, global_batch(gpus, b, s))
 
 
 class GoodputFunction:
