@@ -5,20 +5,36 @@ the worker turns into a checkpoint at the next step boundary) and restarts the w
 which resume from the newest valid checkpoint. The sample record proves that epoch 0 was
 consumed exactly once across the membership change (steps replayed after the restart replace the lost
 ones).
+
+Binding: a socket scan of the job's processes (``/proc/<pid>/net/tcp{,6}`` against ``/proc/<pid>/fd``)
+while it trains shows every listening socket on 127.0.0.1 — the rendezvous store, the rank-0 worker's
+store and gloo's listeners — never on every interface.
 """
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
-from torch.distributed.elastic.utils.distributed import get_free_port
 
+from elasticlab.cluster.torchrun import (
+    TOKEN_ENV,
+    TorchrunJob,
+    agent_command,
+    bind_store,
+    check_token,
+    listening_sockets,
+    rdzv_id,
+    token_digest,
+)
 from elasticlab.elastic import check_exactly_once
 
 DIGITS = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+TOKEN = "0123456789abcdef0123"
 
 
 def _rows(path):
@@ -34,38 +50,155 @@ def _rows(path):
     return out
 
 
+def _tree(pids):
+    """``pids`` and all their descendants that are alive now."""
+    out = set()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out |= {pid} | {c.pid for c in p.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _scan(roots, seen):
+    """Add the listening sockets of ``roots``' process trees to ``seen`` (a dict keyed by pid, port)."""
+    for s in listening_sockets(_tree(roots)):
+        seen[(s["pid"], s["port"])] = s
+
+
+def _assert_loopback_only(seen, want_pids_at_least):
+    assert len({pid for pid, _ in seen}) >= want_pids_at_least, seen
+    wide = [s for s in seen.values() if s["addr"] != "127.0.0.1"]
+    assert not wide, f"listening beyond 127.0.0.1: {wide}"
+
+
+# ---- units: the token, the bound store, the scan --------------------------------------------------------
+def test_token_is_required_beyond_loopback_and_must_be_long():
+    assert check_token("127.0.0.1", None) is None and check_token("localhost", None) is None
+    with pytest.raises(ValueError, match=r"'10\.77\.0\.1'.*ELASTICLAB_TORCHRUN_TOKEN"):
+        check_token("10.77.0.1", None)
+    with pytest.raises(ValueError, match="at least 16 characters, got 5"):
+        check_token("10.77.0.1", "short")
+    assert check_token("10.77.0.1", TOKEN) == TOKEN
+    with pytest.raises(ValueError, match=r"rendezvous host '10\.9\.8\.7'"):
+        TorchrunJob("examples/digits.py:make_task", workers=1, max_workers=2, checkpoint_dir="/tmp/x",
+                    host="10.9.8.7", token="")
+    with pytest.raises(ValueError, match=r"node address '10\.9\.8\.8'"):
+        TorchrunJob("examples/digits.py:make_task", workers=1, max_workers=2, checkpoint_dir="/tmp/x",
+                    nodes=[{"addr": "127.0.0.1"}, {"addr": "10.9.8.8"}], token="")
+
+
+def test_agent_command_keeps_the_token_off_the_command_line():
+    cmd, env = agent_command("10.77.0.1:29400", "10.77.0.2", "1:3", ["train.py"], name="j", token=TOKEN)
+    assert TOKEN not in " ".join(cmd) and token_digest(TOKEN) not in " ".join(cmd)
+    assert env[TOKEN_ENV] == TOKEN and env["PET_RDZV_ID"] == rdzv_id("j", TOKEN)
+    assert token_digest(TOKEN) in env["PET_RDZV_ID"] and rdzv_id("j", TOKEN) != rdzv_id("j", TOKEN + "x")
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "--local-addr=10.77.0.2" in cmd and "--rdzv-endpoint=10.77.0.1:29400" in cmd
+    assert any("is_host=false" in c for c in cmd)
+    _, env = agent_command("127.0.0.1:1", "127.0.0.1", "1:2", ["t.py"], name="j")
+    assert TOKEN_ENV not in env and env["PET_RDZV_ID"] == "elasticlab-j"
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        agent_command("127.0.0.1", "127.0.0.1", "1:2", ["t.py"])
+
+
+def test_bind_store_listens_on_the_given_address_only_and_the_scan_sees_it():
+    store = bind_store("127.0.0.1", 0, timeout_s=5)
+    mine = [s for s in listening_sockets([os.getpid()]) if s["port"] == store.port]
+    assert mine == [{"pid": os.getpid(), "addr": "127.0.0.1", "port": store.port}]
+    store.set("k", "v")
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5):
+        pass
+    if socket.has_ipv6:  # the scan decodes /proc/net/tcp6 too
+        s6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        try:
+            s6.bind(("::1", 0))
+            s6.listen(1)
+            got = [s for s in listening_sockets([os.getpid()]) if s["port"] == s6.getsockname()[1]]
+            assert got and got[0]["addr"] == "::1", got
+        except OSError:
+            pass  # no ::1 here
+        finally:
+            s6.close()
+
+
+def test_store_command_refuses_a_wide_address_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    r = subprocess.run([sys.executable, "-m", "elasticlab.cluster.torchrun", "store", "--bind", "0.0.0.0:0"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "'0.0.0.0'" in r.stderr and TOKEN_ENV in r.stderr, r.stderr
+
+
+# ---- a TorchrunJob (the controller hosts the store) -----------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_job_listens_on_loopback_only(tmp_path):
+    """Fails on the code before issue 16: the store and the workers' env:// store listened on ``*``."""
+    job = TorchrunJob("examples/digits.py:make_task", workers=2, max_workers=2,
+                      checkpoint_dir=str(tmp_path / "ck"), entry_kwargs={"base_batch": 16}, epochs=1,
+                      name="scan").start()
+    seen = {}
+    try:
+        end = time.monotonic() + 150
+        while job.state not in ("finished", "failed"):
+            assert time.monotonic() < end, job.status()
+            _scan([os.getpid()], seen)
+            time.sleep(0.2)
+        assert job.state == "finished", job.status()
+    finally:
+        job.stop()
+    _, port = job.endpoint
+    assert (os.getpid(), port) in seen                       # the rendezvous store, seen by the scan
+    _assert_loopback_only(seen, 3)                           # this process, and both workers (store, gloo)
+
+
+# ---- torchrun by hand: `store` + `agent` ----------------------------------------------------------------
+def _store():
+    cmd = [sys.executable, "-m", "elasticlab.cluster.torchrun", "store", "--bind", "127.0.0.1:0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    line = p.stdout.readline()
+    assert line, "the store command printed nothing"
+    return p, json.loads(line)["port"]
+
+
 def _agent(port, ckdir, record, log):
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elasticlab-test",
-           "--rdzv_conf", "last_call_timeout=1", "--max-restarts=3", "--monitor-interval=0.2",
+    cmd = [sys.executable, "-m", "elasticlab.cluster.torchrun", "agent", "--endpoint", f"127.0.0.1:{port}",
+           "--nnodes", "1:2", "--name", "test", "--max-restarts", "3", "--",
            DIGITS, "--checkpoint-dir", str(ckdir), "--epochs", "1", "--global-batch", "8",
            "--checkpoint-every", "5", "--record-samples", str(record), "--step-delay", "0.05"]
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
                             start_new_session=True)
 
 
 @pytest.mark.slow
 def test_torchrun_two_agents_scale_out(tmp_path):
-    port = get_free_port()
+    store, port = _store()
     record, ckdir = tmp_path / "samples.jsonl", tmp_path / "ckpt"
-    agents = []
+    agents, seen = [], {}
     try:
         agents.append(_agent(port, ckdir, record, tmp_path / "a.log"))
         end = time.monotonic() + 240
         while len({r["step"] for r in _rows(record)}) < 8:
             assert agents[0].poll() is None, (tmp_path / "a.log").read_text()[-3000:]
             assert time.monotonic() < end, "agent A never trained"
+            _scan([store.pid, agents[0].pid], seen)
             time.sleep(0.2)
         agents.append(_agent(port, ckdir, record, tmp_path / "b.log"))
+        while any(a.poll() is None for a in agents):
+            assert time.monotonic() < end, "the agents did not finish"
+            _scan([store.pid] + [a.pid for a in agents], seen)
+            time.sleep(0.2)
         for i, a in enumerate(agents):
-            rc = a.wait(timeout=max(1.0, end - time.monotonic()))
-            assert rc == 0, (tmp_path / f"{'ab'[i]}.log").read_text()[-3000:]
+            assert a.wait() == 0, (tmp_path / f"{'ab'[i]}.log").read_text()[-3000:]
     finally:
-        for a in agents:
+        for a in agents + [store]:
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
+    assert (store.pid, port) in seen
+    _assert_loopback_only(seen, 3)
     rows = _rows(record)
     rep = check_exactly_once(rows, 1797)
     assert rep["ok"] and rep["epochs"][0]["complete"], {e: (len(v["missing"]), len(v["duplicates"]))

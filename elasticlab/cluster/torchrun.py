@@ -16,14 +16,27 @@ Steps since the last checkpoint are replayed after a membership change; the samp
 (rows of the latest generation count, :func:`elasticlab.elastic.effective_rows`). The batch is the task's
 (``torchrun_main`` has no way to set it on a running job), so torchrun jobs run in fixed-batch mode.
 Run as ``python -m elasticlab.cluster.torchrun --entrypoint ... --checkpoint-dir ...`` it is the worker.
+
+Addresses. Nothing here listens on every interface (torch's ``TCPStore`` does, whatever host it is given,
+so the sockets are bound here and handed to it, :func:`bind_store`): the rendezvous store listens on
+``host`` (127.0.0.1 by default, or the cluster address for agents on other hosts), each agent advertises its
+``--local-addr``, the rank-0 worker's store listens on that address (:func:`worker_store`) and gloo on the
+interface that holds it. A non-loopback address needs the shared token (``ELASTICLAB_TORCHRUN_TOKEN``,
+:func:`check_token`): it names every rendezvous and worker-store key (:func:`rdzv_id`), and travels by
+environment, never on a command line. ``python -m elasticlab.cluster.torchrun store --bind HOST:PORT`` and
+``... agent --endpoint HOST:PORT --local-addr ADDR --nnodes MIN:MAX -- SCRIPT ARGS`` run the same pieces
+by hand, one per host.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +47,174 @@ from pathlib import Path
 from elasticlab.elastic.records import EventLog, RecordLog, step_time_rows
 from elasticlab.elastic.states import TERMINAL, TorchrunJobStatus, wait_terminal
 
+# ---- addresses, the token, stores bound to one address -------------------------------------------
+TOKEN_ENV = "ELASTICLAB_TORCHRUN_TOKEN"
+MIN_TOKEN_CHARS = 16
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve address {host!r}: {exc}") from None
+    return all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def check_token(host: str, token: str | None, what: str = "address") -> str | None:
+    """The token a non-loopback ``host`` needs (torch's TCPStore has no authentication of its own): an
+    error names the address and the environment variable when it is missing or shorter than 16 chars."""
+    if token and len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} characters, got {len(token)}")
+    if not token and not is_loopback(host):
+        raise ValueError(f"{what} {host!r} is reachable from other hosts: set {TOKEN_ENV} to a shared secret "
+                         f"of at least {MIN_TOKEN_CHARS} characters (e.g. `python -c 'import secrets; "
+                         f"print(secrets.token_hex(16))'`), the same on every host, or use 127.0.0.1")
+    return token or None
+
+
+def token_digest(token: str | None) -> str:
+    """The secret part of every store key name derived from the token ('' without one)."""
+    return hashlib.sha256(b"elasticlab-torchrun\0" + token.encode()).hexdigest()[:32] if token else ""
+
+
+def rdzv_id(name: str, token: str | None) -> str:
+    """The c10d run id: every rendezvous key (``torch.rendezvous.<run id>...``) contains it, so with a
+    token nobody without it can read or write this job's rendezvous state (TCPStore cannot list keys)."""
+    d = token_digest(token)
+    return f"elasticlab-{name}" + (f"-{d}" if d else "")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"endpoint must be HOST:PORT, got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+def bind_store(host: str, port: int = 0, *, timeout_s: float = 60.0):
+    """A torch ``TCPStore`` server listening on ``host`` only. TCPStore itself binds every interface
+    whatever host it is given, so the socket is bound here and handed over (``master_listen_fd``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    s = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(info[4])
+        s.listen(1024)
+    except OSError as exc:
+        s.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    port = s.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
+                         use_libuv=True, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the network interface that holds the local IPv4 address ``addr`` (None if none)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                if socket.inet_ntoa(raw[20:24]) == addr:
+                    return name
+    return None
+
+
+def source_address(peer: str) -> str:
+    """The local address this host uses to reach ``peer`` (no packet is sent)."""
+    info = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+        s.connect(info[4])
+        return s.getsockname()[0]
+
+
+def worker_store(timeout_s: float = 30.0):
+    """The store a torchrun worker forms its process group with, bound to ``MASTER_ADDR`` only.
+
+    torchrun (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) gives rank 0's node address and a free port as
+    ``MASTER_ADDR``/``MASTER_PORT``; rank 0 listens there (not on every interface as ``env://`` would),
+    the others connect. Keys are prefixed by the restart count and the token's digest. Gloo is pointed at
+    the interface this host reaches ``MASTER_ADDR`` through (``GLOO_SOCKET_IFNAME``, unless set), so its
+    listening sockets bind that interface's address (127.0.0.1 on one machine)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank = int(os.environ["RANK"])
+    token = check_token(addr, os.environ.get(TOKEN_ENV) or None, "MASTER_ADDR")
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        ifname = interface_of(source_address(addr))
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    if rank == 0:
+        store = bind_store(addr, port, timeout_s=timeout_s)
+    else:
+        store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"elasticlab/{restart}/{token_digest(token)}", store)
+
+
+def listening_sockets(pids) -> list[dict]:
+    """TCP sockets in LISTEN state owned by ``pids``: ``{"pid", "addr", "port"}`` each, read from
+    ``/proc/<pid>/net/tcp{,6}`` (the process's own network namespace) and ``/proc/<pid>/fd``."""
+    out = []
+    for pid in pids:
+        try:
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+            for table, width in (("tcp", 4), ("tcp6", 16)):
+                with open(f"/proc/{pid}/net/{table}") as f:
+                    next(f)
+                    for line in f:
+                        cols = line.split()
+                        if cols[3] != "0A" or cols[9] not in inodes:  # 0A: TCP_LISTEN
+                            continue
+                        hexaddr, hexport = cols[1].split(":")
+                        raw = bytes.fromhex(hexaddr)
+                        # /proc prints the address as 32-bit words in host (little-endian) order
+                        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                        ip = ipaddress.ip_address(raw)
+                        if ip.version == 6 and ip.ipv4_mapped:
+                            ip = ip.ipv4_mapped
+                        out.append({"pid": pid, "addr": str(ip), "port": int(hexport, 16)})
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # the process ended meanwhile
+    return out
+
+
+def agent_command(endpoint: str, local_addr: str, nnodes: str, target: list[str], *, name: str = "job",
+                  token: str | None = None, max_restarts: int = 50, monitor_interval: float = 0.2,
+                  last_call_timeout: float = 1) -> tuple[list[str], dict]:
+    """One torchrun agent (``--nproc-per-node=1``) joining the store at ``endpoint`` (hosted elsewhere:
+    ``is_host=false``), advertising ``local_addr``; returns ``(argv, extra environment)``. The run id
+    (derived from the token) and the token go by environment (``PET_RDZV_ID``), not by argv."""
+    host, _ = split_endpoint(endpoint)
+    check_token(host, token, "rendezvous endpoint")
+    check_token(local_addr, token, "local address")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--local-addr={local_addr}",
+           "--rdzv-conf", f"last_call_timeout={last_call_timeout},is_host=false",
+           f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", *target]
+    # the shared agent store (torch's default) would listen on every interface: workers host their own
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_RDZV_ID": rdzv_id(name, token),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if token:
+        env[TOKEN_ENV] = token
+    return cmd, env
+
 
 class TorchrunJob:
     """A job run by torchrun agents on this machine (see the module docstring)."""
@@ -43,16 +224,32 @@ class TorchrunJob:
     def __init__(self, entrypoint: str, *, workers: int, max_workers: int, checkpoint_dir: str,
                  entry_kwargs: dict | None = None, epochs: int = 1, max_steps: int | None = None,
                  checkpoint_every: int = 5, record_samples: str | None = None, lr_rule: str = "constant",
-                 seed: int = 0, max_restarts: int = 50, name: str = "job"):
+                 seed: int = 0, max_restarts: int = 50, name: str = "job", host: str = "127.0.0.1",
+                 port: int = 0, token: str | None = None, nodes: list[dict] | None = None,
+                 step_delay_s: float = 0.0):
+        """``host``/``port``: where the rendezvous store listens (port 0: a free one). ``token``: the shared
+        secret, by default ``$ELASTICLAB_TORCHRUN_TOKEN``; required when an address is not loopback.
+        ``nodes``: where agents run, ``{"addr": local address, "prefix": argv prefix (e.g. ``ip netns exec
+        NS``), "env": extra environment}`` each; a new agent goes to the node with the fewest live ones
+        (default: one node, this machine, at ``host``)."""
         if workers < 1 or max_workers < workers:
             raise ValueError(f"need 1 <= workers <= max_workers, got {workers}, {max_workers}")
+        self.token = check_token(host, token if token is not None else os.environ.get(TOKEN_ENV) or None,
+                                 "rendezvous host")
+        self.host, self._want_port = host, int(port)
+        self.nodes = [dict(n) for n in (nodes or [{"addr": host}])]
+        for nd in self.nodes:
+            if "addr" not in nd:
+                raise ValueError(f"each node needs an 'addr' (its local address), got {nd!r}")
+            check_token(nd["addr"], self.token, "node address")
+        self._node_of: dict[int, int] = {}
         self.entrypoint, self.entry_kwargs = entrypoint, dict(entry_kwargs or {})
         self.max_workers, self.name = int(max_workers), name
         self.checkpoint_dir = Path(checkpoint_dir)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.record_path = str(record_samples) if record_samples else None
         self.opts = {"epochs": epochs, "max_steps": max_steps, "checkpoint_every": checkpoint_every,
-                     "lr_rule": lr_rule, "seed": seed}
+                     "lr_rule": lr_rule, "seed": seed, "step_delay_s": float(step_delay_s)}
         self.max_restarts = int(max_restarts)
         self._target = int(workers)
         self._agents: list[subprocess.Popen] = []
@@ -71,38 +268,42 @@ class TorchrunJob:
         self._watch: threading.Thread | None = None
 
     # ---- agents ---------------------------------------------------------------------------------
-    def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_workers}",
-               "--nproc-per-node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{self._port}",
-               f"--rdzv_id=elasticlab-{self.name}-{self._round}",
-               "--rdzv_conf", "last_call_timeout=1,is_host=false",
-               f"--max-restarts={self.max_restarts}", "--monitor-interval=0.2",
-               "-m", "elasticlab.cluster.torchrun",
-               "--entrypoint", self.entrypoint, "--entry-kwargs", json.dumps(self.entry_kwargs),
-               "--checkpoint-dir", str(self.checkpoint_dir), "--options", json.dumps(self.opts)]
+    def _command(self, node: dict) -> tuple[list[str], dict]:
+        target = ["-m", "elasticlab.cluster.torchrun",
+                  "--entrypoint", self.entrypoint, "--entry-kwargs", json.dumps(self.entry_kwargs),
+                  "--checkpoint-dir", str(self.checkpoint_dir), "--options", json.dumps(self.opts)]
         if self.record_path:
-            cmd += ["--record-samples", self.record_path]
-        return cmd
+            target += ["--record-samples", self.record_path]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        cmd, env = agent_command(f"{host}:{self._port}", node["addr"], f"1:{self.max_workers}", target,
+                                 name=f"{self.name}-{self._round}", token=self.token,
+                                 max_restarts=self.max_restarts)
+        return list(node.get("prefix", [])) + cmd, {**env, **node.get("env", {})}
+
+    @property
+    def endpoint(self) -> tuple[str, int | None]:
+        """``(host, port)`` of the rendezvous store (port None before :meth:`start`)."""
+        return self.host, self._port
 
     def _host_store(self) -> None:
-        """The rendezvous store (torch's TCPStore on 127.0.0.1) lives here, not in an agent
+        """The rendezvous store (torch's TCPStore, listening on ``host`` only) lives here, not in an agent
         (``is_host=false``), so that the scheduler may end any agent without ending the rendezvous."""
-        import datetime
-
-        import torch.distributed as dist
-
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=60))
+        self._store = None  # a fixed port is free again before it is bound anew (resume)
+        self._store = bind_store(self.host, self._want_port, timeout_s=60.0)
         self._port = int(self._store.port)
 
     def _add_agent(self) -> None:
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1"}
-        p = subprocess.Popen(self._command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        live = [self._node_of.get(p.pid) for p in self._agents
+                if p.poll() is None and p.pid not in self._killed]
+        idx = min(range(len(self.nodes)), key=lambda i: (live.count(i), i))
+        cmd, env = self._command(self.nodes[idx])
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env},
                              start_new_session=True, text=True, bufsize=1)
         self._agents.append(p)
+        self._node_of[p.pid] = idx
         threading.Thread(target=self._read, args=(p,), daemon=True, name=f"torchrun-{p.pid}").start()
-        self._events.emit("agent_start", pid=p.pid, agents=self._alive())
+        self._events.emit("agent_start", pid=p.pid, agents=self._alive(), node=idx,
+                          addr=self.nodes[idx]["addr"])
 
     def _kill_agent(self, p: subprocess.Popen) -> None:
         """SIGKILL an agent, then its workers (torchrun starts each worker in a session of its own): a
@@ -276,6 +477,7 @@ class TorchrunJob:
         for p in self._agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout)
+        self._store = None  # stop listening
 
     def wait(self, timeout: float | None = None) -> bool:
         return wait_terminal(lambda: self.state, timeout)
@@ -318,8 +520,62 @@ def start_torchrun_job(spec, n: int, batch, slots: int, workdir: Path) -> Torchr
     return job.start()
 
 
+def store_main(argv) -> int:
+    """``store --bind HOST:PORT``: host a rendezvous store on that address only, until SIGTERM/SIGINT.
+    Prints ``{"event": "store", "host", "port", "pid"}``. A non-loopback HOST needs the token
+    (``$ELASTICLAB_TORCHRUN_TOKEN``)."""
+    ap = argparse.ArgumentParser(prog="python -m elasticlab.cluster.torchrun store",
+                                 description="host the c10d rendezvous store of torchrun agents")
+    ap.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0)")
+    a = ap.parse_args(argv)
+    host, port = split_endpoint(a.bind)
+    try:
+        check_token(host, os.environ.get(TOKEN_ENV) or None, "--bind address")
+    except ValueError as exc:
+        ap.error(str(exc))
+    store = bind_store(host, port)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(json.dumps({"event": "store", "host": host, "port": int(store.port), "pid": os.getpid()}),
+          flush=True)
+    done.wait()
+    return 0
+
+
+def agent_main(argv) -> int:
+    """``agent --endpoint HOST:PORT [--local-addr ADDR] [--nnodes MIN:MAX] [--name N] -- SCRIPT ARGS``:
+    exec one torchrun agent the way :class:`TorchrunJob` starts them (see :func:`agent_command`)."""
+    ap = argparse.ArgumentParser(prog="python -m elasticlab.cluster.torchrun agent",
+                                 description="one torchrun agent joining a store hosted with `store`")
+    ap.add_argument("--endpoint", required=True, help="HOST:PORT of the rendezvous store")
+    ap.add_argument("--local-addr", default="127.0.0.1",
+                    help="this host's cluster address (default 127.0.0.1)")
+    ap.add_argument("--nnodes", default="1:2")
+    ap.add_argument("--name", default="job", help="the job's name (same on every host)")
+    ap.add_argument("--max-restarts", type=int, default=50)
+    ap.add_argument("target", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS (or -- -m MODULE ARGS)")
+    a = ap.parse_args(argv)
+    target = a.target[1:] if a.target[:1] == ["--"] else a.target
+    if not target:
+        ap.error("give the training script after --")
+    try:
+        cmd, env = agent_command(a.endpoint, a.local_addr, a.nnodes, target, name=a.name,
+                                 token=os.environ.get(TOKEN_ENV) or None, max_restarts=a.max_restarts)
+    except ValueError as exc:
+        ap.error(str(exc))
+    os.execve(cmd[0], cmd, {**os.environ, **env})
+    return 1  # not reached
+
+
 def main(argv=None) -> int:
-    """One torchrun worker: :func:`elasticlab.elastic.worker.torchrun_main` with JSON step lines."""
+    """One torchrun worker: :func:`elasticlab.elastic.worker.torchrun_main` with JSON step lines (or the
+    ``store`` / ``agent`` commands, see :func:`store_main`, :func:`agent_main`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["store"]:
+        return store_main(argv[1:])
+    if argv[:1] == ["agent"]:
+        return agent_main(argv[1:])
     from elasticlab.elastic.worker import torchrun_main
 
     ap = argparse.ArgumentParser(description="one torchrun worker of a LocalCluster job")

@@ -68,14 +68,17 @@ class Trainer:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self._wrap()
 
-    def form_from_env(self) -> None:
-        """Join the group torchrun describes in the environment (env:// rendezvous)."""
+    def form_from_env(self, store=None) -> None:
+        """Join the group torchrun describes in the environment (env:// rendezvous, or ``store`` with the
+        environment's ``RANK`` and ``WORLD_SIZE``)."""
         import torch
         import torch.distributed as dist
 
         self._use_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.opts["timeout_s"]))
+        kw = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                       "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.opts["timeout_s"]), **kw)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._wrap()
         gen = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=self.device)

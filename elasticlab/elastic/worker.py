@@ -137,17 +137,24 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
                   entry_kwargs: dict | None = None, **options) -> dict:
     """Train ``entrypoint``'s task as one torchrun worker; resume from the newest valid checkpoint.
 
-    Run under ``torchrun --nnodes=MIN:MAX --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:PORT``: on a
-    membership change torchrun restarts every worker at the new world size and each one resumes here,
-    losing at most the steps since the last checkpoint. A SIGTERM (how torchrun stops workers before a
-    restart) is relayed through the step's all-reduce: every rank stops at the same step boundary after
-    rank 0 has checkpointed, so a planned membership change loses no step. Rank 0 prints one JSON line
-    per step on stdout when ``options["log_steps"]`` is set; the return value summarises the run.
+    Run under ``torchrun --nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
+    --local-addr=127.0.0.1`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
+    :mod:`elasticlab.cluster.torchrun`): on a membership change torchrun restarts every worker at the new
+    world size and each one resumes here, losing at most the steps since the last checkpoint. A SIGTERM
+    (how torchrun stops workers before a restart) is relayed through the step's all-reduce: every rank
+    stops at the same step boundary after rank 0 has checkpointed, so a planned membership change loses no
+    step. Rank 0 prints one JSON line per step on stdout when ``options["log_steps"]`` is set; the return
+    value summarises the run. The group's store listens on ``MASTER_ADDR`` only
+    (:func:`~elasticlab.cluster.torchrun.worker_store`); a non-loopback ``MASTER_ADDR`` needs
+    ``$ELASTICLAB_TORCHRUN_TOKEN``. Under torch's shared agent store (the variable unset) the agent's
+    store listens on every interface: a warning says so.
     """
     import signal
+    import warnings
 
     import torch
 
+    from elasticlab.cluster.torchrun import worker_store
     from elasticlab.elastic.task import build
 
     log_steps = options.pop("log_steps", False)
@@ -155,7 +162,13 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
     torch.set_num_threads(opts["threads"])
     torch.manual_seed(opts["seed"])
     tr = Trainer(build(entrypoint, entry_kwargs), opts)
-    tr.form_from_env()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.warn("torchrun's agent hosts the workers' store, listening on every interface: set "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a store bound to MASTER_ADDR only",
+                      stacklevel=2)
+        tr.form_from_env()
+    else:
+        tr.form_from_env(store=worker_store(opts["timeout_s"]))
     ckdir = CheckpointDir(checkpoint_dir, keep=opts["keep_checkpoints"])
     path, bad = ckdir.latest()
     if path is not None:
