@@ -160,19 +160,17 @@ class GoodputAdaptive:
         if model is None or gns is None or not math.isfinite(gns):
             self.last = {"reason": "no model yet"}
             return current or fallback
-        from elasticlab import goodput as gp
+        from elasticlab.goodput.agent import BatchLimits, GoodputAgent
 
-        fn = gp.GoodputFunction(model, gns, self.base_batch)
-        best, m, s = fn.optimize(1, world_size, max_batch_size=self.max_batch,
-                                 atomic_bsz_range=self.per_worker_range, accumulation=self.accumulation)
-        best, m, s = float(best), int(m), int(s)
-        choice = BatchConfig(max(int(self.base_batch), world_size * m * (s + 1)), s)
-        self.last = {"goodput": best, "per_worker_batch": m, "accum_steps": s}
-        if current is not None:
-            cm = current.per_worker_batch(world_size)
-            now = float(fn.evaluate(1, world_size, cm, current.accum_steps))
-            self.last["current_goodput"] = now
-            if best < self.hysteresis * now:
+        limits = BatchLimits(int(self.base_batch), int(self.max_batch), tuple(self.per_worker_range),
+                             accumulation=self.accumulation)
+        agent = GoodputAgent(limits, model, gns)
+        agent.observe(world_size)  # the job has run at this size: its model is fitted to it
+        cur = None if current is None else (current.per_worker_batch(world_size), current.accum_steps)
+        best = agent.best_batch(world_size, 1, "goodput", cur, self.hysteresis)  # one hysteresis rule
+        self.last = {"goodput": best.goodput, "per_worker_batch": best.per_gpu, "accum_steps": best.accum}
+        if cur is not None:
+            self.last["current_goodput"] = float(agent.function("goodput").evaluate(1, world_size, *cur))
+            if (best.per_gpu, best.accum) == cur:
                 return current
-        return choice
-
+        return BatchConfig(max(int(self.base_batch), best.global_batch), best.accum)

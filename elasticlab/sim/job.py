@@ -16,15 +16,15 @@ range, ignoring statistical efficiency: Saxena's objective), "initial" (M0 whate
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from elasticlab.goodput.agent import MODES, BatchLimits, GoodputAgent
 from elasticlab.sim.traces import Application
 
 __all__ = ["SimJob", "BATCH_MODES"]
 
-BATCH_MODES = ("fixed", "goodput", "throughput", "initial")
+#: The batch modes, one list: :data:`elasticlab.goodput.agent.MODES`.
+BATCH_MODES = MODES
 
 
 class SimJob:
@@ -52,8 +52,11 @@ class SimJob:
         self.run_time = 0.0  # wall seconds holding GPUs
         self.num_restarts = -1  # the first start is not a restart
         self.completion_time: float | None = None
-        self.max_profiled_replicas = 0
-        self.grad_params = app.grad_stats(app.init_batch_size, 0)
+        self.agent = GoodputAgent(
+            BatchLimits(app.init_batch_size, max(app.max_batch_size, app.init_batch_size),
+                        (app.min_local_bsz, app.max_local_bsz)),
+            model=app.throughput_model, grad_stats=app.grad_stats(app.init_batch_size, 0),
+            split=app.batch_split)
         self.start_time: float | None = None
         self.gpu_limit: int | None = None  # a hard cap on GPUs (the artifact pins NCF to 1 under Pollux)
 
@@ -85,59 +88,42 @@ class SimJob:
         return (f"SimJob({self.name!r}, gpus={self.gpus}, batch={self.batch_size}, epoch={self.epoch}/"
                 f"{self.app.max_epochs}, progress={self.progress:.0f}/{self.app.max_progress:.0f})")
 
-    # ---- models the scheduler may use
+    # ---- models the scheduler may use (the job's GoodputAgent)
+    @property
+    def grad_params(self):
+        """The true gradient statistics ``(sqr, var)`` at the current batch and epoch."""
+        return self.agent.grad_stats
+
+    @grad_params.setter
+    def grad_params(self, value):
+        self.agent.grad_stats = value
+
+    @property
+    def max_profiled_replicas(self) -> int:
+        return self.agent.max_profiled
+
+    @max_profiled_replicas.setter
+    def max_profiled_replicas(self, value: int):
+        self.agent.max_profiled = int(value)
+
     def goodput_function(self, phi_override=None):
         from elasticlab.goodput import GoodputFunction
 
         stats = self.grad_params if phi_override is None else phi_override
         return GoodputFunction(self.app.throughput_model, stats, self.app.init_batch_size)
 
-    def _optimize(self, nodes, gpus, mode):
-        app = self.app
-        fn = self.goodput_function(math.inf if mode == "throughput" else None)
-        return fn.optimize(nodes, gpus, max_batch=app.max_batch_size, min_per_gpu_batch=app.min_local_bsz,
-                           max_per_gpu_batch=app.max_local_bsz, accumulation=True)
-
     def goodput_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
-        """Predicted goodput in M0-steps per second (progress rate) at g = 0..max_gpus GPUs on
-        ceil(g / gpus_per_node) nodes, best batch per g (fixed-batch jobs: their batch split over g GPUs).
-        Before the job has run, g times its predicted 1-GPU rate. Only g <= ``upto`` is evaluated."""
-        mode = mode or self.batch_mode
-        top = max_gpus if upto is None else max(min(int(upto), max_gpus), 1)
-        if self.max_profiled_replicas == 0:
-            top = 1
-        gg = np.arange(1, top + 1)
-        nodes = np.ceil(gg / gpus_per_node)
-        if mode in ("goodput", "throughput"):
-            good, _, _ = self._optimize(nodes, gg, mode)
-        else:
-            fn = self.goodput_function()
-            batch = self.target_batch if mode == "fixed" else self.app.init_batch_size
-            split = np.array([self.app.batch_split(batch, int(k)) for k in gg])
-            good = fn.evaluate(nodes, gg, split[:, 0], split[:, 1])
-            good = np.where(split[:, 0] * gg * (split[:, 1] + 1) >= self.app.init_batch_size, good, 0.0)
-        out = np.zeros(max_gpus + 1)
-        if self.max_profiled_replicas == 0:
-            upto_lin = max_gpus if upto is None else min(int(upto), max_gpus)
-            out[1:upto_lin + 1] = np.arange(1, upto_lin + 1) * good[0]
-        else:
-            out[1:top + 1] = good
-        return out / self.app.init_batch_size
+        """Predicted goodput in M0-steps per second (progress rate) at g = 0..max_gpus GPUs
+        (:meth:`GoodputAgent.goodput_curve`; fixed-batch jobs: their batch split over g GPUs)."""
+        return self.agent.goodput_curve(max_gpus, gpus_per_node, mode or self.batch_mode, upto,
+                                        fixed_batch=self.target_batch)
 
     def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
-        """:meth:`goodput_curve` divided by its 1-GPU value (Pollux Eq. (8)); linear (= g) before the job
-        has run. Only g <= ``upto`` is evaluated (the rest is 0)."""
-        if self.max_profiled_replicas == 0:
-            return np.arange(max_gpus + 1, dtype=float)
-        good = self.goodput_curve(max_gpus, gpus_per_node, mode, upto)
-        if good[1] > 0:
-            return good / good[1]
-        top = max_gpus if upto is None else max(min(int(upto), max_gpus), 1)
-        out = np.zeros(max_gpus + 1)
-        out[1:top + 1] = np.arange(1, top + 1)
-        return out
+        """Pollux Eq. (8) (:meth:`GoodputAgent.speedup_curve`); linear (= g) before the job has run."""
+        return self.agent.speedup_curve(max_gpus, gpus_per_node, mode or self.batch_mode, upto,
+                                        fixed_batch=self.target_batch)
 
     def remaining_progress(self) -> float:
         """Scale-invariant progress (M0-steps) left: known from the user's declared number of epochs."""
@@ -146,7 +132,7 @@ class SimJob:
     def max_replicas(self, cap: int = 64) -> int:
         """Pollux's exploration limit: at most twice the largest GPU count profiled so far (>= 1)."""
         app = self.app
-        lim = min(max(2 * self.max_profiled_replicas, 1), cap)
+        lim = self.agent.exploration_limit(cap)
         if self.gpu_limit is not None:
             lim = min(lim, self.gpu_limit)
         if self.batch_mode in ("goodput", "throughput"):
@@ -171,27 +157,14 @@ class SimJob:
 
     # ---- batch size
     def update_batch(self):
-        """Choose (per-GPU batch, accumulation steps) for the current placement (artifact §5.2 step 5)."""
-        app = self.app
+        """Choose (per-GPU batch, accumulation steps) for the current placement (artifact §5.2 step 5):
+        the agent's choice (:meth:`GoodputAgent.best_batch`)."""
         r = self.gpus
         if r == 0:
             self.atomic_bsz, self.accum_steps = 0, 0
             return
-        mode = self.batch_mode
-        if mode in ("goodput", "throughput") and self.max_profiled_replicas > 0:
-            _, b, s = self._optimize(self.nodes, r, mode)
-            if b > 0:
-                count = r * (s + 1)
-                self.atomic_bsz = int(max(min(b, app.max_batch_size // count), 1))
-                self.accum_steps = int(s)
-                return
-        if mode == "fixed":
-            batch = self.target_batch
-        else:
-            batch = app.init_batch_size
-            if mode != "initial":
-                batch = max(batch, app.min_local_bsz * r)
-        self.atomic_bsz, self.accum_steps = app.batch_split(batch, r)
+        choice = self.agent.best_batch(r, self.nodes, self.batch_mode, fixed_batch=self.target_batch)
+        self.atomic_bsz, self.accum_steps = choice.per_gpu, choice.accum
 
     # ---- dynamics
     def reallocate(self, placement: tuple):
@@ -228,7 +201,7 @@ class SimJob:
             sqr, var = app.grad_stats(batch, self.epoch)
             gain = (var + sqr) / (var / scale + sqr)
             self.grad_params = (sqr, var)
-            self.max_profiled_replicas = max(self.max_profiled_replicas, r)
+            self.agent.observe(r)
             goodput = gain / total  # M0-steps per second
             nxt = app.progress_at(self.epoch + 1)
             if self.progress + goodput * seconds < nxt:

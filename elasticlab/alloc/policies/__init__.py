@@ -1,6 +1,6 @@
 """Scheduling policies, one module each; ``get_policy(name)`` builds one by its CLI name.
 
-A policy sees the active jobs (``elasticlab.sim.job.SimJob``-like objects) every scheduling round and
+A policy sees the active jobs (objects of the :class:`~.base.Job` protocol) every scheduling round and
 returns GPU counts {job name: GPUs}; ``elasticlab.alloc.placement.place`` then maps counts to nodes.
 
 :data:`POLICIES` (name -> class) is the one list of allocation policies: every :class:`Policy` subclass

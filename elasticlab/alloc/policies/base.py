@@ -2,8 +2,46 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Cluster", "Policy"]
+import numpy as np
+
+__all__ = ["Cluster", "Policy", "Job"]
+
+
+@runtime_checkable
+class Job(Protocol):
+    """How every policy sees a job (the simulator's ``SimJob`` and the live cluster's ``LiveJob`` both are
+    one; their curves come from the job's :class:`elasticlab.goodput.agent.GoodputAgent`).
+
+    The trace-driven baselines that need the job's true model (optimus: ``app``, ``target_batch``,
+    ``remaining_iterations``; tiresias) are simulator-only (``live = False``)."""
+
+    name: str
+    submission_time: float
+    batch_mode: str
+    attained_service: float  # GPU-seconds so far
+
+    @property
+    def gpus(self) -> int: ...  # GPUs held now
+
+    @property
+    def target_replicas(self) -> int | None: ...  # the count the user asked for
+
+    @property
+    def restarts(self) -> int: ...
+
+    def age(self, now: float) -> float: ...
+
+    def max_replicas(self, cap: int = 64) -> int: ...  # Pollux's exploration limit within the job's range
+
+    def remaining_progress(self) -> float: ...  # work left, in M0-steps
+
+    def goodput_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
+                      upto: int | None = None) -> np.ndarray: ...  # M0-steps/s at g = 0..max_gpus
+
+    def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
+                      upto: int | None = None) -> np.ndarray: ...  # Pollux Eq. (8)
 
 
 @dataclass(frozen=True)
@@ -41,7 +79,7 @@ class Policy:
     gang = False
     one_distributed_per_node = False
 
-    def allocate(self, jobs, now: float, cluster: Cluster) -> dict:  # pragma: no cover - interface
+    def allocate(self, jobs: list[Job], now: float, cluster: Cluster) -> dict:  # pragma: no cover
         raise NotImplementedError
 
     def placement_order(self, jobs):
