@@ -38,3 +38,17 @@ __all__ = [
     "register",
     "rule_info",
 ]
+
+
+def _discover() -> None:
+    """Import every module of this package (not the ``experiments`` subpackage) so that a rule defined in a
+    new module registers itself in :data:`RULES`: adding an LR rule is adding one module."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        if not info.ispkg and not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_discover()
