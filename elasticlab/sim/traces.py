@@ -1,7 +1,8 @@
 """One model (application) of the Pollux artifact's traces: measured step times and GNS versus progress.
 
-Reads ``traces/<model>/`` of the artifact data (placements.csv, scalability.csv, validation-<M>.csv);
-see shared/reference/pollux-artifact.md §5. Everything a simulated job needs:
+Reads ``traces/<model>/`` of the artifact data (placements.csv, scalability.csv, validation-<M>.csv), shipped
+in ``elasticlab/data/adaptdl`` (:func:`data_dir`; ``$ELASTICLAB_ADAPTDL_DATA`` overrides it); the artifact's
+simulator section, §5, describes them. Everything a simulated job needs:
 
 * :meth:`Application.step_time` -- true (step, sync) seconds of a placement at a per-GPU batch: measured
   placement -> 1-D linear interpolation in the batch; otherwise linear interpolation over
@@ -38,7 +39,8 @@ def fit_code_version() -> str:
     return h.hexdigest()
 
 
-__all__ = ["Application", "load_application", "data_dir", "APPLICATIONS", "canonical_placement"]
+__all__ = ["Application", "load_application", "data_dir", "APPLICATIONS", "canonical_placement",
+           "PACKAGED_DATA", "DATA_ENV"]
 
 APPLICATIONS = ("bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3")
 
@@ -47,20 +49,30 @@ _LOCAL_BSZ = {"bert": (4, 12), "cifar10": (32, 1024), "deepspeech2": (10, 80), "
               "ncf": (32, 32768), "yolov3": (4, 8)}
 
 
+#: The artifact data shipped inside the package (traces, workloads, published results; see its README.md).
+PACKAGED_DATA = Path(__file__).resolve().parent.parent / "data" / "adaptdl"
+
+#: Environment variable that points the simulator at another copy of the artifact data.
+DATA_ENV = "ELASTICLAB_ADAPTDL_DATA"
+
+
 def data_dir() -> Path:
-    """Directory of the artifact data: $ELASTICLAB_ADAPTDL_DATA, else shared/data/adaptdl next to the repo."""
-    env = os.environ.get("ELASTICLAB_ADAPTDL_DATA")
+    """Folder of the Pollux artifact data: ``$ELASTICLAB_ADAPTDL_DATA`` when set (an override, e.g. a full
+    copy of the artifact's ``simulator/`` folder), else the copy shipped in the package
+    (:data:`PACKAGED_DATA`, ``elasticlab/data/adaptdl``)."""
+    env = os.environ.get(DATA_ENV)
     if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "shared" / "data" / "adaptdl"
-        if cand.is_dir():
-            return cand
-        cand = parent.parent / "shared" / "data" / "adaptdl"
-        if cand.is_dir():
-            return cand
-    return Path("/work/shared/data/adaptdl")
+        path = Path(env).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"{DATA_ENV}={env!r} is not a folder; point it at a copy of the Pollux "
+                             f"artifact data (traces/, workloads/) or unset it to use the data shipped with "
+                             f"elasticlab ({PACKAGED_DATA})")
+        return path
+    if not (PACKAGED_DATA / "traces").is_dir():
+        raise ValueError(f"the Pollux artifact data shipped with elasticlab is missing ({PACKAGED_DATA}); "
+                         f"reinstall elasticlab, or set {DATA_ENV} to a copy of the artifact's simulator/ "
+                         f"folder")
+    return PACKAGED_DATA
 
 
 def canonical_placement(placement) -> tuple:

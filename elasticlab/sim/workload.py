@@ -7,15 +7,28 @@ import pandas as pd
 
 from elasticlab.sim.traces import APPLICATIONS, data_dir
 
-__all__ = ["load_workload", "workload_path", "WORKLOAD_COLUMNS"]
+__all__ = ["load_workload", "workload_path", "workload_names", "WORKLOAD_COLUMNS"]
 
 WORKLOAD_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
+
+
+def workload_names() -> list[str]:
+    """The shared workloads by name, 'workload-1'.. and 'realistic/workload-1'.. (in :func:`data_dir`)."""
+    root = data_dir()
+
+    def key(p):
+        tail = p.stem.rsplit("-", 1)[-1]
+        return (int(tail) if tail.isdigit() else 10**9, p.stem)
+
+    out = [p.stem for p in sorted((root / "workloads").glob("*.csv"), key=key)]
+    out += [f"realistic/{p.stem}" for p in sorted((root / "workloads-realistic").glob("*.csv"), key=key)]
+    return out
 
 
 def workload_path(spec) -> Path:
     """A CSV path, or a shared workload by name: 'workload-6' / '6' / 'realistic/workload-6'."""
     p = Path(str(spec))
-    if p.suffix == ".csv" and p.exists():
+    if p.suffix == ".csv" and p.is_file():
         return p
     s = str(spec)
     sub = "workloads"
@@ -24,9 +37,11 @@ def workload_path(spec) -> Path:
     if s.isdigit():
         s = f"workload-{s}"
     cand = data_dir() / sub / f"{s.removesuffix('.csv')}.csv"
-    if cand.exists():
+    if cand.is_file():
         return cand
-    raise ValueError(f"workload {spec!r} not found (neither a CSV file nor {cand})")
+    what = f"no CSV file {str(spec)!r}" if p.suffix == ".csv" else "not a CSV file"
+    raise ValueError(f"workload {spec!r} not found ({what}, and no shared workload of that name in "
+                     f"{data_dir()}); shared workloads: {', '.join(workload_names())}")
 
 
 def load_workload(spec, limit: int | None = None) -> pd.DataFrame:
