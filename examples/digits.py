@@ -1,10 +1,17 @@
 """A small MLP on scikit-learn's handwritten digits (1797 8x8 images, shipped with scikit-learn).
 
 Entry point for :class:`elasticlab.elastic.ElasticJob` (``"examples/digits.py:make_task"``) and for
-``elasticlab run examples/digits.py``. Run directly under torchrun, it trains one worker's share:
+``elasticlab run examples/digits.py``. Run under torchrun agents, it trains one worker's share; host the
+rendezvous store on one address and start one agent per node (see :mod:`elasticlab.cluster.torchrun`):
 
-    torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:PORT \\
-        --rdzv_conf last_call_timeout=1 examples/digits.py --checkpoint-dir DIR --epochs 2
+    python -m elasticlab.cluster.torchrun store --bind 127.0.0.1:29400 &
+    python -m elasticlab.cluster.torchrun agent --endpoint 127.0.0.1:29400 --nnodes 1:2 -- \\
+        examples/digits.py --checkpoint-dir DIR --epochs 2        # once per node
+
+Across hosts: ``--bind``/``--endpoint`` name the store host's cluster address, each agent adds
+``--local-addr`` (its own address), and every host sets the same ``ELASTICLAB_TORCHRUN_TOKEN``. Plain
+``torchrun`` against that store works too given ``--local-addr``, ``--rdzv-conf is_host=false`` and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; without them torch's own stores listen on every interface.
 """
 from __future__ import annotations
 
@@ -52,4 +59,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from elasticlab.cluster.torchrun import exit_now
+
+    exit_now(main())  # skip the interpreter's slow teardown: torchrun waits for it on every restart
