@@ -23,6 +23,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--slots", type=int, default=None, help="worker slots (default: 2 per CPU core)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (slows a demo down)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart from the newest checkpoint after a worker exception, at most this "
+                             "many times (default 0: the first exception fails the job)")
+    parser.add_argument("--on-no-checkpoint", choices=("restart", "fail"), default="restart",
+                        help="with no loadable checkpoint left: restart from the initial state (default) "
+                             "or fail")
 
 
 def run(args) -> int:
@@ -41,7 +47,8 @@ def run(args) -> int:
                          max_steps=args.max_steps, global_batch=args.global_batch, policy=policy,
                          record_samples=args.record_samples or False, checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every, slots=args.slots,
-                         warm=max([args.workers, *schedule.values()]), step_delay_s=args.step_delay)
+                         warm=max([args.workers, *schedule.values()]), step_delay_s=args.step_delay,
+                         max_restarts=args.max_restarts, on_no_checkpoint=args.on_no_checkpoint)
     except ValueError as e:
         print(f"elasticlab run: {e}", file=sys.stderr)
         return 2
@@ -57,8 +64,9 @@ def run(args) -> int:
     m = job.metrics()
     ev = job.events()
     for e in ev:
-        if e["kind"] in ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error"):
-            print(json.dumps({k: v for k, v in e.items() if k != "time"}))
+        if e["kind"] in ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error", "abort",
+                         "failed"):
+            print(json.dumps({k: v for k, v in e.items() if k not in ("time", "traceback")}))
     train_s = sum(r["step_time"] for r in m)
     result = {"finished": bool(finished and job.state == "finished"), "steps": m[-1]["step"] if m else 0,
               "resizes": [[e["from_size"], e["to_size"], e["step"]] for e in ev if e["kind"] == "resize"],
@@ -66,6 +74,15 @@ def run(args) -> int:
               "final_loss": m[-1]["loss"] if m else None,
               "samples_per_s": sum(r["samples"] for r in m) / train_s if train_s else None,
               "world_sizes": sorted({r["world_size"] for r in m}), "lost_steps": job.status()["lost_steps"],
-              "wall_s": round(wall, 2), "record_samples": job.record_path}
+              "wall_s": round(wall, 2), "record_samples": job.record_path, "state": job.state,
+              "error": job.status()["error"], "replays": job.status()["replays"]}
     print("RESULT " + json.dumps(result))
+    if job.state == "failed":
+        st = job.status()
+        print(f"elasticlab run: the job failed: {st['error']}", file=sys.stderr)
+        if st["traceback"]:
+            print(st["traceback"], file=sys.stderr)
+    elif not finished:
+        print(f"elasticlab run: the job did not finish within --timeout {args.timeout:g} s "
+              f"(state {job.state})", file=sys.stderr)
     return 0 if result["finished"] else 1

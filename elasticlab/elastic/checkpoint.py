@@ -75,10 +75,23 @@ def verify(path: str | os.PathLike) -> bytes:
 
 
 def load(path: str | os.PathLike) -> dict:
-    """Verify and load a checkpoint with ``torch.load(weights_only=True)``."""
+    """Verify and load a checkpoint with ``torch.load(weights_only=True)``.
+
+    A payload that passes its checksum but that ``weights_only=True`` refuses (a pickle of arbitrary
+    objects) or that is not a torch file raises :class:`CheckpointError` too: the caller treats it as
+    a corrupt checkpoint."""
     import torch
 
-    return torch.load(io.BytesIO(verify(path)), weights_only=True, map_location="cpu")
+    payload = verify(path)
+    try:
+        state = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    except Exception as e:  # UnpicklingError (weights_only refused), RuntimeError (not a torch file)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"checkpoint {path} does not load with weights_only=True: "
+                              f"{type(e).__name__}: {first}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+    return state
 
 
 class CheckpointDir:
@@ -112,11 +125,16 @@ class CheckpointDir:
                 pass
         return p
 
-    def latest(self) -> tuple[Path | None, list[tuple[Path, str]]]:
-        """The newest checkpoint that verifies, and the (path, reason) of newer ones that did not."""
+    def latest(self, exclude=()) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest checkpoint that verifies, and the (path, reason) of newer ones that did not.
+
+        Paths in ``exclude`` (checkpoints found unloadable before) are passed over without a reason."""
         bad = []
+        skip = {str(p) for p in exclude}
         for step in reversed(self.steps()):
             p = self.path(step)
+            if str(p) in skip:
+                continue
             try:
                 verify(p)
             except CheckpointError as e:

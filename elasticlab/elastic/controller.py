@@ -56,6 +56,13 @@ class JobController:
         self._events = EventLog()
         self._record_file = None
         self._error: str | None = None
+        self._traceback: str | None = None
+        self._rejected: set[str] = set()  # checkpoints that verified but did not load
+        self._replays = 0  # formations that rolled the job back (lost_steps > 0)
+        self._restarts = 0  # task errors retried under max_restarts
+        self._high_water = 0  # the furthest step the job reached
+        self._failed_gens = 0  # generations in a row that ended in a fault without passing _high_water
+        self._aborted_gen = 0  # the last generation abandoned (counted once)
 
     def _set_state(self, new: JobState) -> None:
         with self._lock:
@@ -86,7 +93,10 @@ class JobController:
                 if self._state in TERMINAL:
                     break
         except Exception as e:  # never leave processes behind because of a controller bug
+            import traceback
+
             self._error = f"controller failed: {e!r}"
+            self._traceback = "".join(traceback.format_exception(e)).strip()
             self._events.emit("error", message=self._error)
             with self._lock:
                 self._state = S.FAILED  # from any state: not checked
@@ -108,12 +118,13 @@ class JobController:
             if self._record_file is not None:
                 self._record_file.write(json.dumps(msg.row) + "\n")
         elif isinstance(msg, M.Checkpointed):
+            self._rejected.discard(msg.path)  # written anew: no longer the file that did not load
             self._events.emit("checkpoint", generation=msg.generation, step=msg.step, path=msg.path,
                               probe_loss=msg.probe_loss, reason=msg.reason)
             self._resolve("checkpoint", lambda info: msg.step >= info.get("min_step", 0), msg.step)
         elif isinstance(msg, M.Resumed):
             self._events.emit("resume", generation=msg.generation, step=msg.step, probe_loss=msg.probe_loss,
-                              checkpoint=msg.checkpoint, world_size=len(self._active))
+                              checkpoint=msg.checkpoint, world_size=len(self._active), formed_s=msg.formed_s)
         elif isinstance(msg, M.Scheduled):  # rank 0 leaves at a scheduled step; re-form at the scheduled size
             if self._state == S.RUNNING and msg.generation == self._gen:
                 self._target = msg.world_size
@@ -124,6 +135,7 @@ class JobController:
         elif isinstance(msg, M.Left):
             pass
         elif isinstance(msg, M.Finished):
+            self._rejected.discard(msg.path)
             self._events.emit("checkpoint", generation=msg.generation, step=msg.step, path=msg.path,
                               probe_loss=msg.probe_loss, reason="final")
             self._events.emit("finished", generation=msg.generation, step=msg.step)
@@ -132,13 +144,78 @@ class JobController:
             if w.state != W.DEAD:
                 w.state, w.rank = W.IDLE, None
         elif isinstance(msg, M.Error):
-            self._events.emit("error", worker=msg.worker_id, generation=msg.generation, message=msg.text)
-            if msg.generation is None:  # the task could not even be built: nothing will work
-                self._error = msg.text
-                self._set_state(S.FAILED)
+            self._on_error(w, msg)
+
+    def _on_error(self, w: PoolWorker, msg: M.Error) -> None:
+        """A worker's exception; what it does to the job is :class:`~.states.JobState`'s table."""
+        self._events.emit("error", worker=msg.worker_id, generation=msg.generation, message=msg.text,
+                          error_kind=msg.kind, rank=w.rank, traceback=msg.traceback)
+        if self._state in TERMINAL:
+            return
+        if msg.generation is None:  # the task could not even be built: nothing will work
+            self._fail(f"worker {msg.worker_id}: {msg.text}", msg.traceback)
+            return
+        if msg.generation != self._gen:  # a leftover of a generation already abandoned
+            return
+        where = f"worker {msg.worker_id} (rank {w.rank}, generation {msg.generation})"
+        if msg.kind == "checkpoint_load":
+            if msg.path and msg.path not in self._rejected:
+                self._rejected.add(msg.path)
+                self._events.emit("checkpoint_corrupt", path=msg.path, reason=msg.text)
+            self._abort(f"checkpoint did not load on {where}", count=False)
+        elif msg.kind in ("formation", "comm"):
+            self._abort(f"{msg.kind} error on {where}: {msg.text}", traceback=msg.traceback)
+        elif self._restarts < self.options.get("max_restarts", 0):
+            self._restarts += 1
+            self._events.emit("retry", worker=msg.worker_id, generation=msg.generation, error_kind=msg.kind,
+                              restarts=self._restarts, max_restarts=self.options.get("max_restarts", 0))
+            self._abort(f"{msg.kind} error on {where} (retry {self._restarts})", count=False)
+        else:  # task and checkpoint_io errors: fail fast
+            self._fail(f"{msg.kind} error on {where}: {msg.text}", msg.traceback)
+
+    def _fail(self, error: str, traceback: str | None = None) -> None:
+        """The job FAILED with ``error``; the loop ends and kills every worker."""
+        if self._state in TERMINAL:
+            return
+        with self._lock:
+            self._error, self._traceback = error, traceback
+            self._set_state(S.FAILED)
+        self._close_store()
+        self._events.emit("failed", message=error, step=self._last_step, generation=self._gen)
+
+    def _abort(self, why: str, count: bool = True, traceback: str | None = None) -> None:
+        """Abandon the current generation (a member died, its group cannot form or broke, a checkpoint
+        did not load): close its store so that every member waiting in the rendezvous stops at once,
+        give them ``abort_grace_s`` to leave, kill the ones that do not, and form a new generation.
+        ``count``: the generation counts toward ``max_failed_generations`` unless it took the job
+        past its furthest step."""
+        if self._state not in (S.RUNNING, S.DRAINING) or not self._active:
+            return
+        gen = self._gen
+        self._close_store()
+        if self._aborted_gen == gen:  # already abandoned; a second member's error changes nothing
+            return
+        self._aborted_gen = gen
+        self._events.emit("abort", generation=gen, reason=why, step=self._last_step)
+        if count:
+            self._failed_gens += 1
+            limit = int(self.options.get("max_failed_generations", 5))
+            if self._failed_gens >= limit:
+                self._fail(f"{self._failed_gens} generations in a row failed without progress past step "
+                           f"{self._high_water} (max_failed_generations={limit}); last: {why}", traceback)
+                return
+        p = self._pending.pop("checkpoint", None)
+        if p and not p[0].done():
+            p[0].set_exception(RuntimeError(f"generation {gen} was abandoned before the checkpoint: {why}"))
+        with self._lock:
+            reason = self._drain_reason if (self._state == S.DRAINING and self._drain_reason in (
+                "stop", "finished", "pause")) else "fault"
+            self._drain(reason, time.monotonic() + float(self.options.get("abort_grace_s", 3.0)))
 
     def _on_step(self, rec: dict) -> None:
         rec["predicted_goodput"] = self._predicted_goodput
+        if rec["step"] > self._high_water:
+            self._high_water, self._failed_gens = rec["step"], 0
         with self._lock:
             self._last_step, self._last_rec = rec["step"], rec
             self._batch = BatchConfig(rec["global_batch"], rec["accum_steps"])
@@ -173,13 +250,10 @@ class JobController:
             return
         self._events.emit("fault", worker=w.id, pid=w.pid, exitcode=code, rank=w.rank, was=was,
                           generation=self._gen, step=self._last_step)
-        if was == W.ACTIVE and self._state in (S.RUNNING, S.DRAINING):
-            p = self._pending.pop("checkpoint", None)
-            if p and not p[0].done():
-                p[0].set_exception(RuntimeError(f"worker {w.id} died before the requested checkpoint"))
-            with self._lock:
-                reason = self._drain_reason if self._drain_reason in ("stop", "finished") else "fault"
-                self._drain(reason, time.monotonic() + self.options["timeout_s"] + 5)
+        if was == W.ACTIVE and self._state in (S.RUNNING, S.DRAINING) and w in self._active:
+            self._abort(f"worker {w.id} (rank {w.rank}) died with exit code {code}")
+            if self._state not in TERMINAL:  # start its replacement now, while the others leave
+                self._pool.spawn_upto(max(self.warm, self._target))
         elif was == W.STARTING and not any(x.state in (W.IDLE, W.ACTIVE) for x in self._pool.values()):
             self._error = f"worker {w.id} died while starting (exit code {code})"
 
@@ -190,7 +264,7 @@ class JobController:
             return
         if st == S.STARTING:
             if len(self._pool.idle()) >= self._target:  # a checkpoint dir from an earlier run is resumed
-                self._form(self._target, *self._resume_from())
+                self._form(self._target)
             elif self._error:
                 self._set_state(S.FAILED)
             return
@@ -202,7 +276,7 @@ class JobController:
             return
         if st == S.SPAWNING:
             if len(self._pool.idle()) >= self._target:
-                self._form(self._target, *self._resume_from())
+                self._form(self._target)
             else:  # replace any that died while starting
                 self._pool.spawn_upto(self._target)
             return
@@ -319,46 +393,95 @@ class JobController:
             self._pool.spawn_upto(self._target)
             self._set_state(S.SPAWNING)
             return
-        self._form(self._target, *self._resume_from())
+        self._form(self._target)
 
     def _resume_from(self):
-        path, bad = self.checkpoint_dir.latest()
+        path, bad = self.checkpoint_dir.latest(exclude=self._rejected)
         for p, why in bad:
             self._events.emit("checkpoint_corrupt", path=str(p), reason=why)
         return (str(path) if path else None), bad
 
-    def _form(self, n: int, checkpoint: str | None, bad=None) -> None:
+    def _new_store(self):
+        """The generation's c10d TCPStore, listening on ``store_host`` only (default 127.0.0.1): torch's
+        own master binds every interface, so the listening socket is made here and handed over."""
+        import os
+        import socket
+
         import torch.distributed as dist
 
-        members = self._pool.idle()[:n]
+        host = self.options.get("store_host") or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(128)
+            port = sock.getsockname()[1]
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"cannot listen on store_host={host!r}: {e}") from e
+        fd = sock.detach()  # the store owns (and closes) the socket from here on
+        try:
+            return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                                 timeout=datetime.timedelta(seconds=self.options["timeout_s"]))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _form(self, n: int) -> None:
+        """Form the next generation of ``n`` idle workers from the newest loadable checkpoint: the
+        membership and the ranks are decided here, once, and sent in each member's Join."""
+        checkpoint, bad = self._resume_from()
+        members = [w for w in self._pool.idle() if w.proc.is_alive()][:n]
+        if len(members) < n:  # one died idle and its sentinel is not handled yet: spawn and come back
+            self._pool.spawn_upto(self._target)
+            self._set_state(S.SPAWNING)
+            return
+        if checkpoint is None and (bad or self._rejected or self._high_water > 0):
+            what = ", ".join(sorted({str(p) for p, _ in bad} | self._rejected)) or "none was written"
+            if self.options.get("on_no_checkpoint", "restart") == "fail":
+                self._fail(f"no loadable checkpoint left ({what}) and on_no_checkpoint='fail'")
+                return
+            self._events.emit("no_checkpoint", unusable=what, step=self._last_step)
         self._close_store()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=self.options["timeout_s"]))
+        self._store = self._new_store()
+        host = self.options.get("store_host") or "127.0.0.1"
         with self._lock:
             self._gen += 1
             gen = self._gen
         batch = self._decide_batch(n)
         ck_step = int(Path(checkpoint).stem.split("-")[1]) if checkpoint else 0
+        gone = []
         for rank, w in enumerate(members):
             w.state, w.rank = W.ACTIVE, rank
-            w.conn.send(M.Join(gen, rank, n, self._store.port, checkpoint, str(self.checkpoint_dir.directory),
-                               (batch.global_batch, batch.accum_steps) if batch else None))
+            try:
+                w.conn.send(M.Join(gen, rank, n, self._store.port, checkpoint,
+                                   str(self.checkpoint_dir.directory),
+                                   (batch.global_batch, batch.accum_steps) if batch else None, host))
+            except (OSError, ValueError):
+                gone.append(w.id)
         with self._lock:
             self._active = members
             self._set_state(S.RUNNING)
         self._events.emit("generation", generation=gen, world_size=n, port=self._store.port,
                           checkpoint=checkpoint, from_step=ck_step,
                           workers=[w.id for w in members])
-        if self._restart_pending:
+        lost = max(0, self._last_step - ck_step)  # a rollback, after a fault or onto an older checkpoint
+        if self._restart_pending or lost:
             self._restart_pending = False
-            lost = max(0, self._last_step - ck_step)
             self._lost_steps += lost
+            self._replays += bool(lost)
             self._events.emit("restart", generation=gen, from_step=ck_step, last_step=self._last_step,
-                              lost_steps=lost, world_size=n)
-        p = self._pending.pop("resize", None)
+                              lost_steps=lost, world_size=n, checkpoint=checkpoint)
+            with self._lock:
+                self._last_step = ck_step
+        # a resize (or resume) is done at the first step of this generation -- also when the generation
+        # first formed for it was abandoned
+        p = self._pending.pop("resize", None) or self._pending.pop("resize_done", None)
         if p:
             p[1]["generation"] = gen
             self._pending["resize_done"] = p
+        if gone:
+            self._abort(f"worker(s) {gone} were gone before they could join generation {gen}")
 
     def _close_store(self) -> None:
         if self._store is not None:

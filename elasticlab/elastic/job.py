@@ -67,6 +67,19 @@ class ElasticJob(JobController):
     policy from :mod:`elasticlab.elastic.policies` (default: fixed global batch = the task's base
     batch, passed as ``global_batch``). ``record_samples`` = True or a path writes the JSONL sample
     record (rows ``{"epoch", "step", "rank", "world_size", "indices", "generation"}``).
+
+    Failures (the full table is :class:`~elasticlab.elastic.states.JobState`'s docstring): an exception in
+    a worker -- the task's code, writing a checkpoint -- fails the job within seconds, with the error and
+    the worker's traceback in ``status()`` (``error``, ``traceback``), unless ``max_restarts`` (default 0)
+    allows a restart from the newest valid checkpoint. A worker that dies is replaced and the job resumes
+    from the newest valid checkpoint; a generation that cannot form or breaks is abandoned and formed
+    again, and ``max_failed_generations`` (default 5) such generations in a row without progress fail the
+    job. A checkpoint that does not load is passed over like a corrupt one; with none left every rank
+    restarts from the initial state (the steps lost are counted) or, with ``on_no_checkpoint="fail"``, the
+    job fails. ``store_host``: the address the rendezvous store listens on (default 127.0.0.1; the pool's
+    workers are on this machine). ``abort_grace_s``: how long members of an abandoned generation get to
+    leave before they are killed and replaced. ``inject_faults``: ``[(point, generation, rank), ...]`` where
+    a worker SIGKILLs itself (fault-injection tests; points in :func:`~.worker._fault_point`).
     """
 
     def __init__(self, entrypoint, *, workers: int = 1, entry_kwargs: dict | None = None, policy=None,
@@ -75,7 +88,9 @@ class ElasticJob(JobController):
                  checkpoint_every: int = 20, record_samples: bool | str = False, seed: int = 0,
                  timeout_s: float = 30.0, threads: int = 1, lr_rule: str | None = None,
                  step_delay_s: float = 0.0, goodput_refit_s: float = 10.0, schedule=None,
-                 start_method: str = "forkserver", device: str | None = None):
+                 start_method: str = "forkserver", device: str | None = None, max_restarts: int = 0,
+                 max_failed_generations: int = 5, on_no_checkpoint: str = "restart",
+                 store_host: str = "127.0.0.1", abort_grace_s: float = 3.0, inject_faults=None):
         self.entrypoint = entrypoint_name(entrypoint)
         if device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be None (CUDA when available), 'cpu' or 'cuda', got {device!r}")
@@ -87,6 +102,17 @@ class ElasticJob(JobController):
             raise ValueError(f"epochs must be >= 1, got {epochs!r}")
         if checkpoint_every is not None and checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every!r}")
+        if isinstance(max_restarts, bool) or int(max_restarts) != max_restarts or max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
+        mfg = max_failed_generations
+        if isinstance(mfg, bool) or int(mfg) != mfg or mfg < 1:
+            raise ValueError(f"max_failed_generations must be a positive integer, got {mfg!r}")
+        if on_no_checkpoint not in ("restart", "fail"):
+            raise ValueError(f"on_no_checkpoint must be 'restart' or 'fail', got {on_no_checkpoint!r}")
+        if not isinstance(store_host, str) or not store_host:
+            raise ValueError(f"store_host must be an address string such as '127.0.0.1', got {store_host!r}")
+        if not abort_grace_s > 0:
+            raise ValueError(f"abort_grace_s must be > 0, got {abort_grace_s!r}")
         self.entry_kwargs = dict(entry_kwargs or {})
         self.policy = policy if policy is not None else (
             FixedGlobalBatch(global_batch) if global_batch is not None else None)
@@ -107,7 +133,12 @@ class ElasticJob(JobController):
                                        timeout_s=float(timeout_s),
                                        threads=int(threads), record_samples=bool(self.record_path),
                                        step_delay_s=float(step_delay_s),
-                                       ramp_per_k=getattr(self.policy, "ramp_per_k", 8), device=device)
+                                       ramp_per_k=getattr(self.policy, "ramp_per_k", 8), device=device,
+                                       max_restarts=int(max_restarts),
+                                       max_failed_generations=int(max_failed_generations),
+                                       on_no_checkpoint=on_no_checkpoint, store_host=store_host,
+                                       abort_grace_s=float(abort_grace_s),
+                                       inject_faults=[tuple(f) for f in inject_faults or ()])
         self.schedule = parse_schedule(schedule)
         for n in self.schedule.values():
             self._check_size(n)
@@ -218,7 +249,8 @@ class ElasticJob(JobController):
                 gns=rec.get("gns"), predicted_goodput=self._predicted_goodput,
                 workers={w.id: {"pid": w.pid, "state": w.state.value, "rank": w.rank}
                          for w in self._pool.values()},
-                lost_steps=self._lost_steps, error=self._error,
+                lost_steps=self._lost_steps, replays=self._replays, restarts=self._restarts,
+                error=self._error, traceback=self._traceback,
                 checkpoint_dir=str(self.checkpoint_dir.directory), record_samples=self.record_path)
 
     def metrics(self, since: int = 0) -> list[dict]:

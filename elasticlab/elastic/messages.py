@@ -91,6 +91,7 @@ class Resumed(NamedTuple):
     step: int
     probe_loss: float
     checkpoint: str | None
+    formed_s: float | None = None  # store connect + process group + DDP, on rank 0
 
 
 class Scheduled(NamedTuple):
@@ -124,9 +125,20 @@ class Idle(NamedTuple):
     generation: int
 
 
+#: What an :class:`Error` is about (see :data:`elasticlab.elastic.states.FAILURE_SEMANTICS`).
+ERROR_KINDS = ("build", "task", "checkpoint_io", "checkpoint_load", "formation", "comm")
+
+
 class Error(NamedTuple):
-    """The worker failed in ``generation`` (None: building the task failed; nothing will work)."""
+    """The worker failed in ``generation`` (None: building the task failed; nothing will work).
+
+    ``kind`` (one of :data:`ERROR_KINDS`) says where: building the task, the task's own code, writing a
+    checkpoint, loading ``path``, forming the group, or a collective/store failing under it (a peer died
+    or left). ``traceback`` is the worker's full formatted traceback."""
 
     worker_id: int
     generation: int | None
     text: str
+    kind: str = "task"
+    traceback: str = ""
+    path: str | None = None  # the checkpoint a checkpoint_load error is about

@@ -13,7 +13,8 @@ METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "w
 #: Kinds of events (``ElasticJob.events()``).
 EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "adapt", "checkpoint",
                "checkpoint_corrupt",
-               "resume", "pause", "fault", "restart", "finished", "stop", "error")
+               "resume", "pause", "fault", "restart", "finished", "stop", "error", "abort", "retry",
+               "no_checkpoint", "failed")
 
 
 

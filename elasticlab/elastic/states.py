@@ -22,7 +22,45 @@ class _StrEnum(str, Enum):
 
 
 class JobState(_StrEnum):
-    """A job's lifecycle state (see :data:`TRANSITIONS`)."""
+    """A job's lifecycle state (see :data:`TRANSITIONS`).
+
+    **Failure semantics** of an :class:`~elasticlab.elastic.ElasticJob` (the kind of a worker's error is
+    :data:`elasticlab.elastic.messages.ERROR_KINDS`):
+
+    =======================================  ===========================================================
+    what went wrong                          what the job does
+    =======================================  ===========================================================
+    the task cannot be built (``build``)     FAILED at once (nothing would work)
+    the task's code raised (``task``)        FAILED within a second or so: ``status().error`` has the
+                                             message, ``status().traceback`` the worker's traceback;
+                                             with ``max_restarts=K`` it restarts from the newest valid
+                                             checkpoint instead, at most K times in the job's life
+    writing a checkpoint failed              as a task error (an unwritable or vanished checkpoint
+    (``checkpoint_io``: OSError)             directory, a full disk): FAILED unless ``max_restarts``
+    a checkpoint does not load               that file is set aside like a corrupt one (event
+    (``checkpoint_load``: header and         ``checkpoint_corrupt``) and the generation re-forms from
+    SHA-256 good, ``weights_only=True``      the previous checkpoint
+    refuses the pickle, or it does not fit)
+    no loadable checkpoint is left           every rank restarts from the task's initial state (same
+                                             seed, sampler at the first epoch's start); the steps rolled
+                                             back are counted (``lost_steps``, ``replays``, event
+                                             ``restart``) -- or FAILED with ``on_no_checkpoint="fail"``
+    a worker process died (SIGKILL, exit)    the generation is abandoned, a replacement is started and
+                                             the job resumes from the newest valid checkpoint (default,
+                                             as before; no limit while the job makes progress)
+    the group cannot form or breaks          the generation is abandoned (its store is closed, so the
+    (``formation``/``comm``: a member died   others stop waiting at once) and formed again with a new
+    while forming, a rendezvous or           generation number; ``max_failed_generations`` (default 5)
+    collective timed out, a peer left)       generations in a row that end so without taking the job
+                                             past its furthest step make it FAILED, with the last error
+    the controller thread itself failed      FAILED ("controller failed: ..."); every process is killed
+    =======================================  ===========================================================
+
+    The retry policy is thus: worker *deaths* and broken groups are retried (bounded by
+    ``max_failed_generations`` when no progress is made), worker *exceptions* are not (``max_restarts``,
+    default 0). Once FAILED, :meth:`~elasticlab.elastic.ElasticJob.wait` returns, pending request futures
+    raise, and no worker process is left.
+    """
 
     NEW = "new"  # built, not started
     STARTING = "starting"  # the pool's first workers are starting
@@ -45,7 +83,7 @@ _ANY = frozenset(JobState) - frozenset(TERMINAL)
 #: task, or the controller itself fails).
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.NEW: frozenset({JobState.STARTING, JobState.STOPPED}),
-    JobState.STARTING: frozenset({JobState.RUNNING}),  # the first generation forms
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.SPAWNING}),  # the first generation forms
     JobState.SPAWNING: frozenset({JobState.RUNNING}),  # enough idle workers: the generation forms
     JobState.RUNNING: frozenset({JobState.DRAINING}),  # resize, pause, stop, fault, schedule, finished
     JobState.DRAINING: frozenset({JobState.RUNNING, JobState.SPAWNING, JobState.PAUSED,
@@ -126,12 +164,17 @@ class JobStatus(Mapping):
 class ElasticJobStatus(JobStatus):
     """:meth:`ElasticJob.status <elasticlab.elastic.ElasticJob.status>`: the common fields, the machine's
     slots, the predicted goodput, the pool's workers (``{id: {"pid", "state", "rank"}}``), the steps lost
-    to faults and where checkpoints and samples go."""
+    to faults and rollbacks (``lost_steps``) and how many rollbacks there were (``replays``), the task
+    errors retried under ``max_restarts`` (``restarts``), the failing worker's ``traceback`` (with
+    ``error``), and where checkpoints and samples go."""
 
     slots: int = 0
     predicted_goodput: float | None = None
     workers: dict = dataclasses.field(default_factory=dict)
     lost_steps: int = 0
+    replays: int = 0
+    restarts: int = 0
+    traceback: str | None = None
     checkpoint_dir: str | None = None
     record_samples: str | None = None
 

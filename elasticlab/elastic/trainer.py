@@ -55,16 +55,47 @@ class Trainer:
         self.norms = None
         self._psn = None
         self._probe = task.batch(np.arange(min(task.probe_size, len(task))))
+        self._initial = self._snapshot()  # what a generation with no checkpoint to load starts from
+
+    def _snapshot(self) -> bytes:
+        """The trainer's state as checkpoint bytes (on the CPU, not beside the live model)."""
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.state_dict(), buf)
+        return buf.getvalue()
+
+    def reset(self) -> None:
+        """Go back to the state right after construction: the task's initial model (built from the same
+        seed in every worker), a fresh optimizer, step 0, the sampler at the first epoch's start. A warm
+        worker that trained in an earlier generation thus starts exactly like a new one."""
+        import io
+
+        import torch
+
+        self.load_state_dict(torch.load(io.BytesIO(self._initial), weights_only=True, map_location="cpu"))
 
     # ---- group membership -------------------------------------------------------------------
-    def form(self, rank: int, world_size: int, store, generation) -> None:
+    def form(self, rank: int, world_size: int, store, generation, on_formed=None) -> None:
         """Join a process group of ``world_size`` through ``store`` (a fresh one per generation)."""
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d
 
         self._use_device(rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            # torch names the default group after a process-wide counter (its store keys are
+            # "<counter>/..."), raised by every init_process_group -- also by one that failed half-way
+            # (a peer died while forming), which destroy_process_group then does not reset. A worker that
+            # survived such a formation would wait on "1/..." keys while a fresh replacement writes
+            # "0/...": the next group never forms. Every generation here starts from no group at all.
+            distributed_c10d._world.group_count = 0
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=self.opts["timeout_s"]))
+        if on_formed is not None:
+            on_formed()
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self._wrap()
 

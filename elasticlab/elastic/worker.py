@@ -34,6 +34,9 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the controller, which stops the job
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # gloo's sockets on the loopback interface: by default gloo binds the address the host name resolves
+    # to (possibly an external one); a pool's workers are all on this machine.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", options.get("gloo_ifname") or "lo")
     import torch
 
     torch.set_num_threads(int(options.get("threads", 1)))
@@ -44,7 +47,7 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
     try:
         trainer = Trainer(build(entrypoint, entry_kwargs), options)
     except Exception as e:  # report instead of dying silently
-        conn.send(M.Error(worker_id, None, f"building the task failed: {e!r}"))
+        conn.send(M.Error(worker_id, None, f"building the task failed: {e!r}", "build", _format_tb(e)))
         return
     conn.send(M.Ready(worker_id, os.getpid()))
     while True:
@@ -60,45 +63,110 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
         try:
             _run_generation(trainer, conn, msg)
         except Exception as e:
-            import traceback
-
-            where = "".join(traceback.format_exception(e)[-3:]).strip()
+            kind, path = getattr(e, "elastic_kind", None) or error_kind(e), getattr(e, "elastic_path", None)
             with contextlib.suppress(Exception):
-                conn.send(M.Error(worker_id, gen, f"{e!r}\n{where}"))
+                conn.send(M.Error(worker_id, gen, f"{e!r}", kind, _format_tb(e), path))
         finally:
             trainer.leave()
         with contextlib.suppress(Exception):
             conn.send(M.Idle(worker_id, gen))
 
 
+def _format_tb(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(e)).strip()
+
+
+def error_kind(e: BaseException) -> str:
+    """``"comm"`` for a failure of a collective or of the store under the training step (a peer died or
+    left, a timeout), else ``"task"`` (see :data:`~.messages.ERROR_KINDS`)."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return "comm"
+    text = str(e)
+    if isinstance(e, RuntimeError) and any(s in text for s in (
+            "gloo/transport", "Connection reset by peer", "Connection closed by peer", "ProcessGroupGloo",
+            "ProcessGroupNCCL", "NCCL error", "c10d")):
+        return "comm"
+    return "task"
+
+
+def _tag(e: BaseException, kind: str, path: str | None = None) -> BaseException:
+    e.elastic_kind, e.elastic_path = kind, path
+    return e
+
+
+def _fault_point(opts: dict, point: str, gen: int, rank: int) -> None:
+    """Fault injection for tests and the soak: ``options["inject_faults"]`` is a list of
+    ``(point, generation, rank)``; the worker SIGKILLs itself when it reaches a listed one. Points:
+    ``joined`` (Join received), ``store`` (connected to the store), ``formed`` (process group formed),
+    ``wrapped`` (DDP built), ``loaded`` (checkpoint loaded, before the first step)."""
+    for p, g, r in opts.get("inject_faults") or ():
+        if p == point and g == gen and r == rank:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save(ckdir: CheckpointDir, tr: Trainer):
+    try:
+        return ckdir.save(tr.state_dict(), tr.step)
+    except OSError as e:  # unwritable, vanished or full checkpoint directory
+        raise _tag(e, "checkpoint_io") from None
+
+
 def _run_generation(tr: Trainer, conn, j: M.Join) -> None:
     """Train as one rank of generation ``j.generation`` until it ends (leave, finish or an error)."""
-    import torch
     import torch.distributed as dist
 
     gen, rank, world = j.generation, j.rank, j.world_size
-    store = dist.TCPStore(j.host, j.port, is_master=False,
-                          timeout=datetime.timedelta(seconds=tr.opts["timeout_s"]))
-    tr.form(rank, world, dist.PrefixStore(f"gen{gen}/", store), gen)
-    ckdir = CheckpointDir(j.checkpoint_dir, keep=tr.opts["keep_checkpoints"])
-    if j.checkpoint:
-        tr.load_state_dict(load_checkpoint(j.checkpoint))
-    else:
-        torch.manual_seed(tr.opts["seed"])
+    opts = tr.opts
+    _fault_point(opts, "joined", gen, rank)
+    state = None
+    if j.checkpoint:  # read before joining: an unloadable file is reported before anyone waits on us
+        try:
+            state = load_checkpoint(j.checkpoint)
+        except Exception as e:
+            raise _tag(e, "checkpoint_load", j.checkpoint) from None
+    t0 = time.perf_counter()
+    try:
+        store = dist.TCPStore(j.host, j.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=opts["timeout_s"]))
+        _fault_point(opts, "store", gen, rank)
+        tr.form(rank, world, dist.PrefixStore(f"gen{gen}/", store), gen, on_formed=lambda: _fault_point(
+            opts, "formed", gen, rank))
+    except Exception as e:
+        raise _tag(e, "formation") from None
+    formed_s = time.perf_counter() - t0
+    _fault_point(opts, "wrapped", gen, rank)
+    try:
+        ckdir = CheckpointDir(j.checkpoint_dir, keep=opts["keep_checkpoints"])
+    except OSError as e:
+        raise _tag(e, "checkpoint_io") from None
+    if state is not None:
+        try:
+            tr.load_state_dict(state)
+        except Exception as e:  # a state that does not fit this task (keys, shapes)
+            raise _tag(e, "checkpoint_load", j.checkpoint) from None
+    else:  # no checkpoint: every rank from the task's initial state, whatever it trained before
+        tr.reset()
     if j.batch:
         tr.set_batch(BatchConfig(*j.batch))
+    _fault_point(opts, "loaded", gen, rank)
     if rank == 0:
-        conn.send(M.Resumed(gen, tr.step, tr.probe_loss(), j.checkpoint))
-        if not j.checkpoint:  # a generation-0 checkpoint, so that every later one can resume
-            path = ckdir.save(tr.state_dict(), tr.step)
+        conn.send(M.Resumed(gen, tr.step, tr.probe_loss(), j.checkpoint, formed_s))
+        if not j.checkpoint:  # a step-0 checkpoint, so that every later one can resume
+            path = _save(ckdir, tr)
             conn.send(M.Checkpointed(gen, tr.step, str(path), None, "initial"))
-    epochs, max_steps = tr.opts["epochs"], tr.opts["max_steps"]
-    every = tr.opts["checkpoint_every"]
-    schedule = {int(k): int(v) for k, v in (tr.opts.get("schedule") or {}).items()}
+    epochs, max_steps = opts["epochs"], opts["max_steps"]
+    every = opts["checkpoint_every"]
+    schedule = {int(k): int(v) for k, v in (opts.get("schedule") or {}).items()}
     while True:
         if tr.sampler.epoch >= epochs or (max_steps is not None and tr.step >= max_steps):
             if rank == 0:
-                path = ckdir.save(tr.state_dict(), tr.step)
+                path = _save(ckdir, tr)
                 conn.send(M.Finished(gen, tr.step, str(path), tr.probe_loss()))
             return
         control = (CMD_NONE, 0, 0)
@@ -111,7 +179,7 @@ def _run_generation(tr: Trainer, conn, j: M.Join) -> None:
             conn.send(M.Scheduled(gen, tr.step + 1, schedule[tr.step + 1]))
             control = (CMD_LEAVE, 0, 0)
         rec, cmd, mine = tr.train_step(control)
-        if tr.opts["record_samples"]:
+        if opts["record_samples"]:
             conn.send(M.Samples({"epoch": rec["epoch"], "step": rec["step"], "rank": rank,
                                  "world_size": world, "indices": mine.tolist(), "generation": gen}))
         if rank == 0:
@@ -122,12 +190,12 @@ def _run_generation(tr: Trainer, conn, j: M.Join) -> None:
         if code == CMD_LEAVE:
             if rank == 0:
                 probe = tr.probe_loss()
-                path = ckdir.save(tr.state_dict(), tr.step)
+                path = _save(ckdir, tr)
                 conn.send(M.Checkpointed(gen, tr.step, str(path), probe, "leave"))
                 conn.send(M.Left(gen, tr.step))
             return
         if rank == 0 and (code == CMD_CHECKPOINT or (every and tr.step % every == 0)):
-            path = ckdir.save(tr.state_dict(), tr.step)
+            path = _save(ckdir, tr)
             conn.send(M.Checkpointed(gen, tr.step, str(path), None, "periodic"))
 
 
