@@ -5,6 +5,8 @@ jobs whose count did not change keep their previous placement (no needless resta
 one node goes to the fullest node that still fits it (best fit); a larger job takes whole free nodes first,
 then the nodes with the most free GPUs. With ``one_distributed_per_node`` a node hosts at most one job that
 spans several nodes; a job that cannot get all its GPUs then gets what fits (``elastic=True``) or nothing.
+``node_sizes`` gives each node's usable GPUs when they differ (a cluster whose capacity is not a multiple
+of the node size, :attr:`elasticlab.alloc.policies.Cluster.node_sizes`); no node is ever given more.
 """
 from __future__ import annotations
 
@@ -18,21 +20,30 @@ def node_count(placement) -> int:
 
 
 def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: int,
-          one_distributed_per_node: bool = False, elastic: bool = True, order=None) -> dict:
+          one_distributed_per_node: bool = False, elastic: bool = True, order=None,
+          node_sizes=None) -> dict:
     """Per-job placement tuples (length ``num_nodes``) for ``counts`` {job: GPUs}; jobs with 0 are omitted.
 
-    ``order``: the priority in which new jobs are placed (default: largest count first).
+    ``order``: the priority in which new jobs are placed (default: largest count first). ``node_sizes``:
+    usable GPUs per node (default ``gpus_per_node`` each).
     """
     if num_nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"need num_nodes >= 1 and gpus_per_node >= 1, got {num_nodes}, {gpus_per_node}")
+    if node_sizes is None:
+        sizes = np.full(num_nodes, gpus_per_node, dtype=np.int64)
+    else:
+        sizes = np.asarray(node_sizes, dtype=np.int64)
+        if sizes.shape != (num_nodes,) or np.any(sizes < 0) or np.any(sizes > gpus_per_node):
+            raise ValueError(f"node_sizes must be {num_nodes} counts in [0, {gpus_per_node}], got "
+                             f"{tuple(node_sizes)}")
     total = sum(int(c) for c in counts.values())
     bad = [k for k, c in counts.items() if int(c) < 0]
     if bad:
         raise ValueError(f"negative GPU count for job {bad[0]!r}: {counts[bad[0]]}")
-    if total > num_nodes * gpus_per_node:
-        raise ValueError(f"{total} GPUs requested but the cluster has {num_nodes * gpus_per_node}")
+    if total > int(sizes.sum()):
+        raise ValueError(f"{total} GPUs requested but the cluster has {int(sizes.sum())}")
     previous = previous or {}
-    free = np.full(num_nodes, gpus_per_node, dtype=np.int64)
+    free = sizes.copy()
     dist = np.zeros(num_nodes, dtype=bool)  # node hosts a multi-node job
     out = {}
     # 1. keep unchanged placements
@@ -65,12 +76,12 @@ def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: in
         else:
             need = c
             eligible = ~dist if one_distributed_per_node else np.ones(num_nodes, dtype=bool)
-            whole = np.flatnonzero(eligible & (free == gpus_per_node))
+            whole = np.flatnonzero(eligible & (free == sizes) & (sizes > 0))
             for n in whole:
-                if need < gpus_per_node:
+                if need < sizes[n]:
                     break
-                p[n] = gpus_per_node
-                need -= gpus_per_node
+                p[n] = sizes[n]
+                need -= sizes[n]
             while need > 0:
                 cand = np.flatnonzero(eligible & (free - p > 0))
                 if cand.size == 0:

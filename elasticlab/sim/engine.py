@@ -85,7 +85,7 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
         counts = pol.allocate(active, t, cluster) if active else {}
         new = place(counts, placements, cluster.num_nodes, cluster.gpus_per_node,
                     one_distributed_per_node=pol.one_distributed_per_node, elastic=not pol.gang,
-                    order=pol.placement_order(active))
+                    order=pol.placement_order(active), node_sizes=cluster.node_sizes)
         sched.append(time.process_time() - t0)
         for j in active:
             old = placements.get(j.name, ())

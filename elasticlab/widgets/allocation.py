@@ -92,15 +92,16 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
     speed = np.stack([j.speedup_curve(capacity, gpus_per_node) for j in jobs])
     thr_speed = np.stack([j.speedup_curve(capacity, gpus_per_node, mode="throughput") for j in jobs])
     out = {"dp": dict(zip(names, dp_allocate(fitness_utility(speed, p), capacity).tolist()))}
-    nodes = -(-capacity // gpus_per_node)
+    # exactly `capacity` GPUs: whole nodes and, when capacity is not a multiple of the node size, a part
+    cluster = Cluster.of_capacity(capacity, gpus_per_node)
     for name in baselines:
         try:
             pol = get_policy(name)
-            counts = pol.allocate(make_jobs(table, pol), 0.0, Cluster(nodes, gpus_per_node))
+            counts = pol.allocate(make_jobs(table, pol), 0.0, cluster)
         except Exception as e:  # a baseline that needs simulator state it does not have here
             out[name] = {"error": f"{type(e).__name__}: {e}"}
             continue
-        out[name] = {n: int(min(counts.get(n, 0), capacity)) for n in names}
+        out[name] = {n: int(counts.get(n, 0)) for n in names}
     totals = {}
     idx = np.arange(len(jobs))
     for method, alloc in out.items():

@@ -1,12 +1,13 @@
 """What every policy shares: the cluster shape and the allocate() contract."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Cluster", "Policy", "Job"]
+__all__ = ["Cluster", "Policy", "Job", "check_allocation"]
 
 
 @runtime_checkable
@@ -46,17 +47,49 @@ class Job(Protocol):
 
 @dataclass(frozen=True)
 class Cluster:
+    """``num_nodes`` nodes of ``gpus_per_node`` GPUs. ``capacity``: the GPUs usable, when fewer than all
+    (e.g. 6 GPUs in 4-GPU nodes: ``Cluster.of_capacity(6, 4)``, nodes of 4 and 2); the nodes are filled in
+    order (:attr:`node_sizes`). Every policy keeps its counts within :attr:`total_gpus`."""
+
     num_nodes: int = 16
     gpus_per_node: int = 4
+    capacity: int | None = None
 
     def __post_init__(self):
         if self.num_nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"cluster needs >= 1 node and >= 1 GPU per node, got {self.num_nodes}x"
                              f"{self.gpus_per_node}")
+        if self.capacity is not None:
+            full = self.num_nodes * self.gpus_per_node
+            if isinstance(self.capacity, bool) or int(self.capacity) != self.capacity \
+                    or not 1 <= self.capacity <= full:
+                raise ValueError(f"capacity must be a whole number of GPUs in [1, {full}] for a "
+                                 f"{self.num_nodes}x{self.gpus_per_node} cluster, got {self.capacity!r}")
+            object.__setattr__(self, "capacity", None if int(self.capacity) == full else int(self.capacity))
+
+    @classmethod
+    def of_capacity(cls, capacity: int, gpus_per_node: int = 4) -> Cluster:
+        """The smallest cluster of ``gpus_per_node``-GPU nodes holding ``capacity`` GPUs, the last node
+        partly usable when ``capacity`` is not a multiple of the node size."""
+        if isinstance(capacity, bool) or int(capacity) != capacity or capacity < 1:
+            raise ValueError(f"capacity must be a whole number of GPUs >= 1, got {capacity!r}")
+        if isinstance(gpus_per_node, bool) or int(gpus_per_node) != gpus_per_node or gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
+        capacity, gpus_per_node = int(capacity), int(gpus_per_node)
+        return cls(-(-capacity // gpus_per_node), gpus_per_node, capacity)
 
     @property
     def total_gpus(self) -> int:
-        return self.num_nodes * self.gpus_per_node
+        return self.num_nodes * self.gpus_per_node if self.capacity is None else self.capacity
+
+    @property
+    def node_sizes(self) -> tuple:
+        """Usable GPUs per node (all ``gpus_per_node`` but at the end when ``capacity`` is set)."""
+        left, out = self.total_gpus, []
+        for _ in range(self.num_nodes):
+            out.append(min(self.gpus_per_node, left))
+            left -= out[-1]
+        return tuple(out)
 
     @classmethod
     def parse(cls, spec: str) -> Cluster:
@@ -68,10 +101,42 @@ class Cluster:
         return cls(n, g)
 
 
+def check_allocation(counts: dict, cluster: Cluster, who: str = "policy") -> dict:
+    """``counts`` {job: GPUs} when every count is a whole number >= 0 and they sum to at most the cluster's
+    :attr:`~Cluster.total_gpus`; otherwise a ValueError naming the policy, the job or the total."""
+    total = 0
+    for name, c in counts.items():
+        if isinstance(c, bool) or int(c) != c or c < 0:
+            raise ValueError(f"{who} gave job {name!r} {c!r} GPUs; counts must be whole numbers >= 0")
+        total += int(c)
+    if total > cluster.total_gpus:
+        raise ValueError(f"{who} allocated {total} GPUs ({dict(counts)}) but the cluster has "
+                         f"{cluster.total_gpus}")
+    return counts
+
+
+def _checked(allocate):
+    @functools.wraps(allocate)
+    def wrapper(self, jobs, now, cluster):
+        return check_allocation(allocate(self, jobs, now, cluster), cluster, f"policy {self.name!r}")
+
+    wrapper._capacity_checked = True
+    return wrapper
+
+
 class Policy:
     """Base class. ``batch_mode`` says how its jobs pick their batch (see ``SimJob``); ``gang`` policies
     need a job's whole count placed or nothing; ``one_distributed_per_node`` is Pollux's interference
-    avoidance; ``live`` policies are offered on the live cluster (:mod:`elasticlab.cluster`)."""
+    avoidance; ``live`` policies are offered on the live cluster (:mod:`elasticlab.cluster`).
+
+    Every subclass's ``allocate`` is checked on return (:func:`check_allocation`): a policy that hands out
+    more GPUs than ``cluster.total_gpus`` is a ValueError, never an over-full cluster."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("allocate")
+        if fn is not None and not getattr(fn, "_capacity_checked", False):
+            cls.allocate = _checked(fn)
 
     name = "base"
     batch_mode = "fixed"
