@@ -141,3 +141,74 @@ def test_layer_design_depth_and_width():
             approx = 1e-3 ** (-(n - 2) / n) / ((n - 2) * s) * 1000
             assert np.allclose(row, approx, rtol=0.15)
     assert r["width_max_deviation"] < 1e-10
+
+
+# ---- theory/03: P3-T7..P3-T9 ------------------------------------------------------------------------------
+
+def test_general_linear_start():
+    """P3-T7 (theory/03 §3.1): unbalanced, non-aligned linear 8→16→16→8. Criteria (a)-(e) as written before
+    the run: common rate (3.1) to 1e-9, GD bound (3.3), Weyl (3.4), Davis–Kahan (3.5), imbalance decay."""
+    r = E.p3_t7_general_linear()
+    assert r["rate_rel_error"] < 1e-9                                       # (a)
+    assert r["growth_difference_over_bound"] <= 1.0                         # (b)
+    assert r["growth_spread_final"] < 0.02 and min(r["growth_final"]) > 5
+    assert r["log_rate_ratio_initial"] > 5          # a really unbalanced start: log-rates differ 10x
+    assert r["weyl_ok"]                                                     # (c)
+    c0 = np.array(r["c_norm_initial"])
+    assert np.all(np.array(r["c_norm_max_over_initial"]) * c0 <= 1.01 * c0 + 1e-3)
+    assert np.all(np.array(r["weyl_gap_max"]) <= 1.01 * c0 + 1e-3)
+    assert np.all(np.array(r["sin_final"]) < np.array(r["davis_kahan_final"]))   # (d)
+    assert max(r["sin_final"]) < 0.3 and min(r["sin_initial"]) > 0.9
+    assert min(r["rho_initial"]) > 0.5 and max(r["rho_final"]) < 0.1         # (e)
+    assert np.allclose(r["rho_final"], r["rho_final_predicted"], rtol=0.05)
+    assert r["loss_final"] < 1e-4
+
+
+def test_pockets():
+    """P3-T8 (theory/03 §3.2): (A) per-example mask lifetimes follow the first-order estimate (3.7)
+    (Spearman ≥ 0.5, median ratio in [0.5, 2]); (B) inside the one-pocket window the ReLU net is the linear
+    net exactly, its C₁ drifts less than (3.3), and the window is within 2x of (3.7); afterwards they part."""
+    r = E.p3_t8_pockets()
+    a, b = r["A"], r["B"]
+    assert a["spearman"] >= 0.5
+    assert 0.5 <= a["median_ratio"] <= 2.0
+    assert b["relu_vs_linear_inside"] < 1e-12
+    assert b["c_drift_inside"] < b["c_drift_bound"]
+    assert 0.5 <= b["window_ratio"] <= 2.0
+    assert b["relu_vs_linear_final"] > 1e-3          # reported in theory/03; the nets part after the window
+    assert b["loss_final_relu"] < 1e-3               # the ReLU net still learns once out of its pocket
+
+
+@pytest.fixture(scope="module")
+def t9():
+    return E.p3_t9_phase_growth()
+
+
+def test_layer_growth_per_phase(t9):
+    """P3-T9 (theory/03 §3.3): (a) equal growth per phase within (3.3) and (b) Δln n_j = ln(1 + g/n_j(t_a))
+    for linear and bias-free ReLU nets of depth 2-4, widths 8 and 32; (c) with biases Δn_{j+1} − Δn_j =
+    Δ‖b_j‖² within (3.3) — which fails, as written, for depth 4 width 8, where GD oscillates (the loss rises
+    on many records, against the monotone descent (3.3) assumes); it holds wherever the loss fell
+    monotonically; (d) where the peak of d ln‖W₁‖²/dt lies."""
+    fails = []
+    for row in t9["configs"]:
+        assert set(row["phases"]) == {"plateau", "burst", "saturation"}
+        for name, ph in row["phases"].items():
+            key = (row["activation"], row["depth"], row["width"], name)
+            if row["activation"] == "relu_bias":
+                if ph["bias_identity_error"] > ph["bound"]:
+                    fails.append(key)
+                    assert ph["loss_rises"] > 0, key
+                # weights alone are not symmetric: the layer after a growing bias grows more
+                if name == "burst":
+                    assert ph["growth_difference"] > 0.1 * abs(np.mean(ph["growth"])), key
+            else:
+                assert ph["growth_difference"] <= ph["bound"], key                              # (a)
+                assert ph["log_growth_ok"], key                                                 # (b)
+                assert ph["order_inverse_to_norm"], key
+        if row["activation"] == "linear" and row["depth"] >= 3:                                 # (d)
+            ph = row["phases"]
+            assert ph["burst"]["t_start"] < row["peak_log_rate_time"] < ph["burst"]["t_end"]
+    assert fails and {f[:3] for f in fails} == {("relu_bias", 4, 8)}     # (c): the honest failure
+    n2 = t9["small_start_n2"]
+    assert abs(n2["peak_log_rate"] / n2["two_s_max"] - 1) < 0.10 and n2["peak_time"] < n2["plateau_end"]

@@ -298,3 +298,59 @@ def test_deeper_is_longer_only_up_to_a_peak():
         k = int(np.argmax(ts))
         assert abs(depths[k] - n_star) <= 1.0, (u0, depths[k], n_star)
         assert (np.diff(ts[:k + 1]) > 0).all() and (np.diff(ts[k:]) < 0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(1, 6), min_size=3, max_size=5), slope=st.sampled_from([0.0, 0.1, 1.0]),
+       seed=st.integers(0, 10_000))
+def test_common_growth_rate_any_net(widths, slope, seed):
+    """theory/03 Eq. (3.1): for bias-free linear, ReLU and leaky nets, every layer's flow rate
+    −2⟨W_j, ∇_{W_j}L⟩ equals r = (2/n)Σ⟨y − f, f⟩ at any point. With biases it does not (checked too)."""
+    from elasticlab.dynamics import general as G
+
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((7, widths[0]))
+    Y = rng.standard_normal((7, widths[-1]))
+    net = D.random_init(widths, 1.0, slope=slope, seed=seed)
+    rates = G.flow_rates(net, X, Y)
+    r = G.common_rate(net, X, Y)
+    assert np.allclose(rates, r, rtol=1e-9, atol=1e-12 * (1 + abs(r)))
+    bnet = D.random_init(widths, 1.0, slope=slope, biases=True, seed=seed, bias_scale=1.0)
+    rb = G.flow_rates(bnet, X, Y)
+    assert np.ptp(rb) > 1e-9 or np.all(np.abs(rb) < 1e-9)
+
+
+@pytest.mark.parametrize("slope,bias", [(0.0, False), (0.2, False), (0.0, True), (1.0, False)])
+def test_pairwise_balancedness_rate(slope, bias):
+    """theory/03 Eq. (3.6): dC_j/dt = −(M + Mᵀ), M_ik = Σ_μ(d_k − d_i)γ_i z_k, against a finite difference
+    along the flow (C_j − b_jb_jᵀ with biases); zero for a linear net; entries of units with equal activity on
+    every example are conserved, and the diagonal always is."""
+    from elasticlab.dynamics import pockets as P
+    from elasticlab.dynamics.invariants import balancedness
+
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((9, 4))
+    Y = rng.standard_normal((9, 2))
+    net = D.random_init((4, 5, 6, 2), 1.0, slope=slope, biases=bias, seed=1, bias_scale=0.5)
+    g, _ = D.gradient(net, X, Y)
+    eps = 1e-7
+
+    def cmat(p, j):
+        c = balancedness(net.weights_at(p))[j]
+        if bias:
+            b = net.biases_at(p)[j]
+            c = c - np.outer(b, b)
+        return c
+
+    for j in (0, 1):
+        fd = (cmat(net.params - eps * g, j) - cmat(net.params + eps * g, j)) / (2 * eps)
+        rate = P.pairwise_rate(net, X, Y, j)
+        assert np.allclose(rate, fd, rtol=1e-5, atol=1e-7)
+        assert np.allclose(np.diag(rate), 0, atol=1e-12)
+        _, _, ds = P.flow_state(net, X, Y)
+        same = np.all(ds[j][:, :, None] == ds[j][:, None, :], axis=0)
+        assert np.allclose(rate[same], 0, atol=1e-12)
+        if slope == 1.0:
+            assert np.allclose(rate, 0, atol=1e-12)
+        else:
+            assert np.abs(rate).max() > 1e-3          # units with different patterns: not conserved

@@ -71,6 +71,9 @@ def detect_phases(t, y, frac: float = 0.01, prominence: float = 0.01, grid: int 
     yg = np.interp(g, lt, y[pos])
     rate = np.gradient(yg, g) / total
     peaks, props = find_peaks(rate, prominence=prominence)
+    keep = rate[peaks] > 0                      # a local maximum of a shrinking stretch is no burst
+    peaks = peaks[keep]
+    props = {k: v[keep] for k, v in props.items()}
     bursts = []
     if peaks.size:
         # split the curve between consecutive peaks at the slowest growth in between
