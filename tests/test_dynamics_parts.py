@@ -354,3 +354,14 @@ def test_pairwise_balancedness_rate(slope, bias):
             assert np.allclose(rate, 0, atol=1e-12)
         else:
             assert np.abs(rate).max() > 1e-3          # units with different patterns: not conserved
+
+
+def test_detect_phases_skips_shrinking_stretches():
+    """A curve that grows (one burst) and later shrinks in two steps: the local maximum of the (negative)
+    rate between the two drops is no burst (detect_phases crashed on it before; ReLU+bias runs do this)."""
+    t = np.geomspace(1e-2, 1e2, 800)
+    lt = np.log(t)
+    y = 5 / (1 + np.exp(-4 * lt)) - 0.4 / (1 + np.exp(-6 * (lt - 2))) - 0.4 / (1 + np.exp(-6 * (lt - 3.2)))
+    ph = D.detect_phases(t, y)
+    assert ph.n_bursts == 1
+    assert abs(ph.bursts[0].t_peak - 1.0) < 0.05 and ph.bursts[0].rise > 4
