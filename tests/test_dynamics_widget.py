@@ -53,3 +53,26 @@ def test_divergence_is_reported_not_raised():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="activation"):
         DynamicsExplorer(activation="tanh")
+
+
+def test_explorer_phase_rates():
+    """theory/03 §3.3, §3.5: the explorer draws d ln‖W_j‖²/dt per layer with the phases, its plateau's end
+    against the theory (aligned start: first burst within 10% of the midpoint (1.12) / N-layer half-time), and
+    a per-phase table in which every layer of a linear net grows by the same amount, while the relative
+    rates are ordered inversely to the layers' norms (the wide middle layer is slowest on the plateau)."""
+    for depth in (2, 3):
+        ex = DynamicsExplorer(depth=depth, init_scale=0.1, lr=5e-3, horizon=20, records=200)
+        sm = ex.summary
+        assert len(ex.rate_fig.data) == depth
+        assert abs(sm["first_burst"] / sm["plateau_end_theory"] - 1) < 0.10
+        assert set(sm["phases"]) == {"plateau", "burst", "saturation"}
+        for ph in sm["phases"].values():
+            assert np.ptp(ph["growth"]) < 1e-6 * max(1.0, abs(np.mean(ph["growth"])))
+        assert "burst" in ex.phase_table.value
+    ex = DynamicsExplorer(depth=3, width=16, start="random", init_scale=0.1, lr=5e-3, horizon=20, records=200)
+    rates = ex.summary["phases"]["plateau"]["mean_log_rate"]
+    assert rates[1] < 0.5 * min(rates[0], rates[2])        # W2 has 2x the entries of W1, W3 (16x16 vs 16x8)
+    ex.controls["activation"].value = "relu"
+    ex.controls["biases"].value = True
+    g = ex.summary["phases"]["burst"]["growth"]
+    assert np.ptp(g) > 0.1 * np.mean(g)                    # biases break the weight-only symmetry

@@ -1,11 +1,13 @@
 """``DynamicsExplorer``: train a small linear or ReLU net on Saxe's whitened teacher; watch its layers grow.
 
 Controls: depth, width, init scale, learning rate, biases on/off, activation (linear/ReLU), start (Saxe's
-balanced aligned start or small random weights) and the horizon in units of τ = 1/η. Two plotly charts:
+balanced aligned start or small random weights) and the horizon in units of τ = 1/η. Three plotly charts:
 the growth ‖W_j(t)‖²_F − ‖W_j(0)‖²_F of every layer (dotted: with the layer's bias counted, the quantity
-that theory/02 Eq. (2.4) balances), and the mode strengths u_α(t) of the net's linear part against Saxe's
-closed form (theory/01 Eq. (1.8)-(1.10)). Every control change retrains (numba, well under a second) and
-redraws.
+that theory/02 Eq. (2.4) balances), the relative growth rate d ln‖W_j‖²/dt of every layer with the detected
+phases shaded (plateau, burst, saturation; theory/03 §3.3) and the plateau's end against the theory, and the
+mode strengths u_α(t) of the net's linear part against Saxe's closed form (theory/01 Eq. (1.8)-(1.10)). A
+table gives each layer's mean relative rate and growth per phase. Every control change retrains (numba, well
+under a second) and redraws.
 """
 from __future__ import annotations
 
@@ -79,11 +81,14 @@ class DynamicsExplorer:
         }
         self.norm_fig = _fig("layer growth ‖W_j(t)‖² − ‖W_j(0)‖²", "t / τ", "growth")
         self.mode_fig = _fig("modes u_α(t): GD (solid) vs Saxe (dashed)", "t / τ", "u_α")
+        self.rate_fig = _fig("relative growth d ln‖W_j‖²/dt by phase (dotted: plateau end, theory dashed)",
+                             "t / τ", "d ln‖W_j‖² / dt")
         self.status = W.HTML()
+        self.phase_table = W.HTML()
         for c in self.controls.values():
             c.observe(self._on_change, names="value")
-        left = W.VBox(list(self.controls.values()) + [self.status])
-        self.widget = W.HBox([left, W.VBox([self.norm_fig, self.mode_fig])])
+        left = W.VBox(list(self.controls.values()) + [self.status, self.phase_table])
+        self.widget = W.HBox([left, W.VBox([self.norm_fig, self.rate_fig, self.mode_fig])])
         self.trajectory = None
         self.summary = {}
         self.update()
@@ -129,6 +134,8 @@ class DynamicsExplorer:
         if len(tr.steps) < 2:
             self.norm_fig.data = []
             self.mode_fig.data = []
+            self.rate_fig.data = []
+            self.phase_table.value = ""
             self.summary = {"steps": 0, "diverged": True}
             self.status.value = ("<b style='color:#d62728'>diverged at once: lower the LR or the init "
                                  "scale</b>")
@@ -161,13 +168,16 @@ class DynamicsExplorer:
                 self.mode_fig.add_scatter(x=t, y=u[:, a], mode="lines", name=f"s={s[a]:g}", line={"color": c})
                 self.mode_fig.add_scatter(x=t, y=saxe[:, k], mode="lines", name=f"Saxe s={s[a]:g}",
                                           line={"color": c, "dash": "dash"}, showlegend=False)
+        phases, t_pl, t_th = self._draw_rates(tr, s[nz].max(), u_start if u0 is not None
+                                              else float(np.abs(u[0, nz[np.argmax(s[nz])]])))
         g = growth[-1]
         spread = float((g.max() - g.min()) / max(abs(g.mean()), 1e-300)) if depth > 1 else 0.0
         drift = float(D.invariant_drift(tr).max()) if depth > 1 else 0.0
         err = float(np.max(np.abs(u[:, nz] - saxe)) / s[nz].max())
         self.summary = {"steps": int(tr.steps[-1]), "diverged": bool(tr.diverged), "loss": float(tr.loss[-1]),
                         "growth": [float(v) for v in g], "growth_spread": spread, "invariant_drift": drift,
-                        "saxe_max_error": err}
+                        "saxe_max_error": err, "phases": phases, "plateau_end": t_pl,
+                        "first_burst": self._first_burst, "plateau_end_theory": t_th}
         warn = "<b style='color:#d62728'>diverged: lower the LR</b> · " if tr.diverged else ""
         if not tr.diverged and tr.loss[-1] > 0.99 * tr.loss[0]:
             warn = ("<b>still on the plateau</b> (deep nets from small weights wait ~u0^{−(N−2)/N}): "
@@ -175,6 +185,52 @@ class DynamicsExplorer:
         self.status.value = (f"<small>{warn}{self.summary['steps']} steps · loss {tr.loss[-1]:.3g}<br>"
                              f"growth spread {spread:.2%} · invariant drift {drift:.1e}<br>"
                              f"max |u − Saxe| / s_max {err:.1%}</small>")
+
+    def _draw_rates(self, tr, s_max, u0):
+        """Per-layer d ln‖W_j‖²/dt with the phases of ‖W_1‖² shaded; per-phase table (theory/03 §3.3).
+        Returns (per-phase numbers, detected plateau end, theory's first-burst midpoint), times in τ."""
+        from elasticlab.dynamics import growth as GR
+
+        tm, rates = GR.log_rates(tr)
+        depth = tr.net.depth
+        self._first_burst = None
+        try:
+            iv = GR.phase_intervals(tr.time, tr.weight_norms[:, 0])
+            pg = GR.phase_growth(tr, iv)
+            self._first_burst = D.detect_phases(tr.time, tr.weight_norms[:, 0]).bursts[0].t_peak
+        except (ValueError, IndexError):
+            iv, pg = {}, {}
+        t_th = None
+        if 0 < u0 < s_max:
+            t_th = D.plateau_time(s_max, u0) if depth == 2 else D.half_time(s_max, u0, depth)
+        shade = {"plateau": "#9e9e9e", "burst": "#ff7f0e", "saturation": "#2ca02c"}
+        with self.rate_fig.batch_update():
+            self.rate_fig.data = []
+            for j in range(depth):
+                self.rate_fig.add_scatter(x=tm, y=rates[:, j], mode="lines", name=f"W{j + 1}",
+                                          line={"color": _COLORS[j % len(_COLORS)]})
+            shapes = [{"type": "rect", "xref": "x", "yref": "paper", "x0": a, "x1": b, "y0": 0, "y1": 1,
+                       "fillcolor": shade[name], "opacity": 0.10, "line": {"width": 0}}
+                      for name, (a, b) in iv.items()]
+            vl = lambda x, dash, c: {"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x,  # noqa: E731
+                                     "y0": 0, "y1": 1, "line": {"dash": dash, "color": c, "width": 1}}
+            if "plateau" in iv:
+                shapes.append(vl(iv["plateau"][1], "dot", "#444"))
+            if t_th is not None and t_th <= tr.time[-1]:
+                shapes.append(vl(t_th, "dash", "#d62728"))
+            self.rate_fig.layout.shapes = shapes
+        out = {k: {"t_start": v["t_start"], "t_end": v["t_end"],
+                   "mean_log_rate": [float(x) for x in v["mean_log_rate"]],
+                   "growth": [float(x) for x in v["growth"]]} for k, v in pg.items()}
+        rows = "".join(f"<tr><td>{k}</td><td>{v['t_start']:.2g}–{v['t_end']:.2g}</td><td>"
+                       + " / ".join(f"{x:.3g}" for x in v["mean_log_rate"]) + "</td><td>"
+                       + " / ".join(f"{x:.3g}" for x in v["growth"]) + "</td></tr>" for k, v in out.items())
+        th = f"theory (first burst midpoint) {t_th:.3g}τ" if t_th is not None else "theory: n/a (u0 ≥ s)"
+        fb = f"{self._first_burst:.3g}τ" if self._first_burst is not None else "none"
+        self.phase_table.value = (
+            "<small><table><tr><th>phase</th><th>t/τ</th><th>mean d ln‖W_j‖²/dt</th><th>growth</th></tr>"
+            f"{rows}</table>first burst at {fb} · {th}</small>")
+        return out, (iv["plateau"][1] if "plateau" in iv else None), t_th
 
     def _on_change(self, _change):
         self.update()
