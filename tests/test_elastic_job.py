@@ -189,5 +189,6 @@ def test_goodput_adaptive_policy_grows_the_batch(tmp_path):
         m = job.metrics()
         assert any(r["predicted_goodput"] for r in m) and any(r["gns"] for r in m)
         assert m[-1]["lr"] > m[0]["lr"]                        # AdaScale raises the LR with the batch
+        assert job.fits_throughput and job.throughput_model() is not None  # published for the cluster
     finally:
         job.stop()

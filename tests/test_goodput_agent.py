@@ -44,7 +44,8 @@ def test_best_batch_is_the_goodput_argmax_over_feasible_configurations():
 def test_noise_scale_moves_the_batch_and_throughput_mode_ignores_it():
     big, small = agent(phi=5000.0).best_batch(4), agent(phi=1.0).best_batch(4)
     assert big.global_batch > small.global_batch
-    assert agent(phi=1.0).best_batch(4, mode="throughput") == agent(phi=5000.0).best_batch(4, mode="throughput")
+    thr = [agent(phi=p).best_batch(4, mode="throughput") for p in (1.0, 5000.0)]
+    assert thr[0] == thr[1]
 
 
 def test_hysteresis_keeps_current_unless_clearly_better():
@@ -108,6 +109,8 @@ def test_live_job_uses_the_fit_its_job_published(monkeypatch):
         def step_times(self, aggregate=False):
             return [(1, 2, 16, 0, 0.1)] * 6
 
+        fits_throughput = True
+
         def throughput_model(self):
             return MODEL
 
@@ -115,7 +118,8 @@ def test_live_job_uses_the_fit_its_job_published(monkeypatch):
         raise AssertionError("the live view refitted a job that publishes its own fit")
 
     monkeypatch.setattr("elasticlab.goodput.agent.fit_throughput_model", no_refit)
-    j = LiveJob(JobSpec("a", "examples/digits.py", initial_batch=32, max_batch=512, per_slot_batch=(4, 64)), 0.0)
+    spec = JobSpec("a", "examples/digits.py", initial_batch=32, max_batch=512, per_slot_batch=(4, 64))
+    j = LiveJob(spec, 0.0)
     j.handle, j.state = Handle(), "running"
     j.refit()
     assert j.model is MODEL and j.max_profiled_replicas == 2 and j.agent.grad_stats == 400.0

@@ -109,9 +109,8 @@ class LiveJob:
         rows = self.handle.step_times()
         if rows:
             self.agent.observe(max(int(r[1]) for r in rows))
-        published = getattr(self.handle, "throughput_model", None)
-        if callable(published):
-            model = published()
+        if getattr(self.handle, "fits_throughput", False):  # the job fits itself: use its model
+            model = self.handle.throughput_model()
             if model is not None:
                 self.agent.model = model
             return

@@ -267,6 +267,17 @@ class ElasticJob(JobController):
         steps are left out. ``aggregate=True`` gives one row per configuration (median time)."""
         return step_time_rows(self._metrics.since(0), skip_first, aggregate)
 
+    @property
+    def fits_throughput(self) -> bool:
+        """Whether the job fits its own throughput model (every ``goodput_refit_s``; 0 turns it off)."""
+        return bool(self._refit_every_s)
+
+    def throughput_model(self):
+        """The throughput model (Pollux §4.1) the job last fitted to its step times, None before the first
+        fit: published so that the live cluster's view of the job uses it instead of fitting again."""
+        with self._lock:
+            return self._throughput
+
     def worker_pids(self) -> dict[int, int]:
         """``{rank: pid}`` of the current generation (e.g. to inject a fault)."""
         with self._lock:
