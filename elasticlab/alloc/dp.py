@@ -250,27 +250,35 @@ def _validate(utility, capacity, min_gpus, max_gpus):
     top = min(W - 1, capacity)
 
     def bounds(x, name, default):
+        """(int64 counts clipped to top + 1, the values as given as float64) of a per-job bound."""
         if x is None:
-            return np.full(J, default, dtype=np.int64)
-        arr = np.asarray(x)
+            arr = np.full(J, float(default))
+            return arr.astype(np.int64), arr
+        try:
+            arr = np.asarray(x, dtype=np.float64)  # any size of integer; 10**30 -> 1e30
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{name} must be whole numbers >= 0 (a scalar or one per job), "
+                             f"got {x!r}") from None
         if arr.ndim == 0:
-            arr = np.full(J, arr)
+            arr = np.full(J, float(arr))
         if arr.shape != (J,):
             raise ValueError(f"{name} must be a scalar or have shape ({J},), got shape {arr.shape}")
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
-            raise ValueError(f"{name} must hold integers, got {arr!r}")
-        arr = arr.astype(np.int64)
+            j = int(np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))[0])
+            raise ValueError(f"{name} must hold whole numbers, got {arr[j].item()!r} for job {j}")
         if np.any(arr < 0):
-            raise ValueError(f"{name} must be >= 0, got {arr[arr < 0][0]} for job {int(np.argmax(arr < 0))}")
-        return arr
+            j = int(np.argmax(arr < 0))
+            raise ValueError(f"{name} must be >= 0, got {arr[j]:g} for job {j}")
+        # a bound above the table width or the capacity is no bound: clip before the integer cast
+        return np.minimum(arr, top + 1).astype(np.int64), arr
 
-    lo = bounds(min_gpus, "min_gpus", 0)
-    hi = np.minimum(bounds(max_gpus, "max_gpus", top), top)
+    lo, lo_given = bounds(min_gpus, "min_gpus", 0)
+    hi = np.minimum(bounds(max_gpus, "max_gpus", top)[0], top)
     bad = np.flatnonzero(lo > hi)
     if bad.size and (min_gpus is not None):
         j = int(bad[0])
         raise ValueError(
-            f"infeasible: job {j} needs at least {lo[j]} GPUs but at most {hi[j]} are possible "
+            f"infeasible: job {j} needs at least {lo_given[j]:g} GPUs but at most {hi[j]} are possible "
             f"(max_gpus, table width {W} and capacity {capacity})")
     return u, capacity, lo, hi, scale
 
@@ -292,7 +300,8 @@ def dp_allocate(utility, capacity, min_gpus=None, max_gpus=None, *, method="auto
     if np.any(lo > hi):
         j = int(np.flatnonzero(lo > hi)[0])
         raise ValueError(f"infeasible: job {j} cannot get {lo[j]} GPUs within capacity {capacity}")
-    status, alloc = _solve(u, lo, hi, capacity, method == "auto", tol * scale)
+    # never more GPUs than the jobs can use together: the DP's memory and time grow with the capacity
+    status, alloc = _solve(u, lo, hi, min(capacity, int(hi.sum())), method == "auto", tol * scale)
     if status:
         raise ValueError(
             f"infeasible allocation: {u.shape[0]} jobs cannot all get a feasible GPU count within capacity "
@@ -318,6 +327,7 @@ def dp_allocate_reference(utility, capacity, min_gpus=None, max_gpus=None):
     """Pure-Python DP (same recurrence, no compilation, no greedy path): the baseline of bench_alloc.py."""
     u, capacity, lo, hi, _ = _validate(utility, capacity, min_gpus, max_gpus)
     J = u.shape[0]
+    capacity = min(capacity, int(hi.sum()))  # what the jobs can use together
     rows = u.tolist()
     P = [0.0] + [_NEG] * capacity
     choices = []

@@ -8,6 +8,7 @@ whose placement changed (each change costs the job ``restart_delay`` = 30 s). En
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -18,9 +19,24 @@ from elasticlab.alloc.policies import Cluster, Policy, get_policy
 from elasticlab.sim.job import SimJob
 from elasticlab.sim.metrics import SimResult, summarize
 from elasticlab.sim.traces import load_application
-from elasticlab.sim.workload import load_workload
+from elasticlab.sim.workload import check_limit, check_workload, load_workload
 
-__all__ = ["simulate", "make_jobs"]
+__all__ = ["simulate", "make_jobs", "MAX_IDLE_ROUNDS"]
+
+#: The most scheduling rounds before the last submission (each round costs a little even when idle): a
+#: workload whose last job arrives later than this many intervals is refused up front instead of running
+#: for hours (1e6 rounds = 694 days at the default 60 s).
+MAX_IDLE_ROUNDS = 1_000_000
+
+
+def _number(name, value, ok, need):
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be {need}, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(x) or not ok(x):
+        raise ValueError(f"{name} must be {need}, got {value!r}")
+    return x
 
 
 def make_jobs(workload: pd.DataFrame, policy: Policy, restart_delay: float = 30.0) -> list[SimJob]:
@@ -44,12 +60,25 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
     """Replay ``workload`` (a DataFrame, CSV path or shared name like 'workload-6') under ``policy``."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
-    if interval <= 0 or restart_delay < 0:
-        raise ValueError(f"need interval > 0 and restart_delay >= 0, got {interval}, {restart_delay}")
+    interval = _number("interval", interval, lambda x: x > 0, "a finite number of seconds > 0")
+    restart_delay = _number("restart_delay", restart_delay, lambda x: x >= 0,
+                            "a finite number of seconds >= 0")
+    if max_time is not None:
+        max_time = _number("max_time", max_time, lambda x: x > 0, "a finite number of seconds > 0")
+    limit = check_limit(limit)
     name = str(workload) if not isinstance(workload, pd.DataFrame) else "dataframe"
-    df = workload if isinstance(workload, pd.DataFrame) else load_workload(workload, limit=limit)
-    if isinstance(workload, pd.DataFrame) and limit is not None:
-        df = df.head(limit)
+    if isinstance(workload, pd.DataFrame):
+        df = check_workload(workload, "workload (DataFrame)")
+        if limit is not None:
+            df = df.head(limit)
+    else:
+        df = load_workload(workload, limit=limit)
+    last = float(df.time.max())
+    if max_time is None and last / interval > MAX_IDLE_ROUNDS:
+        job = df.name.iloc[int(np.argmax(df.time.to_numpy(float)))]
+        raise ValueError(f"job {job!r} is submitted at time {last:g} s, {last / interval:.3g} "
+                         f"scheduling rounds of {interval:g} s after the start; the simulator runs at most "
+                         f"{MAX_IDLE_ROUNDS:.0e} (pass max_time, or check the workload's time column)")
     pol = get_policy(policy, **(policy_kwargs or {})) if isinstance(policy, str) else policy
     jobs = make_jobs(df, pol, restart_delay)
     for j in jobs:
