@@ -55,8 +55,9 @@ def test_report_renders_offline_in_chromium(tmp_path):
             assert rows.count() == len(ids)
             assert [rows.nth(i).get_attribute("data-id") for i in range(len(ids))] == ids
             for r in results:
-                status = page.locator(f"#claims tr[data-id='{r['id']}'] td").nth(5).inner_text()
-                assert status == ("PASS" if r["passed"] else "FAIL")
+                status = page.locator(f"#claims tr[data-id='{r['id']}'] td .verdict").inner_text()
+                assert status == {"reproduced": "reproduced", "reread": "reproduced only as re-read",
+                                  "not_reproduced": "not reproduced"}[r["status"]]
             assert f"of {len(ids)} claims reproduced" in page.locator("#counts").inner_text()
             # each figure drew its data: plotly title text and at least one trace
             for rid in ids:

@@ -30,14 +30,19 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    import json
+    import textwrap
+
     from elasticlab import repro
     from elasticlab.repro.registry import load
 
     if args.list:
         problems = {m: e for m, e in load().items() if e}
         for r in repro.all_reproductions():
-            flags = "".join((" [slow]" if r.slow else "", " [timed]" if r.timed else ""))
-            print(f"{r.id:8s} {r.claim[:90]}{flags}")
+            flags = "".join((" [slow]" if r.slow else "", " [timed]" if r.timed else "",
+                             " [re-read]" if r.reread else ""))
+            print("\n".join(textwrap.wrap(r.claim + flags, 100, initial_indent=f"{r.id:8s} ",
+                                           subsequent_indent=" " * 9)))
         for k, why in repro.registry.NOT_REPRODUCED.items():
             print(f"{k:8s} (not reproduced yet) {why}")
         for m, e in problems.items():
@@ -65,16 +70,23 @@ def run(args) -> int:
         return 2
     mode = "quick" if args.quick else "full"
     print(f"running {len(reps)} reproductions ({mode}) -> {args.out}", flush=True)
-    if args.quick:
-        left = [r.id for r in repro.select(args.only) if r not in reps]
-        if left:
-            print(f"left out of the quick run (slow, no quick version): {', '.join(left)}", flush=True)
+    left = [r for r in repro.select(args.only) if r not in reps] if args.quick else []
+    if left:
+        print(f"left out of the quick run (slow, no quick version): {', '.join(r.id for r in left)}",
+              flush=True)
     results = repro.run_all(reps, quick=args.quick, progress=True)
-    paths = repro.write_report(results, args.out, quick=args.quick)
-    print(repro.summary_table(results))
+    paths = repro.write_report(results, args.out, quick=args.quick, skipped=left)
+    print(repro.summary_table(results, skipped=left))
     failed = [r for r in results if not r.passed]
     for r in failed:
         why = r.error.splitlines()[-1] if r.error else r.summary
         print(f"FAILED {r.id}: {why}\n       target: {r.target}")
     print(f"report: {paths['html']}\nresults: {paths['json']}")
+    by = {s: [r.id for r in results if r.status == s] for s in ("reproduced", "reread", "not_reproduced")}
+    print("RESULT " + json.dumps({
+        "mode": mode, "claims": len(results), "reproduced": len(by["reproduced"]),
+        "reread": by["reread"], "not_reproduced": by["not_reproduced"], "skipped": [r.id for r in left],
+        "errors": [r.id for r in results if r.error], "seconds": round(sum(r.seconds for r in results), 2),
+        "report": str(paths["html"]), "results": str(paths["json"]),
+    }), flush=True)
     return 1 if (failed and args.strict) else 0

@@ -230,6 +230,8 @@ def p4_t2(quick: bool) -> Outcome:
     "K in {1, 2, 4, 8, 16}; "
     "M*(phi ~ 0, K = 1) = M0",
     needs=("elasticlab.goodput",),
+    reread="the phi grid stops at 1e4, knowing that at phi = 1e5 the chosen batch on 1 GPU (762) exceeds the "
+    "one on 2 GPUs (484), the forced accumulation step on one GPU (batch_choice's docstring)",
 )
 def p4_t3(quick: bool) -> Outcome:
     r = batch_choice()
@@ -331,6 +333,8 @@ def small_cluster_scheduling(
     target="4 nodes x 4 GPUs, 30 jobs (16 quick) from workload-6's applications, Poisson arrivals: "
     "JCT(Pollux objective) < JCT(Optimus-like) < JCT(Tiresias-like), Pollux at least 20% below Tiresias",
     needs=("elasticlab.sim",),
+    reread="papers.md's setup is 30 synthetic jobs (known theta_sys, phi growing 10x over training, Poisson "
+    "arrivals); these are jobs of the Pollux artifact's traced applications (workload-6), 16 in quick mode",
 )
 def p4_t5(quick: bool) -> Outcome:
     r = small_cluster_scheduling(n_jobs=16 if quick else 30)

@@ -34,7 +34,25 @@ __all__ = [
     "run_one",
     "run_all",
     "to_jsonable",
+    "STATUSES",
+    "status_of",
 ]
+
+#: The three verdicts a run of a claim can have: passed as the target is written; passed only under a
+#: reading of the target or a setup that differs from papers.md or was chosen after seeing results (the
+#: claim's ``reread`` says how); not passed.
+STATUSES = {
+    "reproduced": "reproduced",
+    "reread": "reproduced only as re-read",
+    "not_reproduced": "not reproduced",
+}
+
+
+def status_of(passed: bool, reread: str | None) -> str:
+    """A key of :data:`STATUSES`."""
+    if not passed:
+        return "not_reproduced"
+    return "reread" if reread else "reproduced"
 
 #: Short citations of the papers, keyed by the prefix of a claim id.
 PAPERS = {
@@ -84,7 +102,10 @@ class Reproduction:
 
     ``slow``: no quick version exists (e.g. a whole simulated workload): quick runs leave it out unless it
     is named explicitly. ``timed``: the verdict depends on wall-clock timings, so it is only as good as
-    the machine is quiet (the test suite checks that it runs, the report shows the verdict)."""
+    the machine is quiet (the test suite checks that it runs, the report shows the verdict).
+    ``reread``: why a pass of this claim is only a pass as re-read -- the criterion it checks is a reading
+    of the written target, or its setup differs from papers.md or was chosen after seeing results; the
+    report then says "reproduced only as re-read" with this reason, never plain "reproduced"."""
 
     id: str
     paper: str
@@ -94,6 +115,7 @@ class Reproduction:
     needs: tuple[str, ...] = ()
     slow: bool = False
     timed: bool = False
+    reread: str | None = None
 
     def run(self, quick: bool = False) -> Outcome:
         out = self.fn(bool(quick))
@@ -118,6 +140,12 @@ class Result:
     error: str | None = None
     figure: Any = field(default=None, repr=False)
     timed: bool = False
+    reread: str | None = None
+
+    @property
+    def status(self) -> str:
+        """``reproduced``, ``reread`` or ``not_reproduced`` (:data:`STATUSES`)."""
+        return status_of(self.passed, self.reread)
 
     def to_json(self) -> dict:
         """The JSON record of ``results.json`` (the figure is left out; it lives in ``report.html``)."""
@@ -128,6 +156,8 @@ class Result:
             "target": self.target,
             "measured": to_jsonable(self.measured),
             "passed": bool(self.passed),
+            "status": self.status,
+            "reread": self.reread,
             "summary": self.summary,
             "seconds": round(float(self.seconds), 3),
             "quick": self.quick,
@@ -163,12 +193,13 @@ def reproduction(
     needs: tuple[str, ...] = (),
     slow: bool = False,
     timed: bool = False,
+    reread: str | None = None,
 ):
     """Decorator registering ``fn(quick) -> Outcome`` as the reproduction of one claim.
 
     ``paper`` defaults to the citation of the id's prefix in :data:`PAPERS`; ``needs`` names the
-    modules the experiment imports (listed by ``elasticlab reproduce --list``); ``slow`` and ``timed``:
-    see :class:`Reproduction`."""
+    modules the experiment imports (listed by ``elasticlab reproduce --list``); ``slow``, ``timed`` and
+    ``reread``: see :class:`Reproduction`."""
 
     def wrap(fn):
         prefix = id.split("-", 1)[0]
@@ -182,6 +213,7 @@ def reproduction(
                 needs=tuple(needs),
                 slow=slow,
                 timed=timed,
+                reread=reread,
             )
         )
         return fn
@@ -271,6 +303,7 @@ def run_one(rep: Reproduction, quick: bool = False) -> Result:
         error=err,
         figure=out.figure,
         timed=rep.timed,
+        reread=rep.reread,
     )
 
 
