@@ -162,3 +162,22 @@ def test_allocation_and_simulation_panels_render(tmp_path):
         page.wait_for_function(
             "(b) => document.querySelector('.elasticlab-allocation-explorer .elasticlab-alloc-totals')"
             ".innerText !== b", arg=before, timeout=60_000)
+        # capacity 6 (the slider's minimum, one GPU per job; not a multiple of the 4-GPU node): no method
+        # may use more GPUs than that (the baselines used to round up to whole nodes: 8 GPUs)
+        handle.press("Home")
+        page.wait_for_function(
+            "() => document.querySelector('.elasticlab-allocation-explorer .elasticlab-capacity')"
+            ".innerText.trim().endsWith('6')", timeout=60_000)
+        page.wait_for_function(
+            "() => document.querySelector('.elasticlab-allocation-explorer').textContent.includes('(6 GPUs')",
+            timeout=120_000)
+        rows = box.locator(".elasticlab-alloc-totals table tr")
+        head = [c.strip() for c in rows.nth(0).locator("th").all_inner_texts()]
+        gpus = {}
+        for i in range(1, rows.count()):
+            cells = [c.strip() for c in rows.nth(i).locator("td").all_inner_texts()]
+            gpus[cells[head.index("method")]] = int(cells[head.index("gpus")])
+        assert {"dp", "gpu-elastic", "optimus"} <= set(gpus), gpus
+        assert all(g <= 6 for g in gpus.values()), f"methods over the capacity of 6 GPUs: {gpus}"
+        box.screenshot(path=str(SHOTS / "allocation_explorer_capacity6.png"), timeout=120_000,
+                       animations="disabled")
