@@ -30,7 +30,7 @@ if HAS_TRITON:
     @triton.jit
     def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
@@ -52,9 +52,11 @@ if HAS_TRITON:
                              mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # a_b tile (BK, BN)
                 acc = tl.dot(dt, at, acc)
             tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
-            gacc += acc
-        g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
-        tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
+            if WITH_GRAD:
+                gacc += acc
+        if WITH_GRAD:                                        # norms only: no gradient buffer at all
+            g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
+            tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 # Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
@@ -102,7 +104,9 @@ def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int]:
 
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
     """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
-    ``config``: (BM, BN, BK, num_warps, num_stages) instead of :func:`_config`'s (for tuning sweeps)."""
+    ``config``: (BM, BN, BK, num_warps, num_stages) instead of :func:`_config`'s (for tuning sweeps).
+    With ``with_grad=False`` no gradient buffer is allocated and the kernel stores no gradient tile (the
+    partial-norm buffer, B × tiles floats, is all it writes)."""
     B, T, Din = a.shape
     Dout = d.shape[2]
     if B == 0 or T == 0 or Din == 0 or Dout == 0:
@@ -112,10 +116,12 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
     split = max(1, min(B, (2 * _sm_count(a.device)) // tiles))     # enough programs for two per SM
     partial = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
-    grad = torch.empty(split, Dout, Din, device=a.device, dtype=torch.float32)
+    # norms only: the kernel never touches grad_ptr (WITH_GRAD is a compile-time constant), so it gets the
+    # partial buffer as a placeholder
+    grad = torch.empty(split, Dout, Din, device=a.device, dtype=torch.float32) if with_grad else partial
     launch = _outer_norms_kernel[(tiles, split)]
     args = (a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split)
-    meta = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), num_warps=warps, num_stages=stages)
     if a.device.index is None or a.device.index == torch.cuda.current_device():
         launch(*args, **meta)
     else:
