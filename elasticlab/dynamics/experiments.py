@@ -361,7 +361,7 @@ def p3_t8_pockets(details: bool = False) -> dict:
         "median_first_flip_steps": float(np.median(t_meas[np.isfinite(t_meas)])),
         "window_steps": float(np.min(t_meas)),
         "window_estimate_steps": float(np.min(t_hat)),
-        "mask_change_final": float(np.mean(t_meas <= tr.steps[-1])),
+        "examples_flipped_fraction": float(np.mean(t_meas <= tr.steps[-1])),
     }
     # (B) one pocket: Saxe's inputs √d·e_μ, W_1 ≥ 0 at the start
     lr_b, steps_b = 5e-3, 4000
