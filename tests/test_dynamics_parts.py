@@ -365,3 +365,25 @@ def test_detect_phases_skips_shrinking_stretches():
     ph = D.detect_phases(t, y)
     assert ph.n_bursts == 1
     assert abs(ph.bursts[0].t_peak - 1.0) < 0.05 and ph.bursts[0].rise > 4
+
+
+def test_unbalanced_mode_converges_off_balance():
+    """theory/03 §3.1, perturbation around the aligned solution: an aligned but unbalanced two-layer start
+    (per mode b² − a² = c ≠ 0) converges to a² = (√(c² + 4s²) − c)/2, b² = a² + c — off the balanced √s by
+    first order in c — and a² + b² − 2s = √(c² + 4s²) − 2s is second order."""
+    task = D.saxe_task((3.0, 1.0), seed=4)
+    a0, b0 = np.array([0.1, 0.05]), np.array([0.3, 0.2])
+    W1 = (task.V * a0).T                                  # hidden basis = modes
+    W2 = task.U * b0
+    net = D.MLP.from_weights([W1, W2], slope=1.0)
+    tr = D.train(net, task.X, task.Y, 1e-3, 40000, record_every=40000)
+    w1, w2 = tr.weights[0][-1], tr.weights[1][-1]
+    a2 = np.sum((w1 @ task.V) ** 2, axis=0)
+    b2 = np.sum((task.U.T @ w2) ** 2, axis=1)
+    c = b0 ** 2 - a0 ** 2
+    s = task.s
+    pred = (np.sqrt(c ** 2 + 4 * s ** 2) - c) / 2
+    assert np.allclose(a2, pred, rtol=1e-3)
+    assert np.allclose(b2, pred + c, rtol=1e-3)
+    assert np.all(np.abs(a2 - s) > 0.3 * c)               # first order off balance: a² ≈ s − c/2
+    assert np.allclose(a2 + b2 - 2 * s, np.sqrt(c ** 2 + 4 * s ** 2) - 2 * s, atol=1e-4)
