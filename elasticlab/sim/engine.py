@@ -77,8 +77,9 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
     if max_time is None and last / interval > MAX_IDLE_ROUNDS:
         job = df.name.iloc[int(np.argmax(df.time.to_numpy(float)))]
         raise ValueError(f"job {job!r} is submitted at time {last:g} s, {last / interval:.3g} "
-                         f"scheduling rounds of {interval:g} s after the start; the simulator runs at most "
-                         f"{MAX_IDLE_ROUNDS:.0e} (pass max_time, or check the workload's time column)")
+                         f"scheduling rounds of {interval:g} s after the start; a workload may span at most "
+                         f"{MAX_IDLE_ROUNDS:.0e} rounds before its last submission (check its time column, "
+                         f"or pass max_time to cut the run)")
     pol = get_policy(policy, **(policy_kwargs or {})) if isinstance(policy, str) else policy
     jobs = make_jobs(df, pol, restart_delay)
     for j in jobs:
