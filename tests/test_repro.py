@@ -17,7 +17,11 @@ REPS = repro.all_reproductions()
 IDS = [r.id for r in REPS]
 # claims that do not reproduce today, with the reason; the report shows them as not reproduced, pytest as
 # xfail
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    "P3-T9": "criterion (c), the bias identity within bound (3.3), fails as written for ReLU+bias at "
+             "depth 4, width 8: gradient descent oscillates there (the loss rises on 1671 of 8000 steps), "
+             "which breaks the bound's premise; the target is left as written (theory/03 §3.3, Measured)",
+}
 
 
 def _marks(r):
