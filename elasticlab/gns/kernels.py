@@ -127,7 +127,10 @@ def row_sq(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
     if x.dim() < 1:
         raise ValueError("row_sq: expected a tensor with a batch dimension, got a 0-d tensor")
     op = _op("row_sq_norms", x, use_kernel)
-    return op(_plain(x)) if op is not None else row_sq_ref(x)
+    if op is None:
+        return row_sq_ref(x)
+    # no detach where grad mode is off (inside the fused forwards and backwards): no graph is built there
+    return op(x.detach() if x.requires_grad and torch.is_grad_enabled() else x)
 
 
 def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:

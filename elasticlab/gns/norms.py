@@ -58,6 +58,7 @@ class _Slot:
         """Keeps the norms as the backward made them (no launch here: the B² of a mean-reduced loss and the
         loss scale are applied when they are read, one multiply per layer)."""
         self.batch = batch
+        self.owner._layer_cache = None
         for pname, v in norms.items():
             if pname in self.need:
                 self.norms[pname] = v if not v.requires_grad else v.detach()
@@ -117,11 +118,14 @@ class PerSampleGradNorms:
                 self._slots.append(_Slot(self, name, mod, rule, covered))
         self._handles: list = []
         self._probes: list = []                           # this step's one-shot hooks on unrun modules
+        self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
+        self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
     def _begin_step(self, *_):
+        self._layer_cache = None
         for s in self._slots:
             s.calls, s.norms = 0, {}
             if s.touched:
@@ -190,12 +194,30 @@ class PerSampleGradNorms:
             return torch.tensor(float(sc.get_scale()), dtype=torch.float64)
         return t.detach().clone()
 
-    def _finish(self, v: torch.Tensor, slot: _Slot) -> torch.Tensor:
-        """Recorded norms → ‖∇θ ℓ_i‖²: times B² for a mean-reduced loss, divided by the squared loss scale."""
-        f = slot.factor()
-        if self._scale is None:
-            return v * f if f != 1.0 else v
-        return v * (f / self._scale.to(device=v.device, dtype=v.dtype) ** 2)
+    def _finish(self, vals: list[torch.Tensor], slots: list[_Slot]) -> list[torch.Tensor]:
+        """Recorded norms → ‖∇θ ℓ_i‖²: times f = B² for a mean-reduced loss (1 for a summed one), divided by
+        the squared loss scale. One ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per
+        layer; each element gets the same multiply as ``v * f`` (``v * (f / scale²)``) would give it."""
+        out: list[torch.Tensor | None] = list(vals)
+        groups: dict[tuple, list[int]] = {}
+        for i, (v, s) in enumerate(zip(vals, slots)):
+            f = s.factor()
+            if f != 1.0 or self._scale is not None:
+                groups.setdefault((f, v.dtype, v.device), []).append(i)
+        for (f, dtype, device), idx in groups.items():
+            if self._scale is not None:
+                fac = f / self._scale.to(device=device, dtype=dtype) ** 2
+            elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
+                # a 0-dim tensor of the norms' dtype: the multiply a Python float gets, without wrapping
+                # and converting the number again for every tensor
+                fac = self._factors.get((f, dtype))
+                if fac is None:
+                    fac = self._factors[(f, dtype)] = torch.tensor(f, dtype=dtype)
+            else:
+                fac = f
+            for i, r in zip(idx, torch._foreach_mul([vals[i] for i in idx], fac)):
+                out[i] = r
+        return out
 
     def _grads_unscaled(self) -> bool:
         """Whether the scaler has already unscaled the optimizer's gradients this step (``unscale_``)."""
@@ -252,24 +274,31 @@ class PerSampleGradNorms:
     def param_sq_norms(self) -> dict[str, torch.Tensor]:
         """{parameter name: (B,)} per-example squared gradient norms of the last backward."""
         self._check_coverage()
-        out = {}
+        names, vals, slots = [], [], []
         for s in self._slots:
             for pname, v in s.norms.items():
-                out[f"{s.name}.{pname}" if s.name else pname] = self._finish(v, s)
-        return out
+                names.append(s.full(pname))
+                vals.append(v)
+                slots.append(s)
+        return dict(zip(names, self._finish(vals, slots)))
 
     def layer_sq_norms(self) -> dict[str, torch.Tensor]:
         """{module name: (B,)}: per-example squared norms of each module's own trainable parameters."""
         self._check_coverage()
-        out = {}
-        for s in self._slots:
-            if s.norms:
-                vals = list(s.norms.values())
-                total = vals[0]
-                for v in vals[1:]:
-                    total = total + v
-                out[s.name] = self._finish(total, s)
-        return out
+        if self._layer_cache is None:
+            slots = [s for s in self._slots if s.norms]
+            per = [list(s.norms.values()) for s in slots]
+            totals = [v[0] for v in per]
+            k = 1
+            while True:           # Σ of each layer's parameters, in order: one _foreach_add per position
+                idx = [i for i, v in enumerate(per) if len(v) > k]
+                if not idx:
+                    break
+                for i, r in zip(idx, torch._foreach_add([totals[i] for i in idx], [per[i][k] for i in idx])):
+                    totals[i] = r
+                k += 1
+            self._layer_cache = dict(zip((s.name for s in slots), self._finish(totals, slots)))
+        return dict(self._layer_cache)
 
     def sq_norms(self) -> torch.Tensor:
         """(B,) per-example ‖∇θ ℓ_i‖² over all covered trainable parameters, of the last backward."""
@@ -290,24 +319,40 @@ class PerSampleGradNorms:
                 "batch (a positional embedding on arange(T)) only sees the batch-summed gradient: expand its "
                 "input over the batch, e.g. pos.unsqueeze(0).expand(B, -1)")
         vals = list(layers.values())
-        total = vals[0].clone()
-        for v in vals[1:]:
+        same = len(vals) > 1 and vals[1].dtype == vals[0].dtype and vals[1].device == vals[0].device
+        total = vals[0] + vals[1] if same else vals[0].clone()      # = clone then += (no extra copy)
+        for v in vals[1 + same:]:
             total += v
         return total
 
-    def grad_sq_norm(self, batch_size: int | None = None) -> float:
-        """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
-        batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
-        ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
-        lost = self._check_coverage()
-        total = 0.0
+    def _grad_sq_sums(self, lost) -> list[list[float]]:
+        """Per slot, Σ g² in float64 of each needed parameter's ``.grad`` (those with one, not left out):
+        all reduced on their devices, then read in one host transfer per device (not one per parameter)."""
+        sums: list[list[torch.Tensor]] = []
         for s in self._slots:
+            row = []
             for pname in s.need:
                 if lost and (id(s), pname) in lost:
                     continue
                 p = getattr(s.module, pname)
                 if p is not None and p.grad is not None:
-                    total += float(p.grad.detach().double().pow(2).sum())
+                    row.append(p.grad.detach().double().pow(2).sum())
+            sums.append(row)
+        by_dev: dict[torch.device, list[torch.Tensor]] = {}
+        for row in sums:
+            for t in row:
+                by_dev.setdefault(t.device, []).append(t)
+        read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
+        return [[next(read[t.device]) for t in row] for row in sums]
+
+    def grad_sq_norm(self, batch_size: int | None = None) -> float:
+        """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
+        batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
+        ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
+        total = 0.0
+        for row in self._grad_sq_sums(self._check_coverage()):
+            for v in row:
+                total += v
         total /= self._grad_scale_sq()
         if self.loss_reduction == "sum":
             if batch_size is None:
@@ -326,15 +371,10 @@ class PerSampleGradNorms:
         div = self._grad_scale_sq()
         if self.loss_reduction == "sum":
             div *= float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
-        lost = self._check_coverage()
         out = {}
-        for s in self._slots:
+        for s, row in zip(self._slots, self._grad_sq_sums(self._check_coverage())):
             tot = 0.0
-            for pname in s.need:
-                if lost and (id(s), pname) in lost:
-                    continue
-                p = getattr(s.module, pname)
-                if p is not None and p.grad is not None:
-                    tot += float(p.grad.detach().double().pow(2).sum())
+            for v in row:
+                tot += v
             out[s.name] = tot / div
         return out

@@ -1,0 +1,163 @@
+"""Host (Python) overhead of per-example gradient norms on small steps, where kernels are cheap.
+
+Two stacks of 24 layers with tiny batches, so that a step is dominated by per-layer dispatch rather than
+arithmetic: ``mlp24`` (24 × Linear(D, D) + tanh on (B, D) inputs: the product-of-norms path) and ``seq24``
+(24 × LayerNorm → Linear → GELU on (B, T, D): LayerNorm's rule and the sequence Linear). Methods, timed
+interleaved in the same run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``, fused
+backward, ``sq_norms()`` read each step) and ``psgn-hooks`` (hooks only). Each round times ``--steps`` steps
+of one method, by the CPU time of the calling thread (``time.thread_time``: with one intra-op thread the
+forward, the backward and the kernels all run there, and other processes on a shared machine barely move
+it; ``--clock wall`` for wall time); the minimum over ``--rounds`` rounds of the mean step is reported (the
+median too, as ``*_med``), with the ratio to plain and the extra microseconds per layer ((psgn − plain) /
+24). ``--profile``: cProfile of ``psgn`` steps, the top
+functions by own time. Last line: ``RESULT {json}``.
+
+    python benchmarks/bench_psgnorm_overhead.py [--rounds 15] [--steps 30] [--threads 1]
+        [--clock thread|wall] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms
+
+LAYERS = 24
+
+
+class MLP(nn.Module):
+    def __init__(self, D: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(LAYERS))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+class SeqStack(nn.Module):
+    def __init__(self, D: int):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(LAYERS))
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(LAYERS))
+
+    def forward(self, x):
+        for ln, lin in zip(self.norms, self.lins):
+            x = torch.nn.functional.gelu(lin(ln(x)))
+        return x
+
+
+def workload(name: str):
+    torch.manual_seed(0)
+    if name == "mlp24":
+        return MLP(32), torch.randn(4, 32)
+    if name == "seq24":
+        return SeqStack(32), torch.randn(2, 8, 32)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def make_step(method: str, model: nn.Module, x: torch.Tensor):
+    """A closure running one step; ``.close()`` leaves the context of the psgn methods."""
+    if method == "plain":
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+        step.close = lambda: None
+        return step
+    if method not in ("psgn", "psgn-hooks"):
+        raise ValueError(f"unknown method {method!r}")
+    ctx = PerSampleGradNorms(model, fused=method == "psgn").__enter__()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        return ctx.sq_norms()
+    step.close = lambda: ctx.__exit__(None, None, None)
+    return step
+
+
+def time_workload(name: str, methods, rounds: int, steps: int, clock=time.thread_time) -> dict:
+    model, x = workload(name)
+    per: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(rounds + 1):             # round 0 is the warm-up
+        for m in methods:                   # a psgn method's context is entered for its own round only
+            step = make_step(m, model, x)
+            try:
+                for _ in range(5):
+                    step()
+                t0 = clock()
+                for _ in range(steps):
+                    step()
+                dt = (clock() - t0) / steps
+            finally:
+                step.close()
+            if r:
+                per[m].append(dt)
+    best = {m: min(v) for m, v in per.items()}
+    med = {m: statistics.median(v) for m, v in per.items()}
+    out = {"plain_us": round(best["plain"] * 1e6, 1), "plain_us_med": round(med["plain"] * 1e6, 1)}
+    for m in methods:
+        if m == "plain":
+            continue
+        out[m] = {"us": round(best[m] * 1e6, 1), "ratio": round(best[m] / best["plain"], 3),
+                  "extra_us_per_layer": round((best[m] - best["plain"]) * 1e6 / LAYERS, 2),
+                  "ratio_med": round(med[m] / med["plain"], 3)}
+    return out
+
+
+def profile(name: str, steps: int, top: int) -> None:
+    model, x = workload(name)
+    step = make_step("psgn", model, x)
+    for _ in range(10):
+        step()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    pr.disable()
+    step.close()
+    print(f"---- cProfile of {steps} psgn steps of {name} (top {top} by own time)")
+    pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="mlp24,seq24")
+    ap.add_argument("--methods", default="plain,psgn,psgn-hooks")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    methods = [m for m in args.methods.split(",") if m]
+    if "plain" not in methods:
+        methods.insert(0, "plain")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    res = {"threads": args.threads, "clock": args.clock, "torch": torch.__version__, "layers": LAYERS,
+           "workloads": {}}
+    for name in args.workloads.split(","):
+        r = time_workload(name, methods, args.rounds, args.steps, clock)
+        res["workloads"][name] = r
+        line = "  ".join(f"{m} {r[m]['us']:.0f} us ({r[m]['ratio']:.2f}x, median {r[m]['ratio_med']:.2f}x; "
+                         f"+{r[m]['extra_us_per_layer']:.1f} us/layer)" for m in methods if m != "plain")
+        print(f"{name}: plain {r['plain_us']:.0f} us  {line}", flush=True)
+        if args.profile:
+            profile(name, args.steps, args.top)
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
