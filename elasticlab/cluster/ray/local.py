@@ -1,0 +1,137 @@
+"""A Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), for tests, the benchmark
+and the notebook: each node a raylet of its own with ``slots`` of the slot resource.
+
+A raylet waits a fixed 15 s for each port its Python helper agent reports at start-up and aborts when a
+busy machine makes the agent miss it. Here every node's agent ports are chosen before it starts and given to
+its raylet too (Ray passes three of them; the fourth, the agent's HTTP port, is added to the raylet's
+command line by :func:`_agent_ports_given`), so no raylet waits for a port file; a node start that fails
+all the same is tried again (``attempts`` times), after ending the processes it left behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import time
+
+
+def _check(**values) -> None:
+    for name, (v, lo) in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def local_cluster(nodes: int = 3, slots: int = 2, *, resource: str = "slot", num_cpus: int = 0,
+                  attempts: int = 5, connect: bool = True):
+    """Start ``nodes`` Ray nodes with ``slots`` of ``resource`` each and ``num_cpus`` CPUs (the jobs' actors
+    ask for none; 0 also spares a prestarted Ray worker per node); ``connect``: ``ray.init`` the driver to
+    it. Returns the ``Cluster`` (``remove_node``, ``shutdown``; its nodes in ``list_all_nodes()``)."""
+    _check(nodes=(nodes, 1), slots=(slots, 1), num_cpus=(num_cpus, 0), attempts=(attempts, 1))
+    import ray
+    from ray.cluster_utils import Cluster
+
+    args = {"num_cpus": num_cpus, "resources": {resource: slots}}
+    cluster = None
+    for k in range(attempts):  # the head node (GCS and the first raylet)
+        before = _children()
+        try:
+            with _agent_ports_given():
+                cluster = Cluster(initialize_head=True, head_node_args={**args, **_ports(),
+                                                                        "include_dashboard": False})
+            break
+        except Exception as e:  # a raylet that missed its agents' start-up window: start again
+            _end_new(before)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if k == attempts - 1:
+                raise RuntimeError(f"could not start a Ray head node in {attempts} attempts: {e!r}") from e
+            time.sleep(1.0 + k)
+    try:
+        for _ in range(nodes - 1):
+            add_node(cluster, slots, resource=resource, num_cpus=num_cpus, attempts=attempts)
+        if connect:
+            ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
+    except BaseException:
+        shutdown(cluster)
+        raise
+    return cluster
+
+
+def add_node(cluster, slots: int = 2, *, resource: str = "slot", num_cpus: int = 0, attempts: int = 5):
+    """Add one node of ``slots`` to ``cluster`` (tried ``attempts`` times); returns it."""
+    _check(slots=(slots, 1), num_cpus=(num_cpus, 0), attempts=(attempts, 1))
+    for k in range(attempts):
+        before = _children()
+        try:
+            with _agent_ports_given():
+                node = cluster.add_node(num_cpus=num_cpus, resources={resource: slots}, **_ports())
+            cluster.wait_for_nodes()
+            return node
+        except Exception as e:
+            _end_new(before)
+            if k == attempts - 1:
+                raise RuntimeError(f"could not add a Ray node in {attempts} attempts: {e!r}") from e
+            time.sleep(1.0 + k)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ports() -> dict:
+    """A node's agent ports, chosen now (free at this moment) instead of by the agents at start-up."""
+    names = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
+             "runtime_env_agent_port")
+    return {k: _free_port() for k in names}
+
+
+@contextlib.contextmanager
+def _agent_ports_given():
+    """While nodes start: give each raylet its agent's HTTP port (``--dashboard_agent_listen_port``, which
+    Ray's launcher leaves out), read from the agent command the raylet is given."""
+    from ray._private import services
+
+    start = services.start_ray_process
+
+    def start_with_port(command, process_type, *args, **kwargs):
+        if process_type == "raylet":
+            for arg in command:
+                m = re.search(r"--listen-port=(\d+)", arg) if arg.startswith("--dashboard_agent_command=") \
+                    else None
+                if m and int(m.group(1)) > 0:
+                    command = [*command, f"--dashboard_agent_listen_port={m.group(1)}"]
+                    break
+        return start(command, process_type, *args, **kwargs)
+
+    services.start_ray_process = start_with_port
+    try:
+        yield
+    finally:
+        services.start_ray_process = start
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _end_new(before: set[int]) -> None:
+    """End the processes a failed node start left behind: this process's children that are new since
+    ``before`` (a head's GCS, a raylet's agents), by pid."""
+    import psutil
+
+    for pid in _children() - before:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+
+
+def shutdown(cluster) -> None:
+    """Disconnect the driver and end every node of ``cluster`` (their workers and actors end with them)."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    cluster.shutdown()

@@ -1,0 +1,140 @@
+"""The autoscaler on Ray: a 3-node ``ray.cluster_utils.Cluster`` (2 slots each, the custom resource ``slot``)
+runs three small real jobs under the goodput policy; a node is removed while they train.
+
+Skipped when Ray is not installed (the ``ray`` extra). The jobs are the digits jobs of
+``examples/cluster_jobs.py`` at two epochs each, so that the module stays within a few minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from elasticlab.cluster import JobSpec  # noqa: E402
+from elasticlab.cluster.experiments import examples_path  # noqa: E402
+from elasticlab.cluster.ray import RayCluster, RayJob  # noqa: E402
+from elasticlab.cluster.ray.gang import Gang  # noqa: E402
+from elasticlab.cluster.ray.local import local_cluster, shutdown  # noqa: E402
+
+EX = examples_path()
+
+
+def _actor_processes() -> list:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any("RayWorker" in c for c in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_gang_keeps_the_workers_on_the_planned_nodes_and_starts_the_rest_there():
+    g = Gang("j", "slot", f"{EX}:comm_bound", {}, {})
+    g.workers.update({0: {"node": "A"}, 1: {"node": "B"}, 2: {"node": "B"}})
+    assert g.choose(2, ["B", "C"]) == ([1], ["C"])
+    assert g.choose(3, ["A", "B", "B"]) == ([0, 1, 2], [])
+    assert g.choose(4, ["C", "C", "A", "A"]) == ([0], ["C", "C", "A"])
+    # no plan for this size (or none at all): keep the first live workers, Ray places the rest
+    assert g.choose(2, ["A"]) == ([0, 1], [])
+    assert g.choose(5, None) == ([0, 1, 2], [None, None])
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
+        RayJob(f"{EX}:comm_bound", workers=0, checkpoint_dir="/tmp", global_batch=32)
+    with pytest.raises(ValueError, match="resource must name a Ray resource"):
+        RayJob(f"{EX}:comm_bound", workers=1, checkpoint_dir="/tmp", global_batch=32, resource="")
+    with pytest.raises(ValueError, match="nodes must be an integer >= 1, got 0"):
+        local_cluster(0)
+
+
+def _kinds(events) -> list:
+    return [(round(e["t"], 1), e["kind"], e.get("job"), e.get("step"), e.get("world_size")) for e in events]
+
+
+def _replayed_steps(path: str) -> int:
+    """Steps that two generations recorded (rolled back by a fault and run again)."""
+    gens = defaultdict(set)
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            gens[r["step"]].add(r["generation"])
+    return sum(1 for g in gens.values() if len(g) > 1)
+
+
+@pytest.mark.timeout(900)
+def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(tmp_path):
+    """Three jobs under the goodput policy on 3 nodes x 2 slots; once a job trains on a worker node, that
+    node is removed. Every job finishes; the cluster sees 4 slots on 2 nodes; the job on the lost node
+    resumed from its checkpoint, and its sample record is exactly-once per epoch except the replayed steps,
+    which are as many as it counted. Afterwards no actor is left and every slot is free."""
+    cluster = local_cluster(3, 2)
+    cl = None
+    try:
+        head = ray.get_runtime_context().get_node_id()
+        cl = RayCluster("goodput", interval=1.0, workdir=str(tmp_path), job_kwargs={"fault_grace_s": 3.0})
+        assert cl.shape().num_nodes == 3 and cl.slots == 6
+        # a slower emulated device (a sleep per micro-batch): the jobs still train when the node goes
+        common = {"record_samples": True, "checkpoint_every": 10, "lr_rule": "adascale", "epochs": 2,
+                  "entry_kwargs": {"step_s": 0.08}}
+        cl.submit(JobSpec(f"{EX}:comm_bound", name="comm", max_batch=128, per_slot_batch=(4, 128), **common))
+        cl.submit(JobSpec(f"{EX}:compute_bound", name="compute", max_batch=128, per_slot_batch=(4, 64),
+                          **common))
+        cl.submit(JobSpec(f"{EX}:gns_growing", name="gns", max_batch=256, per_slot_batch=(4, 128),
+                          **common))
+        cl.start()
+        victim, end = None, time.monotonic() + 400
+        while victim is None:  # a worker node where a job has trained past its first checkpoint
+            assert time.monotonic() < end, cl.jobs()
+            for n in cl.nodes():
+                if n["node_id"] != head and any(cl.job(j).status()["step"] > 12 for j in n["jobs"]):
+                    victim, on_it = n["node_id"], sorted(n["jobs"])
+                    break
+            time.sleep(0.2)
+        node = next(x for x in cluster.list_all_nodes() if x.node_id == victim)
+        t_kill = cl.now()
+        cluster.remove_node(node, allow_graceful=False)
+        assert cl.wait(timeout=500), cl.jobs()
+        s = cl.summary()
+        assert s["states"] == {"comm": "finished", "compute": "finished", "gns": "finished"}, s["errors"]
+        ev = cl.events()
+        assert any(e["kind"] == "node_lost" and e["node"] == victim for e in ev)
+        assert cl.slots == 4 and cl.shape().num_nodes == 2
+        assert any(e["kind"] in ("start", "resize") for e in ev)
+        faults = 0
+        for name in ("comm", "compute", "gns"):
+            st = cl.job(name).status()
+            rep = cl.sample_check(name)
+            assert rep["ok"], (name, {e: (len(v["missing"]), len(v["duplicates"]))
+                                      for e, v in rep["epochs"].items()})
+            assert all(v["complete"] for v in rep["epochs"].values())
+            assert _replayed_steps(st["record_samples"]) == st["lost_steps"], name
+            faults += st["faults"]
+            if name in on_it:
+                assert st["faults"] >= 1, (name, t_kill, _kinds(cl.job(name).events()), _kinds(ev))
+                kinds = [e["kind"] for e in cl.job(name).events()]
+                assert "fault" in kinds and "restart" in kinds
+        assert faults >= 1
+        print(f"JCT {s['jct']}, lost node hosted {on_it}, restart cost {s['restart_cost']['samples_s']}")
+    finally:
+        if cl is not None:
+            cl.stop()
+    # every actor ended with its job: all slots free again, no actor process left
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("slot", 0) < 4 or _actor_processes():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    try:
+        assert ray.available_resources().get("slot", 0) == 4
+        assert not _actor_processes()
+    finally:
+        shutdown(cluster)
