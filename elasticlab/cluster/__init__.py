@@ -19,8 +19,8 @@ from elasticlab.cluster.scheduler import Scheduler
 from elasticlab.cluster.spec import JobSpec
 from elasticlab.cluster.view import LiveJob
 
-__all__ = ["LocalCluster", "Scheduler", "RayCluster", "JobSpec", "LiveJob", "RestartCost", "measure_restart_cost", "EqualSharePolicy",
-           "make_policy", "policy_names", "batch_mode", "BATCH_MODE", "ADMISSION"]
+__all__ = ["LocalCluster", "Scheduler", "JobSpec", "LiveJob", "RestartCost", "measure_restart_cost",
+           "EqualSharePolicy", "make_policy", "policy_names", "batch_mode", "BATCH_MODE", "ADMISSION"]
 
 
 def __getattr__(name):  # ``BATCH_MODE`` is read from the policies when asked
