@@ -9,8 +9,10 @@ of one method, by the CPU time of the calling thread (``time.thread_time``: with
 forward, the backward and the kernels all run there, and other processes on a shared machine barely move
 it; ``--clock wall`` for wall time); the minimum over ``--rounds`` rounds of the mean step is reported (the
 median too, as ``*_med``), with the ratio to plain and the extra microseconds per layer ((psgn − plain) /
-24). ``--profile``: cProfile of ``psgn`` steps, the top
-functions by own time. Last line: ``RESULT {json}``.
+24). Timings on a loaded machine move by ±20%, so each workload also gets two deterministic counts per
+step and method: ATen operators dispatched (``torch.profiler``, CPU) and Python function calls
+(``cProfile``), under ``counts``. ``--profile``: cProfile of ``psgn`` steps, the top functions by own time.
+Last line: ``RESULT {json}``.
 
     python benchmarks/bench_psgnorm_overhead.py [--rounds 15] [--steps 30] [--threads 1]
         [--clock thread|wall] [--profile]
@@ -114,6 +116,33 @@ def time_workload(name: str, methods, rounds: int, steps: int, clock=time.thread
     return out
 
 
+def counts(name: str, methods, steps: int = 5) -> dict:
+    """{method: {"aten_ops", "py_calls"}} per step (deterministic, unlike the timings)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    out = {}
+    for m in methods:
+        model, x = workload(name)
+        step = make_step(m, model, x)
+        try:
+            for _ in range(3):
+                step()
+            with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    step()
+            ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(steps):
+                step()
+            pr.disable()
+            calls = sum(v[1] for v in pstats.Stats(pr).stats.values())
+        finally:
+            step.close()
+        out[m] = {"aten_ops": round(ops / steps), "py_calls": round(calls / steps)}
+    return out
+
+
 def profile(name: str, steps: int, top: int) -> None:
     model, x = workload(name)
     step = make_step("psgn", model, x)
@@ -149,10 +178,13 @@ def main(argv=None) -> int:
            "workloads": {}}
     for name in args.workloads.split(","):
         r = time_workload(name, methods, args.rounds, args.steps, clock)
+        r["counts"] = counts(name, methods)
         res["workloads"][name] = r
         line = "  ".join(f"{m} {r[m]['us']:.0f} us ({r[m]['ratio']:.2f}x, median {r[m]['ratio_med']:.2f}x; "
                          f"+{r[m]['extra_us_per_layer']:.1f} us/layer)" for m in methods if m != "plain")
         print(f"{name}: plain {r['plain_us']:.0f} us  {line}", flush=True)
+        print("   per step: " + "  ".join(f"{m} {c['aten_ops']} aten ops, {c['py_calls']} Python calls"
+                                         for m, c in r["counts"].items()), flush=True)
         if args.profile:
             profile(name, args.steps, args.top)
     print("RESULT " + json.dumps(res))

@@ -166,7 +166,9 @@ def layernorm_per_example(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, 
     op = _op("layernorm_per_example", x, use_kernel)
     if x.dtype != d.dtype:
         raise ValueError(f"layernorm_per_example: x and d must share a dtype, got {x.dtype} and {d.dtype}")
-    mean, rstd = mean.to(acc_dtype(x.dtype)), rstd.to(acc_dtype(x.dtype))
+    acc = acc_dtype(x.dtype)
+    if mean.dtype != acc or rstd.dtype != acc:                  # (no dispatch when they already are)
+        mean, rstd = mean.to(acc), rstd.to(acc)
     if op is None:
         return layernorm_per_example_ref(x, d, mean, rstd)
     return tuple(op(_plain(x), _plain(d), _plain(mean), _plain(rstd)))

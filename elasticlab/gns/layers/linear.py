@@ -52,10 +52,11 @@ class _LinearNorms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, slot, dtype):
         ctx.slot, ctx.dtypes = slot, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        xc, wc, bc = cast(x, dtype), cast(weight, dtype), cast(bias, dtype)
-        if dtype is None:
-            out = F.linear(xc, wc, bc)
+        if dtype is None:                                  # no autocast: no casts (the common case)
+            xc, wc = x, weight
+            out = F.linear(x, weight, bias)
         else:
+            xc, wc, bc = cast(x, dtype), cast(weight, dtype), cast(bias, dtype)
             with torch.autocast(x.device.type, enabled=False):
                 out = F.linear(xc, wc, bc)
         # ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it.
@@ -69,8 +70,11 @@ class _LinearNorms(torch.autograd.Function):
         x, w = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g = cast(g, x.dtype)
-        gx = cast(g.matmul(w), x_dtype) if need_x else None
+        if g.dtype != x.dtype:
+            g = g.to(x.dtype)
+        gx = g.matmul(w) if need_x else None
+        if gx is not None and gx.dtype != x_dtype:
+            gx = gx.to(x_dtype)
         gw = gb = None
         norms = {}
         B = x.shape[0]
@@ -96,7 +100,11 @@ class _LinearNorms(torch.autograd.Function):
                 gb = db.sum(0)
                 norms["bias"] = kernels.row_sq(db)
         ctx.slot.record(norms, B)
-        return gx, cast(gw, w_dtype), cast(gb, b_dtype), None, None
+        if gw is not None and gw.dtype != w_dtype:
+            gw = gw.to(w_dtype)
+        if gb is not None and gb.dtype != b_dtype:
+            gb = gb.to(b_dtype)
+        return gx, gw, gb, None, None
 
 
 def linear_forward(module: nn.Linear, slot):
