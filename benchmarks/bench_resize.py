@@ -10,11 +10,21 @@
 * throughput (samples/s, median step) at a fixed global batch for each world size.
 
 Target: median live resize latency under 2 s. Last line: ``RESULT {json}``.
-Usage: python benchmarks/bench_resize.py [--quick]
+
+``--store-connect N``: only the rendezvous part of a resize, N times per way of listening: a fresh store
+and four client processes connecting to it at once (what every worker does after its Join), with the
+store listening as torch's master does by itself (``TCPStore("127.0.0.1", 0, is_master=True)``: every
+interface, IPv6 dual-stack ``[::]``) and as the job now makes it (an IPv4 socket bound to 127.0.0.1,
+handed over with ``master_listen_fd``). Issue 16's ~5.05 s resize stalls were all in that connect: on
+this (gVisor) machine a connect to the dual-stack listener now and then takes 5 s (see the closing
+note of the issue for the counts).
+
+Usage: python benchmarks/bench_resize.py [--quick] [--store-connect N]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -132,10 +142,88 @@ def torchrun_restart(tmp: Path, batch: int, max_steps: int = 400):
                 p.wait()
 
 
+def _connect_client(conn, res_options):
+    if res_options:
+        os.environ["RES_OPTIONS"] = res_options  # before this process's first resolver call
+    import datetime
+
+    import torch.distributed as dist
+
+    while True:
+        port = conn.recv()
+        if port is None:
+            return
+        t0 = time.perf_counter()
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        conn.send(time.perf_counter() - t0)
+        conn.recv()  # the next round: drop the connection first
+        del store
+
+
+def store_connect(n_rounds: int, clients: int = 4) -> dict:
+    """Seconds for ``clients`` processes to connect to a fresh store, per setup (see the module
+    docstring); one fresh store per round, as one per generation. ``before``: torch's own master (every
+    interface, dual-stack) and clients with glibc's default resolver options; ``now``: the job's store
+    (IPv4 127.0.0.1 socket) and its workers' ``RES_OPTIONS``."""
+    import datetime
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    from elasticlab.elastic.controller import JobController
+
+    ctx = mp.get_context("spawn")
+    holder = type("Opts", (), {"options": {"store_host": "127.0.0.1", "timeout_s": 30.0}})()
+    setups = {"before": (lambda: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                               timeout=datetime.timedelta(seconds=30)), None),
+              "now": (lambda: JobController._new_store(holder), "timeout:1 attempts:1")}
+    pipes, procs = {}, []
+    for name, (_, res_options) in setups.items():
+        pipes[name] = []
+        for _ in range(clients):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_connect_client, args=(b, res_options), daemon=True)
+            p.start()
+            pipes[name].append(a)
+            procs.append(p)
+    out = {k: [] for k in setups}
+    try:
+        for i in range(n_rounds):
+            for name, (make, _) in setups.items():
+                store = make()
+                for c in pipes[name]:
+                    c.send(store.port)
+                out[name].append(max(c.recv() for c in pipes[name]))
+                for c in pipes[name]:
+                    c.send("next")
+                del store
+            if (i + 1) % 25 == 0:
+                print(f"  {i + 1}/{n_rounds}: " + ", ".join(
+                    f"{k} {sum(x > 1 for x in v)} over 1 s" for k, v in out.items()), flush=True)
+    finally:
+        for c in [c for v in pipes.values() for c in v]:
+            with contextlib.suppress(Exception):
+                c.send(None)
+        for p in procs:
+            p.join(5)
+    return {k: {"rounds": len(v), "median_s": statistics.median(v), "max_s": max(v),
+                "over_1s": sum(x > 1 for x in v), "slow_s": sorted(round(x, 3) for x in v if x > 1)}
+            for k, v in out.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", default=os.environ.get("ELASTICLAB_QUICK") == "1")
+    ap.add_argument("--store-connect", type=int, default=0, metavar="N",
+                    help="only time N store connects per way of listening (the resize stalls)")
     a = ap.parse_args(argv)
+    if a.store_connect:
+        res = store_connect(a.store_connect)
+        for k, v in res.items():
+            print(f"  {k}: median {v['median_s'] * 1e3:.1f} ms, max {v['max_s']:.2f} s, "
+                  f"{v['over_1s']} of {v['rounds']} over 1 s {v['slow_s']}")
+        print("RESULT " + json.dumps({"store_connect": res, "load_average": os.getloadavg()}))
+        return 0
     sizes = [2, 3, 1, 4, 2] if a.quick else [2, 3, 4, 1, 3, 2, 4, 1, 2]
     batch = 64
     print(f"load average before: {os.getloadavg()}", flush=True)

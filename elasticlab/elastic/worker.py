@@ -37,6 +37,12 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
     # gloo's sockets on the loopback interface: by default gloo binds the address the host name resolves
     # to (possibly an external one); a pool's workers are all on this machine.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", options.get("gloo_ifname") or "lo")
+    # c10d's TCPStore client formats its socket addresses with getnameinfo(), a reverse DNS lookup of
+    # ::ffff:127.0.0.1 that /etc/hosts does not answer; when the DNS reply is lost, glibc waits its
+    # default 5 s before retrying -- issue 16's 5.05 s resizes. One try of 1 s instead, and c10d stops
+    # looking names up in this process after the first lookup that fails (benchmarks/bench_resize.py
+    # --store-connect measures it).
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     import torch
 
     torch.set_num_threads(int(options.get("threads", 1)))
