@@ -124,6 +124,30 @@ def test_bind_store_listens_on_the_given_address_only_and_the_scan_sees_it():
             s6.close()
 
 
+def test_worker_store_is_shared_by_agents_with_different_restart_counts(monkeypatch):
+    """A joining agent starts at restart count 0 while a survivor's count has grown: their workers must
+    still meet in one key space (a prefix with the count hung every grow after a shrink)."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    from elasticlab.cluster.torchrun import worker_store
+
+    port = get_free_port()
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "TORCHELASTIC_RESTART_COUNT": "3", "GLOO_SOCKET_IFNAME": "lo"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    rank0 = worker_store(5)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    rank1 = worker_store(5)
+    rank0.set("hello", "from rank 0")
+    assert rank1.get("hello") == b"from rank 0"
+    assert [s["addr"] for s in listening_sockets([os.getpid()]) if s["port"] == port] == ["127.0.0.1"]
+    monkeypatch.setenv("MASTER_ADDR", "10.77.0.9")
+    with pytest.raises(ValueError, match=r"MASTER_ADDR '10\.77\.0\.9'"):
+        worker_store(5)
+
+
 def test_store_command_refuses_a_wide_address_without_a_token():
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     r = subprocess.run([sys.executable, "-m", "elasticlab.cluster.torchrun", "store", "--bind", "0.0.0.0:0"],

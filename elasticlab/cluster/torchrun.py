@@ -141,7 +141,7 @@ def worker_store(timeout_s: float = 30.0):
 
     torchrun (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) gives rank 0's node address and a free port as
     ``MASTER_ADDR``/``MASTER_PORT``; rank 0 listens there (not on every interface as ``env://`` would),
-    the others connect. Keys are prefixed by the restart count and the token's digest. Gloo is pointed at
+    the others connect. Keys are prefixed by the token's digest. Gloo is pointed at
     the interface this host reaches ``MASTER_ADDR`` through (``GLOO_SOCKET_IFNAME``, unless set), so its
     listening sockets bind that interface's address (127.0.0.1 on one machine)."""
     import datetime
@@ -159,8 +159,9 @@ def worker_store(timeout_s: float = 30.0):
         store = bind_store(addr, port, timeout_s=timeout_s)
     else:
         store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"elasticlab/{restart}/{token_digest(token)}", store)
+    # no restart count in the prefix: it is per agent (a joining agent starts at 0), and every rendezvous
+    # round gives a new MASTER_PORT, hence a fresh store, anyway
+    return dist.PrefixStore(f"elasticlab/{token_digest(token)}", store)
 
 
 def listening_sockets(pids) -> list[dict]:
@@ -217,7 +218,7 @@ def agent_command(endpoint: str, local_addr: str, nnodes: str, target: list[str]
 
 
 class TorchrunJob:
-    """A job run by torchrun agents on this machine (see the module docstring)."""
+    """A job run by torchrun agents on this machine, or on the ``nodes`` given (see the module docstring)."""
 
     supports_batch = False
 
