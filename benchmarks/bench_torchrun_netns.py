@@ -12,7 +12,7 @@ sample of the epoch seen exactly once apart from counted replays, and every list
 bound to its own namespace's address (never 0.0.0.0, ::, or loopback).
 
 Needs root and ``ip netns``. Last line: ``RESULT {json}``.
-Usage: python benchmarks/bench_torchrun_netns.py [--leave] [--agents 3] [--step-delay 0.04]
+Usage: python benchmarks/bench_torchrun_netns.py [--leave] [--agents 3] [--step-delay 0.04] [--json PATH]
 """
 from __future__ import annotations
 
@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--leave", action="store_true", help="then end the newest agent (a second change)")
     ap.add_argument("--step-delay", type=float, default=0.04)
     ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--json", default=None, help="also write the result (with the socket list) to this file")
     a = ap.parse_args(argv)
     why = netns_unavailable()
     if why:
@@ -234,6 +235,8 @@ def main(argv=None) -> int:
         print(f"{c['change']}: {c['latency_s']:.2f} s to the first step at the new size (step {c['step']}); "
               + ", ".join(f"{k} {c[k]:.2f}" for k in ("drain_s", "restart_s", "first_step_s") if k in c))
     out["load_avg"] = os.getloadavg()[0]
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     print("RESULT " + json.dumps({k: v for k, v in out.items() if k != "listening"}
                                  | {"listening": [f"{s['addr']}:{s['port']}" for s in out["listening"]]}))
     return 0 if out["state"] == "finished" and out["exactly_once"] and not wide else 1
