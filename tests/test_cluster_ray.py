@@ -84,7 +84,7 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(tmp_path):
         assert cl.shape().num_nodes == 3 and cl.slots == 6
         # a slower emulated device (a sleep per micro-batch): the jobs still train when the node goes
         common = {"record_samples": True, "checkpoint_every": 10, "lr_rule": "adascale", "epochs": 2,
-                  "entry_kwargs": {"step_s": 0.08}}
+                  "warm": 2, "entry_kwargs": {"step_s": 0.08}}
         cl.submit(JobSpec(f"{EX}:comm_bound", name="comm", max_batch=128, per_slot_batch=(4, 128), **common))
         cl.submit(JobSpec(f"{EX}:compute_bound", name="compute", max_batch=128, per_slot_batch=(4, 64),
                           **common))
@@ -123,6 +123,16 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(tmp_path):
                 kinds = [e["kind"] for e in cl.job(name).events()]
                 assert "fault" in kinds and "restart" in kinds
         assert faults >= 1
+        # the notebook panel reads a RayCluster as it reads a LocalCluster
+        from elasticlab.widgets import ClusterPanel
+
+        panel = ClusterPanel(cl, autostart_poll=False)
+        panel.refresh()
+        assert "/4 " in panel.metrics_label.value and "finished 3" in panel.metrics_label.value
+        times, names, z = panel.slots_matrix()
+        assert sorted(names) == ["comm", "compute", "gns"] and max(max(r) for r in z) >= 1
+        assert all(n in panel.table.value for n in names) and "<b>start</b>" in panel.log.value
+        panel.close()
         print(f"JCT {s['jct']}, lost node hosted {on_it}, restart cost {s['restart_cost']['samples_s']}")
     finally:
         if cl is not None:

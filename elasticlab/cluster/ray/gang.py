@@ -79,7 +79,8 @@ class Gang:
             raise
         return pg
 
-    def _start(self, nodes: list, first_bundle: int) -> list[int]:
+    def _launch(self, nodes: list, first_bundle: int = 0) -> list[int]:
+        """Create one actor per entry of ``nodes`` (returns at once; each builds its task in the back)."""
         import ray
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
@@ -87,7 +88,7 @@ class Gang:
         )
 
         cls = ray.remote(RayWorker)
-        ids, refs = [], []
+        ids = []
         for i, node in enumerate(nodes):
             if self.coupled:
                 how = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -99,7 +100,13 @@ class Gang:
                 wid, self.entrypoint, self.entry_kwargs, self.options)
             self.workers[wid] = {"actor": actor, "node": node}
             ids.append(wid)
-            refs.append(actor.where.remote())
+        return ids
+
+    def _start(self, nodes: list, first_bundle: int) -> list[int]:
+        import ray
+
+        ids = self._launch(nodes, first_bundle)
+        refs = [self.workers[w]["actor"].where.remote() for w in ids]
         try:
             wheres = ray.get(refs, timeout=self.start_timeout_s)
         except Exception:
@@ -107,6 +114,21 @@ class Gang:
             raise
         for wid, where in zip(ids, wheres):
             self.workers[wid]["node"] = where["node_id"]
+        return ids
+
+    def prestart(self, resource_nodes: list[str]) -> list[int]:
+        """Start idle workers (no slot held) up to ``warm`` in all, without waiting for them: one on each
+        of ``resource_nodes`` in turn, the nodes of the live workers first (as a local job's warm
+        processes: a later grow onto those nodes does not wait for an actor to import torch)."""
+        if self.coupled:
+            return []
+        mine = [self.workers[w]["node"] for w in sorted(self.workers)]
+        order = [n for n in dict.fromkeys(mine + list(resource_nodes)) if n in resource_nodes]
+        ids = []
+        k = 0
+        while order and len(self.workers) < self.warm:
+            ids += self._launch([order[k % len(order)]])
+            k += 1
         return ids
 
     def trim(self, active: list[int]) -> None:

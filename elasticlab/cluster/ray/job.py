@@ -317,6 +317,11 @@ class RayJob:
     def _main(self) -> None:
         try:
             self._form(self._target, self._batch, None)
+            if self._gang.warm > len(self._ranks):  # idle workers ahead of the grows, on the slot nodes
+                import ray
+
+                self._gang.prestart([n["NodeID"] for n in ray.nodes() if n.get("Alive") and
+                                     n.get("Resources", {}).get(self.resource, 0) >= 1])
             while not self._stop.is_set():
                 self._take_request()
                 self._pump()
