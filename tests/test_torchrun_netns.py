@@ -3,10 +3,11 @@
 The controller hosts the c10d rendezvous store on the bridge's address in the root namespace; agents run
 under ``ip netns exec``, each advertising its namespace's address, so the rendezvous, the workers' store
 and gloo cross veth pairs and a bridge rather than loopback. One agent trains, a second joins from
-another namespace mid-epoch (``--nnodes 1:2``; two namespaces keep it within ~60 s on 2 cores, the
-benchmark runs three and a leave). Checked: training finishes; every sample of the epoch is seen exactly once apart from
-counted replays; every listening socket of the job is bound to its own namespace's address (never
-0.0.0.0, ::, or loopback); the join's latency (resize call -> first step at world size 3) is printed.
+another namespace mid-epoch (``--nnodes 1:2``; two namespaces keep it near 60 s on 2 cores, the
+benchmark runs three and a leave). Checked: training finishes; every sample of the epoch is seen exactly
+once apart from counted replays; every listening socket of the job is bound to its own namespace's
+address (never 0.0.0.0, ::, or loopback); the join's latency (resize call -> first step at the new size)
+and its phases are printed as ``RESULT {json}`` (``pytest -s``).
 Needs root and ``ip netns``: skipped otherwise. The scenario is ``benchmarks/bench_torchrun_netns.py``.
 """
 import json
