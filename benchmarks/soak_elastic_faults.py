@@ -165,16 +165,26 @@ def check_run(record: Path, epochs: int) -> dict:
     rep = check_exactly_once(rows, N_SAMPLES)
     complete = all(rep["epochs"].get(e, {}).get("complete") and not rep["epochs"][e]["missing"]
                    for e in range(epochs))
-    drift = []
+    eff = effective_rows(rows)
+    kept = {(r["generation"], r["step"]) for r in eff}
+    drift, first = [], {}
     by: dict = {}
     for r in rows:
         by.setdefault((r["generation"], r["step"]), []).append(r)
+        first.setdefault((r["generation"], r["rank"]), r["step"])
     for (g, s), rs in by.items():
         sizes = {r["world_size"] for r in rs}
         ranks = sorted(r["rank"] for r in rs)
-        if len(sizes) != 1 or ranks != list(range(sizes.pop())):
+        n = max(sizes)
+        # a step that counts needs every rank once; a rolled-back one may lack the row of a rank
+        # killed before it could send it, but never has a rank twice or two world sizes
+        if len(sizes) != 1 or len(set(ranks)) != len(ranks) or not set(ranks) <= set(range(n)) or (
+                (g, s) in kept and ranks != list(range(n))):
             drift.append((g, s, ranks))
-    eff = effective_rows(rows)
+    for g in {g for g, _ in by}:  # every rank of a generation starts at the same step
+        starts = {s for (gg, _), s in first.items() if gg == g}
+        if len(starts) != 1:
+            drift.append((g, "first steps", sorted(starts)))
     return {"exactly_once": bool(rep["ok"] and complete), "drift": drift[:5], "n_drift": len(drift),
             "duplicates": sum(len(v["duplicates"]) for v in rep["epochs"].values()),
             "missing": sum(len(v["missing"]) for v in rep["epochs"].values()),
@@ -280,6 +290,9 @@ def main(argv=None) -> int:
               "runs_no_drift": sum(r["n_drift"] == 0 for r in runs),
               "no_recovery_measured": sum(f["recovery_s"] is None for f in faults),
               "recovery_s": dist(rec), "recovery_s_by_kind": by_kind,
+              "slowest_recoveries": sorted(({"s": round(f["recovery_s"], 2), "what": f["what"]}
+                                            for f in faults if f["recovery_s"] is not None),
+                                           key=lambda x: -x["s"])[:5],
               "lost_steps": sum(r["lost_steps"] for r in runs), "replays": sum(r["replays"] for r in runs),
               "bad_runs": [{k: r[k] for k in ("job", "state", "error", "exactly_once", "n_drift", "drift",
                                                "duplicates", "missing")} for r in runs if not r["good"]],

@@ -384,3 +384,19 @@ def test_nothing_listens_beyond_loopback(tmp_path):
     finally:
         job.stop()
         kill_left(pids)
+
+
+# ---- a short fault soak (benchmarks/soak_elastic_faults.py runs the long one) ------------------------
+
+@pytest.mark.slow
+def test_short_fault_soak_every_sample_once_no_drift(capsys):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "..", "benchmarks", "soak_elastic_faults.py")
+    spec = importlib.util.spec_from_file_location("soak_elastic_faults", path)
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    rc = soak.main(["--faults", "6", "--faults-per-job", "6", "--epochs", "1", "--seed", "3"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    assert res["faults"] >= 4 and res["runs"] == 1
+    assert rc == 0 and res["runs_good"] == 1, res["bad_runs"]

@@ -23,13 +23,17 @@ CMD_NONE, CMD_LEAVE, CMD_SET_BATCH, CMD_CHECKPOINT = Command
 # ---- job -> worker ------------------------------------------------------------------------------
 
 class Join(NamedTuple):
-    """Form generation ``generation`` as ``rank`` of ``world_size`` on the store at ``host:port``."""
+    """Form generation ``generation`` as ``rank`` of ``world_size`` on the store at ``host:port``.
+
+    The controller decides a generation's membership and rank numbering once, here; a worker never derives
+    its rank itself. The generation number is also the store prefix (``gen<N>/``), and every generation
+    has a fresh store: a member of an abandoned formation never meets a member of the next one."""
 
     generation: int
     rank: int
     world_size: int
     port: int
-    checkpoint: str | None  # the checkpoint to load (None: start from the seed)
+    checkpoint: str | None  # the checkpoint to load (None: the task's initial state, same seed)
     checkpoint_dir: str
     batch: tuple[int, int] | None  # (global_batch, accum_steps), None: keep the current one
     host: str = "127.0.0.1"  # the store's address (a node's own address on a multi-node cluster)
