@@ -242,7 +242,7 @@ def test_job_status_is_a_record_read_like_a_dict(tmp_path):
     assert set(st.keys()) == {"state", "world_size", "target_world_size", "slots", "generation", "step",
                               "epoch", "loss", "samples_per_s", "global_batch", "accum_steps",
                               "per_worker_batch", "gns", "predicted_goodput", "workers", "lost_steps",
-                              "error", "checkpoint_dir", "record_samples"}
+                              "replays", "restarts", "error", "traceback", "checkpoint_dir", "record_samples"}
     assert json.loads(json.dumps({**st})) == st.to_dict() == dict(st) and st == dict(st)
     with pytest.raises(KeyError):
         st["agents"]
