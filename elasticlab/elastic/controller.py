@@ -27,6 +27,9 @@ from elasticlab.elastic.states import TERMINAL, JobState, WorkerState, check_tra
 
 S, W = JobState, WorkerState
 
+#: How long a worker exception waits for a peer's death that would explain it (seconds).
+FAILURE_SETTLE_S = 0.5
+
 
 class JobController:
     """The controller's state and thread (see the module docstring)."""
@@ -63,6 +66,8 @@ class JobController:
         self._high_water = 0  # the furthest step the job reached
         self._failed_gens = 0  # generations in a row that ended in a fault without passing _high_water
         self._aborted_gen = 0  # the last generation abandoned (counted once)
+        self._death_gens: set[int] = set()  # generations in which a member died
+        self._pending_failure = None  # (decide at, generation, error, traceback) of a worker exception
 
     def _set_state(self, new: JobState) -> None:
         with self._lock:
@@ -170,8 +175,25 @@ class JobController:
             self._events.emit("retry", worker=msg.worker_id, generation=msg.generation, error_kind=msg.kind,
                               restarts=self._restarts, max_restarts=self.options.get("max_restarts", 0))
             self._abort(f"{msg.kind} error on {where} (retry {self._restarts})", count=False)
-        else:  # task and checkpoint_io errors: fail fast
-            self._fail(f"{msg.kind} error on {where}: {msg.text}", msg.traceback)
+        else:  # task and checkpoint_io errors: fail fast -- unless a peer's death explains it
+            # (a SIGKILLed peer resets its sockets a moment before its exit can be seen: wait that long)
+            if self._pending_failure is None:
+                self._pending_failure = (time.monotonic() + FAILURE_SETTLE_S, msg.generation,
+                                         f"{msg.kind} error on {where}: {msg.text}", msg.traceback)
+
+    def _settle_failure(self) -> None:
+        """Fail the job for a worker exception, unless a member of its generation died meanwhile (then the
+        error was the death's echo in a collective, and the generation is re-formed as for any fault)."""
+        due, gen, error, tb = self._pending_failure
+        dead = [w for w in self._active if not w.proc.is_alive()] if gen == self._gen else []
+        if gen in self._death_gens or dead:
+            self._pending_failure = None
+            self._events.emit("error_explained", generation=gen, message=error,
+                              reason="a member of the generation died")
+            return
+        if time.monotonic() >= due:
+            self._pending_failure = None
+            self._fail(error, tb)
 
     def _fail(self, error: str, traceback: str | None = None) -> None:
         """The job FAILED with ``error``; the loop ends and kills every worker."""
@@ -251,6 +273,7 @@ class JobController:
         self._events.emit("fault", worker=w.id, pid=w.pid, exitcode=code, rank=w.rank, was=was,
                           generation=self._gen, step=self._last_step)
         if was == W.ACTIVE and self._state in (S.RUNNING, S.DRAINING) and w in self._active:
+            self._death_gens.add(self._gen)
             self._abort(f"worker {w.id} (rank {w.rank}) died with exit code {code}")
             if self._state not in TERMINAL:  # start its replacement now, while the others leave
                 self._pool.spawn_upto(max(self.warm, self._target))
@@ -259,6 +282,8 @@ class JobController:
 
     # ---- state machine -------------------------------------------------------------------------
     def _advance(self) -> None:
+        if self._pending_failure is not None and self._state not in TERMINAL:
+            self._settle_failure()
         st = self._state
         if st == S.FAILED:
             return
@@ -358,6 +383,8 @@ class JobController:
         self._send_rank0(CMD_LEAVE)
 
     def _check_drained(self) -> None:
+        if self._pending_failure is not None:  # the job may be failing: form nothing new meanwhile
+            return
         busy = [w for w in self._active if w.state == W.ACTIVE]
         if busy:
             if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:

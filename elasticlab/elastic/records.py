@@ -14,7 +14,7 @@ METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "w
 EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "adapt", "checkpoint",
                "checkpoint_corrupt",
                "resume", "pause", "fault", "restart", "finished", "stop", "error", "abort", "retry",
-               "no_checkpoint", "failed")
+               "no_checkpoint", "failed", "error_explained")
 
 
 

@@ -31,7 +31,9 @@ class JobState(_StrEnum):
     what went wrong                          what the job does
     =======================================  ===========================================================
     the task cannot be built (``build``)     FAILED at once (nothing would work)
-    the task's code raised (``task``)        FAILED within a second or so: ``status().error`` has the
+    the task's code raised (``task``)        FAILED within a second or so (after 0.5 s in which no
+                                             peer died: a death's echo in a collective is no task
+                                             error): ``status().error`` has the
                                              message, ``status().traceback`` the worker's traceback;
                                              with ``max_restarts=K`` it restarts from the newest valid
                                              checkpoint instead, at most K times in the job's life
