@@ -154,3 +154,33 @@ class Poller:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+
+class Panel:
+    """What every panel shares: it shows its ``widget`` when a notebook displays it."""
+
+    widget = None
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+class PolledPanel(Panel):
+    """A panel refreshed by a :class:`Poller` (``self._poller``), stopped by :meth:`close` or when the panel
+    is garbage-collected; what it watches keeps running."""
+
+    _poller: Poller | None = None
+
+    def close(self) -> None:
+        """Stop refreshing (what the panel watches keeps running)."""
+        if self._poller is not None:
+            self._poller.stop()
+
+    def __del__(self):
+        try:
+            if self._poller is not None:
+                self._poller.stop(timeout=0)
+        except Exception:
+            pass

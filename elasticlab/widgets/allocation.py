@@ -13,7 +13,7 @@ import html
 import ipywidgets as W
 import numpy as np
 
-from elasticlab.widgets._common import LiveFigure, color, html_table, subplots_figure
+from elasticlab.widgets._common import LiveFigure, Panel, color, html_table, subplots_figure
 
 DEFAULT_JOBS = ("cifar10", "imagenet", "bert", "deepspeech2", "yolov3", "ncf")
 BASELINES = ("gpu-elastic", "optimus", "tiresias", "fifo")
@@ -116,7 +116,7 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
     return {"jobs": names, "allocations": out, "totals": totals, "speedup": speed}
 
 
-class AllocationExplorer:
+class AllocationExplorer(Panel):
     """Bars of GPUs per job under the DP and the baselines, with goodput/throughput totals.
 
     ``jobs``: application names (default: the six of the Pollux artifact). ``capacity``: the cluster's GPUs
@@ -189,10 +189,6 @@ class AllocationExplorer:
         self.message.value = ("<small style='color:#a00'>" + "<br>".join(errs) + "</small>") if errs else ""
         return res
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
 
 
 __all__ = ["AllocationExplorer", "allocate", "fitness_utility", "job_table", "make_jobs"]

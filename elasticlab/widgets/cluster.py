@@ -12,7 +12,7 @@ import html
 
 import ipywidgets as W
 
-from elasticlab.widgets._common import LiveFigure, Poller, html_table
+from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, html_table
 
 _COLUMNS = ["name", "state", "slots", "global_batch", "accum_steps", "step", "epoch", "gns", "goodput",
             "jct", "restarts"]
@@ -30,7 +30,7 @@ def _example_entrypoints() -> dict:
     return {k: f"{ex}:{k}" for k in ("compute_bound", "comm_bound", "gns_growing", "crashing")}
 
 
-class ClusterPanel:
+class ClusterPanel(PolledPanel):
     """Control panel of a :class:`~elasticlab.cluster.LocalCluster` (display it as a cell's last line).
 
     ``poll_s``: refresh period of the background poller (``autostart_poll=False`` for none).
@@ -179,17 +179,5 @@ class ClusterPanel:
                 self.figure.layout.height = max(160, 60 + 32 * len(names))
             self.chart.show()
 
-    def close(self) -> None:
-        """Stop the poller (the cluster keeps running)."""
-        self._poller.stop()
 
-    def _ipython_display_(self):
-        from IPython.display import display
 
-        display(self.widget)
-
-    def __del__(self):
-        try:
-            self._poller.stop(timeout=0)
-        except Exception:
-            pass

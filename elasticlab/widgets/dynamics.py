@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from elasticlab import dynamics as D
+from elasticlab.widgets._common import Panel
 
 __all__ = ["DynamicsExplorer"]
 
@@ -37,7 +38,7 @@ def linear_part(net, X, params) -> np.ndarray:
     return net.forward(X, params).T @ X / X.shape[0]
 
 
-class DynamicsExplorer:
+class DynamicsExplorer(Panel):
     """Interactive view of layer growth and Saxe mode curves (ipywidgets + plotly FigureWidget).
 
     ``DynamicsExplorer(s=(5, 3, 2, 1, 0.5))`` builds the controls, trains once and draws; display it in a
@@ -235,7 +236,3 @@ class DynamicsExplorer:
     def _on_change(self, _change):
         self.update()
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)

@@ -15,7 +15,7 @@ import time
 
 import ipywidgets as W
 
-from elasticlab.widgets._common import LiveFigure, Poller, subplots_figure, write_json_atomic
+from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, subplots_figure, write_json_atomic
 
 #: The charts: (metric key, title, y-axis label, step-shaped line?).
 CHARTS = (("loss", "Loss", "loss", False), ("samples_per_s", "Throughput", "samples/s", False),
@@ -57,7 +57,7 @@ def make_policy(name: str, global_batch: int, world_size: int, max_batch: int | 
     return make_batch_policy(name, global_batch, world_size, max_batch)
 
 
-class JobPanel:
+class JobPanel(PolledPanel):
     """Control panel of one :class:`~elasticlab.elastic.ElasticJob` (display it as the last line of a cell).
 
     ``max_workers`` bounds the slider (default: the job's slots, at most 8). ``poll_s`` is the refresh
@@ -185,9 +185,6 @@ class JobPanel:
 
             threading.Thread(target=lambda: (self.job.stop(), self.refresh(force=True)), daemon=True).start()
 
-    def close(self):
-        """Stop refreshing (the job itself keeps running; see :meth:`stop`)."""
-        self._poller.stop()
 
     def wait_until(self, predicate, timeout: float = 60.0, interval: float = 0.1) -> dict:
         """Block until ``predicate(job.status())`` holds; returns that status (TimeoutError otherwise).
@@ -332,13 +329,4 @@ class JobPanel:
         self.status_label.value = " · ".join(parts)
         self._last_state = state
 
-    def _ipython_display_(self):
-        from IPython.display import display
 
-        display(self.widget)
-
-    def __del__(self):
-        try:
-            self._poller.stop(timeout=0)
-        except Exception:
-            pass

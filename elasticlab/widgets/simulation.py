@@ -13,7 +13,7 @@ import threading
 import ipywidgets as W
 import numpy as np
 
-from elasticlab.widgets._common import LiveFigure, color, html_table, subplots_figure
+from elasticlab.widgets._common import LiveFigure, Panel, color, html_table, subplots_figure
 
 DEFAULT_POLICIES = ("pollux", "optimus", "tiresias")
 SUMMARY_COLUMNS = ["policy", "jobs", "completed", "avg_jct", "median_jct", "p99_jct", "makespan",
@@ -58,7 +58,7 @@ def jct_cdf(result) -> tuple[np.ndarray, np.ndarray]:
     return x, np.arange(1, len(x) + 1) / max(len(x), 1)
 
 
-class SimulationDashboard:
+class SimulationDashboard(Panel):
     """Pick a workload, a cluster and policies, press run; compare JCT CDFs, utilisation and summaries."""
 
     def __init__(self, workload: str = "workload-6", policies=DEFAULT_POLICIES, cluster: str = "16x4",
@@ -169,7 +169,3 @@ class SimulationDashboard:
 
         return pd.DataFrame([{"policy": p, **r.summary} for p, r in self.results.items()]).set_index("policy")
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
