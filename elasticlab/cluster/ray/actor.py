@@ -48,6 +48,7 @@ class RayWorker:
 
     def __init__(self, worker_id: int, entrypoint: str, entry_kwargs: dict, options: dict):
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # c10d's reverse lookup of the store
         import torch
 
         torch.set_num_threads(int(options.get("threads", 1)))

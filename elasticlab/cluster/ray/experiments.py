@@ -34,6 +34,7 @@ def run_on_ray(policy: str, cluster, *, specs=None, quick: bool = False, interva
     import ray
 
     from elasticlab.cluster.ray.cluster import RayCluster
+    from elasticlab.cluster.ray.local import kill_node
 
     specs = specs if specs is not None else three_jobs(quick)
     if record_dir is not None:
@@ -55,8 +56,7 @@ def run_on_ray(policy: str, cluster, *, specs=None, quick: bool = False, interva
                 nodes.sort(key=lambda n: -sum(n["jobs"].values()))
                 if nodes:
                     victim = nodes[0]
-                    node = next(x for x in cluster.list_all_nodes() if x.node_id == victim["node_id"])
-                    cluster.remove_node(node, allow_graceful=False)
+                    kill_node(cluster, victim["node_id"])
                     killed = {"t": cl.now(), "node": victim["node_id"], "jobs": sorted(victim["jobs"])}
         ok = cl.wait(timeout=0)
         out = cl.summary()

@@ -68,8 +68,6 @@ class RayJob:
         self.checkpoint_dir = CheckpointDir(checkpoint_dir)
         self.record_path = str(record_samples) if record_samples else None
         self.opts = default_options(**options, record_samples=bool(record_samples))
-        if resource == "GPU":
-            self.opts.setdefault("device", "cuda")
         self.resource, self._placement_of = resource, placement_of
         self.place_timeout_s, self.start_timeout_s = float(place_timeout_s), float(start_timeout_s)
         self.fault_grace_s, self.max_faults = float(fault_grace_s), int(max_faults)

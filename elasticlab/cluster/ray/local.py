@@ -74,6 +74,25 @@ def add_node(cluster, slots: int = 2, *, resource: str = "slot", num_cpus: int =
             time.sleep(1.0 + k)
 
 
+def kill_node(cluster, node_id: str) -> None:
+    """Remove node ``node_id`` of ``cluster`` as a machine failure would: its raylet and agents end
+    (``remove_node``, no grace) and so do the worker processes it started, which on one machine would
+    otherwise outlive their raylet (an actor busy in a method keeps training with its gloo peers)."""
+    import psutil
+
+    node = next((x for x in cluster.list_all_nodes() if x.node_id == node_id), None)
+    if node is None:
+        raise ValueError(f"no node {node_id!r} in this cluster")
+    workers = []
+    for info in node.all_processes.get("raylet", []):
+        with contextlib.suppress(psutil.Error):
+            workers += psutil.Process(info.process.pid).children(recursive=True)
+    cluster.remove_node(node, allow_graceful=False)
+    for p in workers:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,9 +148,19 @@ def _end_new(before: set[int]) -> None:
 
 
 def shutdown(cluster) -> None:
-    """Disconnect the driver and end every node of ``cluster`` (their workers and actors end with them)."""
+    """Disconnect the driver and end every node of ``cluster`` and the worker processes its raylets
+    started (which on one machine could outlive them)."""
+    import psutil
     import ray
 
+    workers = []
+    for node in cluster.list_all_nodes():
+        for info in node.all_processes.get("raylet", []):
+            with contextlib.suppress(psutil.Error):
+                workers += psutil.Process(info.process.pid).children(recursive=True)
     with contextlib.suppress(Exception):
         ray.shutdown()
     cluster.shutdown()
+    for p in workers:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
