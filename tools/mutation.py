@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # target: (module file, tests that exercise it)
 TARGETS = {
-    "estimator": ("elasticlab/gns/estimator.py", ["tests/test_gns_estimator.py"]),
-    "dp": ("elasticlab/alloc/dp.py", ["tests/test_alloc_dp.py"]),
+    "estimator": ("elasticlab/gns/estimator.py", ["tests/gns/test_estimator.py"]),
+    "dp": ("elasticlab/alloc/dp.py", ["tests/alloc/test_dp.py"]),
     "sampler": ("elasticlab/elastic/sampler.py",
                 ["tests/test_elastic_sampler.py", "tests/test_elastic_units.py"]),
     "checkpoint": ("elasticlab/elastic/checkpoint.py",

@@ -1,7 +1,7 @@
 """The P3 reproduction experiments (papers.md, P3-T1..P3-T6), as functions returning plain numbers.
 
 Each returns a JSON-friendly dict; ``details=True`` adds the task and trajectories (key ``"runs"``) for
-plotting. Times are reported in GD steps (τ = 1/η steps). The tests in tests/test_dynamics.py
+plotting. Times are reported in GD steps (τ = 1/η steps). The tests in tests/dynamics/test_p3_claims.py
 call these same functions with their defaults; the paper-reproduction registry can too.
 """
 from __future__ import annotations

@@ -224,7 +224,7 @@ def p3_t6(quick: bool) -> Outcome:
     "common rate r = 2<W_e, S31 - W_e S11> (so relative rates go inversely to the norms); the imbalance "
     "C_j is an absolute offset bounding the gap of adjacent squared singular values (Weyl) and, over the "
     "eigengap, their misalignment (Davis-Kahan) (theory/03 §3.1; test "
-    "tests/test_dynamics.py::test_general_linear_start).",
+    "tests/dynamics/test_p3_claims.py::test_general_linear_start).",
     target="linear 8->16->16->8, entries N(0, (0.05, 0.01, 0.02)^2), lr 5e-3, 12k steps: rates equal to "
     "1e-9; "
     "growth differences within 1.1 lr (loss drop), growth spread < 2%; Weyl gap <= 1.01 ||C_j(0)||_2 + "
@@ -275,7 +275,7 @@ def p3_t7(quick: bool) -> Outcome:
     claim="Pockets of the data space: where a ReLU net's masks stay fixed it is a linear net. Each example's "
     "masks last about min(-z/z') over its hidden units (first order), and inside a pocket holding all the"
     " data the ReLU net trains exactly as the linear net of its active units (theory/03 §3.2; test "
-    "tests/test_dynamics.py::test_pockets).",
+    "tests/dynamics/test_p3_claims.py::test_pockets).",
     target="(A) P3-T4 net: Spearman(first flip, estimate) >= 0.5 over 200 examples, median ratio in "
     "[0.5, 2]; "
     "(B) 8->16->8 ReLU on inputs sqrt(8) e_mu, W_1 >= 0: before the first flip ReLU = linear to 1e-12, "
@@ -313,7 +313,7 @@ def p3_t8(quick: bool) -> Outcome:
     claim="Layer growth per phase: in every phase every layer of a linear or bias-free ReLU net grows by the "
     "same amount and the layer with the smallest norm grows fastest in relative terms; biases break it by"
     " Delta||b_j||^2; 2-layer nets grow fastest (relatively) on the plateau, deeper ones in the burst "
-    "(theory/03 §3.3; test tests/test_dynamics.py::test_layer_growth_per_phase).",
+    "(theory/03 §3.3; test tests/dynamics/test_p3_claims.py::test_layer_growth_per_phase).",
     target="depths 2-4, widths 8/32, linear / ReLU / ReLU+bias, entries N(0, 0.1^2), lr 5e-3, 8k steps: (a) "
     "growth differences per phase within 1.1 lr (loss drop); (b) dln n_j = ln(1 + g/n_j(t_a)) to 1%; (c) "
     "with biases Dn_{j+1} - Dn_j - D||b_j||^2 within the same bound; (d) N=2 small start: peak dln n/dt "

@@ -1,7 +1,7 @@
 """The Triton outer-product path without a GPU (issue 14): what ``triton_outer.outer_norms`` allocates and
 launches, and which calls of the Linear rules reach it with or without the weight gradient. The kernel is
 replaced by a stand-in that fills the partial norms from the PyTorch reference; the kernel itself is tested
-on CUDA (tests/test_psgnorm_kernels.py, gpu-marked)."""
+on CUDA (tests/gns/test_kernels.py, gpu-marked)."""
 import types
 
 import pytest

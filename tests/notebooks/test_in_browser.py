@@ -19,7 +19,7 @@ from browser_util import JupyterLab, chromium_page, dismiss_toasts, open_and_run
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "out" / "screenshots"
 
 

@@ -73,7 +73,7 @@ def _arr(v) -> np.ndarray:
 
 def _plotly_spec(live: LiveFigure) -> dict:
     """The figure as the front end gets it: the Output's plotly mime bundle, or the FigureWidget's state
-    (its edits reach the browser as messages; tests/test_browser.py checks the browser's side)."""
+    (its edits reach the browser as messages; the browser side: tests/notebooks/test_in_browser.py)."""
     if live.backend == "output":
         (out,) = live.widget.outputs
         return out["data"]["application/vnd.plotly.v1+json"]
