@@ -37,8 +37,14 @@ def _start_elastic_job(spec: JobSpec, n: int, batch: BatchConfig, slots: int, wo
                      policy=FixedGlobalBatch(batch.global_batch, spec.per_slot_batch[1], spec.lr_rule),
                      epochs=spec.epochs, max_steps=spec.max_steps, slots=slots, warm=max(spec.warm, n),
                      checkpoint_dir=str(ckpt), checkpoint_every=spec.checkpoint_every, record_samples=record,
-                     seed=spec.seed, timeout_s=spec.timeout_s, lr_rule=spec.lr_rule)
+                     seed=spec.seed, timeout_s=spec.timeout_s, lr_rule=spec.lr_rule,
+                     goodput_refit_s=REFIT_S)
     return job.start()
+
+
+#: How often a cluster's job refits its throughput model, s: about once a scheduling round, so that the
+#: policies see a model as fresh as the step times (the job publishes it; the cluster does not refit).
+REFIT_S = 1.0
 
 
 class LocalCluster(Scheduler):

@@ -102,7 +102,7 @@ class LiveJob:
     def refit(self, min_rows: int = 3, every: int = 4) -> None:
         """Bring the agent up to date: the live GNS, the most slots profiled, and the throughput model --
         the one the job published if it fits its own (so each job is fitted once), else a refit here when
-        ``every`` new step times have come in (Pollux §4.1)."""
+        ``every`` new step times have come in (Pollux §4.1); either once ``min_rows`` step times exist."""
         if self.handle is None:
             return
         self.agent.grad_stats = self.gns()
@@ -110,7 +110,7 @@ class LiveJob:
         if rows:
             self.agent.observe(max(int(r[1]) for r in rows))
         if getattr(self.handle, "fits_throughput", False):  # the job fits itself: use its model
-            model = self.handle.throughput_model()
+            model = self.handle.throughput_model() if len(rows) >= min_rows else None
             if model is not None:
                 self.agent.model = model
             return
