@@ -30,9 +30,9 @@ TARGETS = {
     "estimator": ("elasticlab/gns/estimator.py", ["tests/gns/test_estimator.py"]),
     "dp": ("elasticlab/alloc/dp.py", ["tests/alloc/test_dp.py"]),
     "sampler": ("elasticlab/elastic/sampler.py",
-                ["tests/test_elastic_sampler.py", "tests/test_elastic_units.py"]),
+                ["tests/elastic/test_sampler.py", "tests/elastic/test_components.py"]),
     "checkpoint": ("elasticlab/elastic/checkpoint.py",
-                   ["tests/test_elastic_checkpoint.py", "tests/test_elastic_units.py"]),
+                   ["tests/elastic/test_checkpoint.py", "tests/elastic/test_components.py"]),
 }
 
 _SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,

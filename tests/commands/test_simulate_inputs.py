@@ -15,7 +15,7 @@ from elasticlab.sim import load_workload, simulate
 from elasticlab.sim.traces import APPLICATIONS, DATA_ENV, PACKAGED_DATA, data_dir
 from elasticlab.sim.workload import workload_names
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- item 7: the data ships with the package

@@ -258,7 +258,7 @@ def test_bad_input_names_the_value(call, match):
 
 
 def test_theory_names_existing_tests():
-    """Every `tests/<folder>/test_*.py::name` cited in theory/ exists (the claims stay tied to their tests)."""
+    """Every `tests/<folder>/test_*.py::name` cited in theory/ exists (claims stay tied to their tests)."""
     import ast
     import pathlib
     import re

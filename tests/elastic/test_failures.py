@@ -392,7 +392,7 @@ def test_nothing_listens_beyond_loopback(tmp_path):
 def test_short_fault_soak_every_sample_once_no_drift(capsys):
     import importlib.util
 
-    path = os.path.join(os.path.dirname(HERE), "..", "benchmarks", "soak_elastic_faults.py")
+    path = os.path.join(os.path.dirname(HERE), "..", "..", "benchmarks", "soak_elastic_faults.py")
     spec = importlib.util.spec_from_file_location("soak_elastic_faults", path)
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)

@@ -7,7 +7,7 @@ import pytest
 from elasticlab.__main__ import main
 from elasticlab.elastic import check_exactly_once
 
-DIGITS = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+DIGITS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "digits.py")
 
 
 def test_run_command_resizes_at_scheduled_steps(tmp_path, capsys):

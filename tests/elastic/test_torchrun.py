@@ -33,7 +33,7 @@ from elasticlab.cluster.torchrun import (
 )
 from elasticlab.elastic import check_exactly_once
 
-DIGITS = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+DIGITS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "digits.py")
 TOKEN = "0123456789abcdef0123"
 
 

@@ -163,7 +163,7 @@ def test_entrypoint_names(tmp_path):
 def test_job_constructor_rejects_bad_settings(tmp_path):
     from elasticlab.elastic import ElasticJob
 
-    digits = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+    digits = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "digits.py")
     cases = [({"workers": 0}, ">= 1, got 0"), ({"workers": 3, "slots": 2}, "3 exceeds the machine's 2"),
              ({"schedule": "4:1,x"}, "bad schedule entry 'x'"),
              ({"schedule": {5: 9}, "slots": 4}, "9 exceeds"),
@@ -189,7 +189,7 @@ def test_single_worker_gns_is_the_same_with_gradient_accumulation():
     from elasticlab.elastic.policies import BatchConfig
     from elasticlab.elastic.worker import Trainer, default_options
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "digits.py"
     spec = importlib.util.spec_from_file_location("digits_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -13,7 +13,7 @@ import pytest
 
 from elasticlab.elastic import ElasticJob, check_exactly_once
 
-DIGITS = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py") + ":make_task"
+DIGITS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "digits.py") + ":make_task"
 N_DIGITS = 1797
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
 
