@@ -113,3 +113,7 @@ def test_goodput_policy_prefers_short_jobs_and_validates():
     jobs[0].progress = jobs[0].app.max_progress * 0.5
     out = get_policy("goodput").allocate(jobs, 700, Cluster(3, 4))
     assert out["j0"] >= out["j1"] >= 1
+    jobs[0].reallocate((4,))  # no work left (about to finish): it keeps its GPUs, no "+inf utility" error
+    jobs[0].progress = jobs[0].app.max_progress
+    out = get_policy("goodput").allocate(jobs, 700, Cluster(3, 4))
+    assert out["j0"] == 4 and out["j1"] >= 1

@@ -61,6 +61,8 @@ class GoodputPolicy(Policy):
                 with np.errstate(divide="ignore"):
                     t_left = job.remaining_progress() / rate
                 t_left = t_left + np.where(g == job.gpus, 0.0, self.restart_delay)
+                # a job with no work left keeps what it holds (finite: the DP refuses +inf)
+                t_left = np.maximum(t_left, 1e-9)
                 U[i] = np.where(rate > 0, t_left ** (-self.a), 0.0)
             else:
                 s = job.speedup_curve(total, cluster.gpus_per_node, upto=hi[i])
