@@ -8,7 +8,6 @@ and queues requests as ``(kind, info, future, t_request)``. Every state change g
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import multiprocessing as mp
 import queue
@@ -429,30 +428,15 @@ class JobController:
         return (str(path) if path else None), bad
 
     def _new_store(self):
-        """The generation's c10d TCPStore, listening on ``store_host`` only (default 127.0.0.1): torch's
-        own master binds every interface, so the listening socket is made here and handed over."""
-        import os
-        import socket
-
-        import torch.distributed as dist
+        """The generation's c10d TCPStore, listening on ``store_host`` only (default 127.0.0.1; torch's own
+        master would bind every interface): :func:`elasticlab.elastic.rendezvous.bind_store`."""
+        from elasticlab.elastic.rendezvous import bind_store
 
         host = self.options.get("store_host") or "127.0.0.1"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.bind((host, 0))
-            sock.listen(128)
-            port = sock.getsockname()[1]
+            return bind_store(host, 0, timeout_s=self.options["timeout_s"])
         except OSError as e:
-            sock.close()
             raise ValueError(f"cannot listen on store_host={host!r}: {e}") from e
-        fd = sock.detach()  # the store owns (and closes) the socket from here on
-        try:
-            return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                                 timeout=datetime.timedelta(seconds=self.options["timeout_s"]))
-        except BaseException:
-            os.close(fd)
-            raise
 
     def _form(self, n: int) -> None:
         """Form the next generation of ``n`` idle workers from the newest loadable checkpoint: the

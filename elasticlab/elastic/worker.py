@@ -219,7 +219,7 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
     stops at the same step boundary after rank 0 has checkpointed, so a planned membership change loses no
     step. Rank 0 prints one JSON line per step on stdout when ``options["log_steps"]`` is set; the return
     value summarises the run. The group's store listens on ``MASTER_ADDR`` only
-    (:func:`~elasticlab.cluster.torchrun.worker_store`); a non-loopback ``MASTER_ADDR`` needs
+    (:func:`~elasticlab.elastic.rendezvous.worker_store`); a non-loopback ``MASTER_ADDR`` needs
     ``$ELASTICLAB_TORCHRUN_TOKEN``. Under torch's shared agent store (the variable unset) the agent's
     store listens on every interface: a warning says so.
     """
@@ -228,7 +228,7 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
 
     import torch
 
-    from elasticlab.cluster.torchrun import worker_store
+    from elasticlab.elastic.rendezvous import worker_store
     from elasticlab.elastic.task import build
 
     log_steps = options.pop("log_steps", False)

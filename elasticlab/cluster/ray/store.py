@@ -5,24 +5,14 @@ cluster address (``ray.util.get_node_ip_address()``) and handed to the store (``
 """
 from __future__ import annotations
 
-import datetime
-import socket
-
 
 def node_store(timeout_s: float = 60.0):
-    """``(store, host, port)``: a master ``TCPStore`` on this node's Ray address, port chosen by the OS."""
+    """``(store, host, port)``: a master ``TCPStore`` on this node's Ray address, port chosen by the OS
+    (:func:`elasticlab.elastic.rendezvous.bind_store`)."""
     import ray
-    import torch.distributed as dist
+
+    from elasticlab.elastic.rendezvous import bind_store
 
     ip = ray.util.get_node_ip_address()
-    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((ip, 0))
-        sock.listen(128)
-        store = dist.TCPStore(ip, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the listening socket now
+    store = bind_store(ip, 0, timeout_s=timeout_s)
     return store, ip, int(store.port)
