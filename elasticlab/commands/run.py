@@ -33,13 +33,20 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     import json
+    import os
     import sys
     import time
+
+    from tqdm import tqdm
 
     from elasticlab.elastic import ElasticJob, FixedPerWorkerBatch
     from elasticlab.elastic.job import parse_schedule
 
     script = args.script if ":" in args.script else f"{args.script}:make_task"
+    if args.record_samples and os.path.exists(args.record_samples) and os.path.getsize(args.record_samples):
+        print(f"elasticlab run: --record-samples {args.record_samples!r} exists and is not empty; a record "
+              "is one run's, so remove it or name another file", file=sys.stderr)
+        return 2
     try:
         schedule = parse_schedule(args.schedule)
         policy = FixedPerWorkerBatch(args.per_worker_batch) if args.per_worker_batch else None
@@ -54,11 +61,20 @@ def run(args) -> int:
         return 2
     t0 = time.perf_counter()
     job.start()
-    try:
-        finished = job.wait(args.timeout)
+    end = time.monotonic() + args.timeout
+    bar = tqdm(desc="training", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=not sys.stderr.isatty() and os.environ.get("ELASTICLAB_PROGRESS") != "1")
+    try:  # a progress bar on stderr while it trains (stdout keeps the events and the RESULT line)
+        finished = False
+        while not finished and time.monotonic() < end:
+            finished = job.wait(min(0.5, max(end - time.monotonic(), 0.0)))
+            st = job.status()
+            bar.update(max(int(st["step"]) - bar.n, 0))
+            bar.set_postfix(workers=st["world_size"], state=st["state"], refresh=False)
     except KeyboardInterrupt:
         finished = False
     finally:
+        bar.close()
         job.stop()
     wall = time.perf_counter() - t0
     m = job.metrics()
@@ -76,6 +92,12 @@ def run(args) -> int:
               "world_sizes": sorted({r["world_size"] for r in m}), "lost_steps": job.status()["lost_steps"],
               "wall_s": round(wall, 2), "record_samples": job.record_path, "state": job.state,
               "error": job.status()["error"], "replays": job.status()["replays"]}
+    last = result["steps"]
+    never = {k: v for k, v in sorted(schedule.items()) if k >= last}
+    if never and result["finished"]:  # STEP:N acts from step STEP+1 on
+        result["schedule_not_reached"] = [f"{k}:{v}" for k, v in never.items()]
+        print(f"elasticlab run: warning: training ended at step {last}, so the schedule entries "
+              f"{', '.join(result['schedule_not_reached'])} never took effect", file=sys.stderr)
     print("RESULT " + json.dumps(result))
     if job.state == "failed":
         st = job.status()

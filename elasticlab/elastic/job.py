@@ -49,6 +49,10 @@ def parse_schedule(schedule) -> dict[int, int]:
             step, sep, n = part.strip().partition(":")
             if not sep or not step.strip().isdigit() or not n.strip().isdigit():
                 raise ValueError(f"bad schedule entry {part!r}: expected STEP:N with integers, e.g. '20:3'")
+            k = int(step)
+            if k in out:
+                raise ValueError(f"schedule step {k} is given twice ({k}:{out[k]} and {part.strip()}): "
+                                 "give each step once")
             out[int(step)] = int(n)
         return out
     out = {}
@@ -124,6 +128,16 @@ class ElasticJob(JobController):
         if record_samples is True:
             record_samples = str(Path(checkpoint_dir) / "samples.jsonl")
         self.record_path = str(record_samples) if record_samples else None
+        if global_batch is not None and (int(global_batch) != global_batch or global_batch < 1):
+            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+        if max_steps is not None and (int(max_steps) != max_steps or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        self.schedule = parse_schedule(schedule)
+        for step, n in self.schedule.items():  # before the warm check: name the schedule entry
+            try:
+                self._check_size(n)
+            except ValueError as e:
+                raise ValueError(f"schedule entry {step}:{n}: {e}") from None
         self.warm = max(int(warm if warm is not None else workers), workers)
         if self.warm > self.slots:
             raise ValueError(f"warm={warm!r} exceeds the machine's {self.slots} slots")
@@ -139,9 +153,6 @@ class ElasticJob(JobController):
                                        on_no_checkpoint=on_no_checkpoint, store_host=store_host,
                                        abort_grace_s=float(abort_grace_s),
                                        inject_faults=[tuple(f) for f in inject_faults or ()])
-        self.schedule = parse_schedule(schedule)
-        for n in self.schedule.values():
-            self._check_size(n)
         self.options["schedule"] = self.schedule
         self._target = int(workers)
         self._refit_every_s = float(goodput_refit_s)

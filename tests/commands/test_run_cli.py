@@ -35,7 +35,29 @@ def test_run_command_resizes_at_scheduled_steps(tmp_path, capsys):
     (["--schedule", "5:x"], "bad schedule entry '5:x'"),
     (["--schedule", "5:9", "--slots", "4"], "9 exceeds the machine's 4"),
     (["--workers", "0"], ">= 1, got 0"),
+    (["--schedule", "5:99", "--slots", "4"], "schedule entry 5:99"),    # not reported as warm=99
+    (["--schedule", "5:2,5:3"], "schedule step 5 is given twice"),
+    (["--global-batch", "0"], "global_batch must be a positive integer, got 0"),
+    (["--max-steps", "-5"], "max_steps must be a positive integer, got -5"),
 ])
 def test_run_command_rejects_bad_arguments(argv, message, capsys):
     assert main(["run", DIGITS, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_command_refuses_an_existing_sample_record(tmp_path, capsys):
+    rec = tmp_path / "old.jsonl"
+    rec.write_text('{"step": 1}\n')
+    assert main(["run", DIGITS, "--record-samples", str(rec)]) == 2
+    assert "old.jsonl" in capsys.readouterr().err and rec.read_text() == '{"step": 1}\n'
+
+
+def test_run_command_warns_about_schedule_steps_it_never_reached(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ELASTICLAB_PROGRESS", "1")
+    rc = main(["run", DIGITS, "--schedule", "3:2,40:1", "--max-steps", "8", "--slots", "2",
+               "--checkpoint-dir", str(tmp_path / "ck"), "--timeout", "300"])
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.strip().splitlines()[-1][len("RESULT "):])
+    assert rc == 0 and res["steps"] == 8 and res["schedule_not_reached"] == ["40:1"]
+    assert "40:1 never took effect" in cap.err
+    assert "training" in cap.err and "step" in cap.err  # the progress bar
