@@ -14,7 +14,7 @@ from elasticlab import commands
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elasticlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="elasticlab", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):

@@ -8,9 +8,11 @@ HELP = "a short elastic DDP run on scikit-learn's digits (resizes 1->2->3->1) wi
 def add_arguments(parser) -> None:
     parser.add_argument("--schedule", default="30:2,70:3,110:1",
                         help="resizes 'STEP:N,...' (default %(default)s)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--step-delay", type=float, default=0.01)
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
+    parser.add_argument("--global-batch", type=int, default=32,
+                        help="fixed global batch, re-split over the workers at each resize (default 32)")
+    parser.add_argument("--step-delay", type=float, default=0.01,
+                        help="sleep per step, s, so that the resizes can be watched (default 0.01)")
 
 
 def run(args) -> int:

@@ -10,16 +10,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="initial number of workers (default 1)")
     parser.add_argument("--schedule", default=None,
                         help="resizes 'STEP:N,STEP:N,...': from step STEP+1 on, N workers")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many optimizer steps (default: when the epochs are done)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help="fixed global batch (default: the task's base batch)")
     parser.add_argument("--per-worker-batch", type=int, default=None,
                         help="fixed per-worker batch with the Dynamic-SGD LR ramp instead")
     parser.add_argument("--record-samples", default=None, metavar="FILE",
                         help="write the JSONL sample record {epoch, step, rank, world_size, indices}")
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where checkpoints go (default: a temporary folder removed at the end)")
+    parser.add_argument("--checkpoint-every", type=int, default=20,
+                        help="checkpoint every this many steps (0: at the start, resizes and end only)")
     parser.add_argument("--slots", type=int, default=None, help="worker slots (default: 2 per CPU core)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (slows a demo down)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
@@ -82,7 +85,8 @@ def run(args) -> int:
     for e in ev:
         if e["kind"] in ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error", "abort",
                          "failed"):
-            print(json.dumps({k: v for k, v in e.items() if k not in ("time", "traceback")}))
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                              for k, v in e.items() if k not in ("time", "traceback")}))
     train_s = sum(r["step_time"] for r in m)
     result = {"finished": bool(finished and job.state == "finished"), "steps": m[-1]["step"] if m else 0,
               "resizes": [[e["from_size"], e["to_size"], e["step"]] for e in ev if e["kind"] == "resize"],
