@@ -18,6 +18,9 @@ IDS = [r.id for r in REPS]
 # claims that do not reproduce today, with the reason; the report shows them as not reproduced, pytest as
 # xfail
 KNOWN_GAPS: dict[str, str] = {
+    "P4-T3": "on the grid extended to phi = 1e5 (issue 21: the old grid stopped just before it), M* on 1 GPU "
+             "(762) exceeds M* on 2 GPUs (484): the forced accumulation step on one GPU, where goodput is "
+             "nearly flat in M (batch_choice's docstring); not monotone in K as written",
     "P5-T3": "judged as papers.md writes it, every (S/S_min-1)(E/E_min-1) within 15% of 1: the products are "
              "0.85, 1.47, 0.79, 0.71, 1.23, 3.60 (ill-conditioned far from B_crit), so it is not reproduced; "
              "the fit S = S_min(1 + B_crit/B) itself holds (R^2 0.998, every point within 6.1%)",
