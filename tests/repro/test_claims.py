@@ -4,6 +4,7 @@ registry, report and ``elasticlab reproduce`` mechanics."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -47,9 +48,15 @@ def test_claim_reproduces(claim_id):
     assert res.figure is not None and res.measured
     msg = f"{claim_id}: measured {res.summary}; target {res.target}"
     if rep.timed and not res.passed:
-        # a wall-clock verdict on a shared machine is not a test verdict (speed targets live in benchmarks)
-        warnings.warn(f"timed claim missed its target on this machine: {msg}", stacklevel=1)
-        return
+        # a wall-clock verdict: one retry, then it fails only on a machine that is not busy (load average
+        # below its core count); on a busy one it is a warning (speed targets live in benchmarks)
+        res = repro.run_one(rep, quick=True)
+        msg = f"{claim_id}: measured {res.summary}; target {res.target}"
+        load = os.getloadavg()[0]
+        if not res.passed and load >= (os.cpu_count() or 1):
+            warnings.warn(f"timed claim missed its target twice on a busy machine (load {load:.1f}): {msg}",
+                          stacklevel=1)
+            return
     assert res.passed, msg
 
 
