@@ -176,16 +176,19 @@ def gns_growth(
     "P5-T4",
     claim="The gradient noise scale grows as training progresses and the loss falls (McCandlish et al.; "
     "Pollux relies on growth by 10x or more).",
-    target="MLP 64-32-10 on sklearn digits, SGD, batch 64: B_simple (ratio of means over 10% of training) "
-    "at 90% of training > 2x its value at 10%",
+    target="MLP 64-32-10 on sklearn digits, SGD, batch 64: the EMA B_simple (GNSEstimator's ratio of "
+    "bias-corrected EMAs) at 90% of training > 2x its value at 10%, as papers.md writes it (the ratio of "
+    "means over 10%-of-training windows is reported too)",
     needs=("elasticlab.gns",),
-    reread="papers.md compares EMA B_simple at 90% and at 10% of training; this compares B_simple as a "
-    "ratio of means over 10%-of-training windows",
 )
 def p5_t4(quick: bool) -> Outcome:
     r = gns_growth(steps=600 if quick else 1000)
-    passed = r["growth"] > 2.0
     bs, loss = r.pop("b_simple_ema"), r.pop("loss")
+    bs_arr = np.asarray(bs, dtype=float)
+    n = len(bs_arr)
+    r["ema_at_10pct"], r["ema_at_90pct"] = float(bs_arr[int(0.1 * n)]), float(bs_arr[int(0.9 * n)])
+    r["ema_growth"] = r["ema_at_90pct"] / r["ema_at_10pct"]
+    passed = r["ema_growth"] > 2.0
     steps = np.arange(len(bs))
     fig = lines(
         steps,
@@ -199,9 +202,9 @@ def p5_t4(quick: bool) -> Outcome:
     return Outcome(
         r,
         passed,
-        f"B_simple {r['b_simple_at_10pct']:.1f} -> {r['b_simple_at_90pct']:.1f} "
-        f"(x{r['growth']:.1f}) while the loss went {r['loss_at_10pct']:.2f} -> "
-        f"{r['loss_at_90pct']:.2f}",
+        f"EMA B_simple {r['ema_at_10pct']:.1f} -> {r['ema_at_90pct']:.1f} (x{r['ema_growth']:.1f}); window "
+        f"means {r['b_simple_at_10pct']:.1f} -> {r['b_simple_at_90pct']:.1f} (x{r['growth']:.1f}); loss "
+        f"{r['loss_at_10pct']:.2f} -> {r['loss_at_90pct']:.2f}",
         fig,
     )
 
