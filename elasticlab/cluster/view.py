@@ -120,16 +120,6 @@ class LiveJob:
         if self.agent.fit(self.handle.step_times(aggregate=True)):
             self._fit_rows = len(rows)
 
-    def goodput_function(self, mode: str | None = None):
-        """Pollux Eq. (1) for this job: the throughput model and the live GNS (phi = inf in throughput mode:
-        Saxena's objective ignores statistical efficiency). None before a fit."""
-        return self.agent.function(mode or self.batch_mode)
-
-    def fixed_split(self, g: int, batch: int | None = None) -> BatchConfig:
-        """``batch`` (default M0) over ``g`` slots, the fewest accumulation steps the memory cap allows."""
-        batch = int(batch or self.spec.initial_batch)
-        return BatchConfig(batch, self.agent.limits.split(batch, g)[1])
-
     def _prior_rate(self) -> float:
         """Before a fit: the 1-slot rate measured so far, in M0-steps per second (1 when nothing ran)."""
         st = self.handle.status() if self.handle is not None else {}

@@ -106,12 +106,6 @@ class SimJob:
     def max_profiled_replicas(self, value: int):
         self.agent.max_profiled = int(value)
 
-    def goodput_function(self, phi_override=None):
-        from elasticlab.goodput import GoodputFunction
-
-        stats = self.grad_params if phi_override is None else phi_override
-        return GoodputFunction(self.app.throughput_model, stats, self.app.init_batch_size)
-
     def goodput_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
         """Predicted goodput in M0-steps per second (progress rate) at g = 0..max_gpus GPUs
