@@ -58,7 +58,7 @@ class GoodputPolicy(Policy):
             if self.weight == "remaining":
                 # 1 / predicted time to finish, a change of allocation adding the restart delay
                 rate = job.goodput_curve(total, cluster.gpus_per_node, upto=hi[i])
-                with np.errstate(divide="ignore"):
+                with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 where rate = 0: masked below
                     t_left = job.remaining_progress() / rate
                 t_left = t_left + np.where(g == job.gpus, 0.0, self.restart_delay)
                 # a job with no work left keeps what it holds (finite: the DP refuses +inf)
