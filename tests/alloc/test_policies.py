@@ -19,11 +19,25 @@ def test_place_respects_capacity_and_keeps_unchanged():
     assert again["a"] == out["a"] and again["b"] == out["b"]
 
 
+def _shared_by_multi_node_jobs(out):
+    """Nodes that host more than one job spread over several nodes."""
+    multi = [np.asarray(p) > 0 for p in out.values() if node_count(p) > 1]
+    return np.flatnonzero(np.sum(multi, axis=0) > 1) if multi else np.array([], int)
+
+
 def test_place_one_distributed_per_node():
-    out = place({"a": 6, "b": 6}, {}, 4, 4, one_distributed_per_node=True)
-    nodes_a = {i for i, x in enumerate(out["a"]) if x}
-    nodes_b = {i for i, x in enumerate(out.get("b", ())) if x}
-    assert not (nodes_a & nodes_b) or len(nodes_b) <= 1
+    # no node hosts two multi-node jobs: d gets the 2 free GPUs off a's nodes (elastic), where without the
+    # rule it takes 3 and shares a's second node
+    counts = {"a": 6, "b": 3, "c": 3, "d": 3}
+    out = place(counts, {}, 4, 4, one_distributed_per_node=True)
+    assert {k: sum(v) for k, v in out.items()} == {**counts, "d": 2}
+    assert _shared_by_multi_node_jobs(out).size == 0, out
+    free = place(counts, {}, 4, 4)
+    assert {k: sum(v) for k, v in free.items()} == counts and _shared_by_multi_node_jobs(free).size > 0
+    # a kept placement that would share a node with another multi-node job is moved, never dropped
+    prev = {"a": (4, 2, 0, 0), "b": (0, 2, 2, 0)}
+    out = place({"a": 6, "b": 4}, prev, 4, 4, one_distributed_per_node=True)
+    assert out["a"] == prev["a"] and sum(out["b"]) == 4 and _shared_by_multi_node_jobs(out).size == 0
     with pytest.raises(ValueError, match="cluster has"):
         place({"a": 20}, {}, 4, 4)
     with pytest.raises(ValueError, match="negative"):

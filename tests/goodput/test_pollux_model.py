@@ -36,7 +36,11 @@ def test_efficiency_identities(phi, m0, scale):
     assert 0 < e <= 1 + 1e-12
     # E(M) = r(M/M0) / (M/M0) with AdaScale's gain, sigma^2/mu^2 = phi/M0 (take mu^2 = 1)
     assert e == pytest.approx(gain_ratio(phi / m0, 1.0, scale) / scale, rel=1e-9)
-    assert gp.gain(phi, m0, m) == pytest.approx(e * scale, rel=1e-12)
+    # AdaScale's gain by hand, r = (sigma^2 + mu^2) / (sigma^2/S + mu^2) with sigma^2/mu^2 = phi/M0, and its
+    # bounds 1 <= r <= S (Johnson et al. 2020, Sec. 3)
+    r = (phi / m0 + 1.0) / (phi / m0 / scale + 1.0)
+    assert gp.gain(phi, m0, m) == pytest.approx(r, rel=1e-9)
+    assert 1 - 1e-12 <= gp.gain(phi, m0, m) <= scale * (1 + 1e-12)
 
 
 @settings(max_examples=100, deadline=None)
