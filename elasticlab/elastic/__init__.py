@@ -1,7 +1,8 @@
 """Live-resizing local DDP jobs (elasticlab's runtime; cf. ``torch.distributed.elastic``).
 
 * :class:`ElasticJob` (job.py) — the controller in the caller's process: start/resize/pause/resume/stop,
-  status/metrics/events, non-blocking; its thread is controller.py, its processes pool.py.
+  status/metrics/events, non-blocking; its thread is controller.py (generations in generation.py, faults in
+  faults.py), its requests requests.py, its batch decisions adaptation.py, its processes pool.py.
 * states.py — :class:`JobState` and its transitions, :class:`JobStatus` (what ``status()`` returns).
 * messages.py — the typed messages between the job and its workers, and the step commands.
 * worker.py — each worker process's main (pool worker and ``torchrun`` entry); trainer.py — the

@@ -13,25 +13,27 @@ forms the next generation from the newest valid checkpoint. A dead worker is a f
 collectives fail (or time out and are killed), a replacement process is started, and the job resumes
 from the newest valid checkpoint, losing at most the steps since then (reported in ``events()``).
 
-This module holds the public API, the request checks and the batch and goodput decisions. The controller
-thread is the base class, :class:`~.controller.JobController`; the processes are a
-:class:`~.pool.WorkerPool`; the lifecycle is :class:`~.states.JobState`.
+This module holds the public API and the request checks. The controller thread is the base class
+:class:`~.controller.JobController`; the batch and goodput decisions are
+:class:`~.adaptation.BatchAdaptation`; the processes are a :class:`~.pool.WorkerPool`; the lifecycle is
+:class:`~.states.JobState`.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import tempfile
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from elasticlab.elastic.adaptation import BatchAdaptation
 from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.controller import JobController
 from elasticlab.elastic.policies import BatchConfig, FixedGlobalBatch
 from elasticlab.elastic.pool import default_slots
 from elasticlab.elastic.records import step_time_rows
+from elasticlab.elastic.requests import Kind, Request
 from elasticlab.elastic.states import TERMINAL, ElasticJobStatus, JobState, wait_terminal
 from elasticlab.elastic.task import entrypoint_name
 from elasticlab.elastic.trainer import default_options
@@ -63,7 +65,7 @@ def parse_schedule(schedule) -> dict[int, int]:
     return out
 
 
-class ElasticJob(JobController):
+class ElasticJob(BatchAdaptation, JobController):
     """A local elastic data-parallel job. See the module docstring.
 
     ``entrypoint`` names an importable function returning a :class:`~elasticlab.elastic.task.Task`
@@ -181,7 +183,7 @@ class ElasticJob(JobController):
         size is done (latency = request to that step)."""
         self._check_size(n)
         batch = self._check_batch(global_batch, accum_steps)
-        return self._request("resize", n=int(n), batch=batch)
+        return self._request(Kind.RESIZE, n=int(n), batch=batch)
 
     def set_batch(self, global_batch: int | None = None, *, per_worker_batch: int | None = None,
                   accum_steps: int | None = None) -> Future:
@@ -195,21 +197,21 @@ class ElasticJob(JobController):
         batch = self._check_batch(global_batch, accum_steps)
         if batch is None:
             raise ValueError("set_batch needs global_batch, per_worker_batch or accum_steps")
-        return self._request("set_batch", batch=batch)
+        return self._request(Kind.SET_BATCH, batch=batch)
 
     def checkpoint(self) -> Future:
         """Checkpoint at the next step boundary; the result is the checkpoint's step."""
-        return self._request("checkpoint")
+        return self._request(Kind.CHECKPOINT)
 
     def pause(self) -> Future:
         """Checkpoint at the next step boundary and leave the group; the processes stay warm."""
-        return self._request("pause")
+        return self._request(Kind.PAUSE)
 
     def resume(self, n: int | None = None) -> Future:
         """Resume a paused job (at ``n`` workers, default the size it had)."""
         if n is not None:
             self._check_size(n)
-        return self._request("resume", n=n)
+        return self._request(Kind.RESUME, n=n)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Checkpoint at the next step boundary, end the worker processes and the controller thread."""
@@ -220,7 +222,7 @@ class ElasticJob(JobController):
         if self._thread is None or not self._thread.is_alive():
             self._pool.shutdown()
             return
-        self._request("stop", _allow_stopped=True)
+        self._request(Kind.STOP, _allow_stopped=True)
         self._thread.join(timeout)
         if self._thread.is_alive():  # the controller is stuck: end the processes the hard way
             self._pool.kill_all()
@@ -322,101 +324,21 @@ class ElasticJob(JobController):
                 global_batch = self._batch.global_batch if self._batch else self._base_batch()
         return BatchConfig(int(global_batch), int(accum_steps or 0))
 
-    def _request(self, kind: str, _allow_stopped: bool = False, **info) -> Future:
+    def _request(self, kind: Kind, _allow_stopped: bool = False, n: int | None = None,
+                 batch: BatchConfig | None = None) -> Future:
+        kind = Kind(kind)
         with self._lock:
             if self._state in TERMINAL and not _allow_stopped:
                 raise RuntimeError(f"cannot {kind}: the job is {self._state}")
-            if self._state == JobState.NEW and kind != "stop":
-                if kind == "resize":
-                    self._target = info["n"]
+            if self._state == JobState.NEW and kind != Kind.STOP:
+                if kind == Kind.RESIZE:
+                    self._target = n
                     f = Future()
-                    f.set_result({"world_size": info["n"], "step": 0, "latency_s": 0.0})
+                    f.set_result({"world_size": n, "step": 0, "latency_s": 0.0})
                     return f
                 raise RuntimeError(f"cannot {kind}: the job has not been started")
         fut: Future = Future()
-        self._requests.put((kind, info, fut, time.perf_counter()))
+        self._requests.put(Request(kind, fut, time.perf_counter(), n=n, batch=batch))
         with contextlib.suppress(Exception):
             self._wake_w.send(None)
         return fut
-
-    # ---- batch and goodput --------------------------------------------------------------------
-    def _decide_batch(self, n: int) -> BatchConfig | None:
-        p = self._pending.get("resize")
-        if p and p[1].get("batch") is not None:
-            return p[1]["batch"]
-        p = self._pending.get("set_batch")  # asked for, but the generation ended before it took effect
-        if p:
-            return p[1]["batch"]
-        if self.policy is None:
-            return self._batch
-        stats = {"current": self._batch, "throughput_model": self._throughput,
-                 "gns": (self._last_rec or {}).get("gns")}
-        try:
-            return self.policy.decide(n, stats)
-        except Exception as e:
-            self._events.emit("error", message=f"batch policy failed, batch kept: {e!r}")
-            return self._batch
-
-    def _maybe_refit(self, rec: dict) -> None:
-        """Refit in a background thread every ``goodput_refit_s`` seconds (one fit at a time)."""
-        if self._refit_every_s and time.monotonic() >= self._next_refit and (
-                self._fit_thread is None or not self._fit_thread.is_alive()):
-            self._next_refit = time.monotonic() + self._refit_every_s
-            self._fit_thread = threading.Thread(target=self._refit_goodput, args=(rec,), daemon=True,
-                                                name="elasticlab-goodput-fit")
-            self._fit_thread.start()
-
-    def _refit_goodput(self, rec: dict) -> None:
-        """Fit the throughput model to the measured step times (Pollux §4.1, one row per configuration)
-        and predict the goodput of the current configuration. Runs in its own thread: a fit can take
-        seconds, and the controller must keep serving the workers meanwhile."""
-        try:
-            from elasticlab import goodput as gp
-        except ImportError:
-            return
-        rows = self.step_times(aggregate=True)
-        if not rows:
-            return
-        try:
-            model = gp.fit_throughput_model(rows)
-            self._throughput = model
-            with self._lock:  # the newest step: a fit can take long enough for the GNS to appear meanwhile
-                rec = dict(self._last_rec or rec)
-            gns = rec.get("gns")
-            if gns is not None and math.isfinite(gns):
-                base = self._base_batch()
-                fn = gp.GoodputFunction(model, gns, base)
-                self._predicted_goodput = float(fn.evaluate(1, rec["world_size"], rec["per_worker_batch"],
-                                                            rec["accum_steps"]))
-        except Exception:  # a fit needs enough distinct configurations; keep the previous one
-            return
-        self._adapt_batch(rec)
-
-    def _adapt_batch(self, rec: dict) -> None:
-        """Goodput-adaptive policy: re-decide (m, s) for the current size with the new fit (AdaptDL
-        re-decides at every pass over the data; here at every refit), with the policy's hysteresis."""
-        from elasticlab.elastic.policies import GoodputAdaptive
-
-        if not isinstance(self.policy, GoodputAdaptive) or self.state != JobState.RUNNING:
-            return
-        current = BatchConfig(rec["global_batch"], rec["accum_steps"])
-        try:
-            choice = self.policy.decide(rec["world_size"], {"current": current, "gns": rec.get("gns"),
-                                                            "throughput_model": self._throughput})
-        except Exception as e:
-            self._events.emit("error", message=f"goodput policy failed: {e!r}")
-            return
-        if choice != current:
-            last = self.policy.last
-            self._events.emit("adapt", step=rec["step"], global_batch=choice.global_batch,
-                              accum_steps=choice.accum_steps, per_worker_batch=last.get("per_worker_batch"),
-                              goodput=last.get("goodput"), current_goodput=last.get("current_goodput"))
-            with contextlib.suppress(RuntimeError):
-                self._request("set_batch", batch=choice)
-
-    def _base_batch(self) -> int:
-        pol = self.policy
-        if pol is not None and hasattr(pol, "initial_global_batch"):
-            return int(pol.initial_global_batch())
-        return int(self._batch.global_batch) if self._batch else 1
-

@@ -14,14 +14,14 @@ from enum import Enum
 from typing import Any
 
 
-class _StrEnum(str, Enum):
+class StrEnum(str, Enum):
     """A string enum whose ``str`` and ``format`` give the plain value (``enum.StrEnum`` from 3.11)."""
 
     __str__ = str.__str__
     __format__ = str.__format__
 
 
-class JobState(_StrEnum):
+class JobState(StrEnum):
     """A job's lifecycle state (see :data:`TRANSITIONS`).
 
     **Failure semantics** of an :class:`~elasticlab.elastic.ElasticJob` (the kind of a worker's error is
@@ -115,7 +115,17 @@ def wait_terminal(state_of, timeout: float | None = None, poll_s: float = 0.05) 
     return True
 
 
-class WorkerState(_StrEnum):
+class DrainReason(StrEnum):
+    """Why a generation leaves its group (state DRAINING), and so what follows once it has left."""
+
+    RESIZE = "resize"  # a new generation at the target size
+    FAULT = "fault"  # a member died or errored: a new generation from the newest valid checkpoint
+    PAUSE = "pause"  # PAUSED, the processes warm
+    STOP = "stop"  # STOPPED, the processes ended
+    FINISHED = "finished"  # FINISHED: all the work is done
+
+
+class WorkerState(StrEnum):
     """A pool worker process's state."""
 
     STARTING = "starting"  # importing torch, building the task

@@ -22,8 +22,7 @@ from elasticlab.elastic.messages import CMD_CHECKPOINT, CMD_LEAVE, CMD_NONE, CMD
 from elasticlab.elastic.policies import BatchConfig
 from elasticlab.elastic.trainer import Trainer, default_options
 
-__all__ = ["pool_worker", "torchrun_main", "Trainer", "default_options", "CMD_NONE", "CMD_LEAVE",
-           "CMD_SET_BATCH", "CMD_CHECKPOINT"]
+__all__ = ["pool_worker", "torchrun_main", "run_generation", "Trainer", "default_options"]
 
 
 # ---- the pool worker ---------------------------------------------------------------------------
@@ -67,7 +66,7 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
             continue
         gen = msg.generation
         try:
-            _run_generation(trainer, conn, msg)
+            run_generation(trainer, conn, msg)
         except Exception as e:
             kind, path = getattr(e, "elastic_kind", None) or error_kind(e), getattr(e, "elastic_path", None)
             with contextlib.suppress(Exception):
@@ -123,7 +122,7 @@ def _save(ckdir: CheckpointDir, tr: Trainer):
         raise _tag(e, "checkpoint_io") from None
 
 
-def _run_generation(tr: Trainer, conn, j: M.Join) -> None:
+def run_generation(tr: Trainer, conn, j: M.Join) -> None:
     """Train as one rank of generation ``j.generation`` until it ends (leave, finish or an error)."""
     import torch.distributed as dist
 

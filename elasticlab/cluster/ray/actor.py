@@ -1,7 +1,7 @@
 """One worker slot of a job on a Ray node: an actor holding a :class:`~elasticlab.elastic.trainer.Trainer`.
 
 The actor builds its task once (torch imported once per actor, as a pool worker does) and then runs
-generations with the elastic package's own generation loop (``elasticlab.elastic.worker._run_generation``:
+generations with the elastic package's own generation loop (``elasticlab.elastic.worker.run_generation``:
 store, group, checkpoint load/save, step commands, sample rows). That loop talks to a pipe; here the pipe
 is :class:`Mailbox`, which the job's controller drains (:meth:`RayWorker.drain`) and feeds
 (:meth:`RayWorker.control`) from the driver while :meth:`RayWorker.run` trains -- the actor is threaded
@@ -71,12 +71,12 @@ class RayWorker:
     def run(self, join) -> int:
         """Train as ``join.rank`` of generation ``join.generation`` until it ends; returns the generation."""
         from elasticlab.elastic import messages as M
-        from elasticlab.elastic.worker import _run_generation
+        from elasticlab.elastic.worker import run_generation
 
         while self.mailbox.poll():  # a command meant for an earlier generation
             self.mailbox.recv()
         try:
-            _run_generation(self.trainer, self.mailbox, join)
+            run_generation(self.trainer, self.mailbox, join)
         except Exception as e:
             import traceback
 
