@@ -15,42 +15,69 @@ from .registry import Outcome, reproduction
 _NEEDS = ("elasticlab.gns.experiments",)
 
 
+def _unbiasedness(draws: int, settings=((1, 64), (8, 64), (32, 64)), n: int = 64) -> tuple[dict, dict]:
+    """(truth, estimates): mean and standard error over ``draws`` of |G|^2_est and S_est for each two-batch
+    setting (:func:`elasticlab.gns.experiments.draw_estimates`, seeds as in its ``unbiasedness``) and for the
+    per-example form as the estimator computes it (:func:`elasticlab.gns.per_example_estimates`, the
+    Bessel-corrected variance of n per-example gradients)."""
+    from elasticlab.gns import per_example_estimates
+    from elasticlab.gns.experiments import draw_estimates, linear_regression_population
+
+    g, truth = linear_regression_population()
+    pairs = {f"{bs}/{bb}": draw_estimates(g, bs, bb, draws, seed=1 + i)
+             for i, (bs, bb) in enumerate(settings)}
+    batch = g[np.random.default_rng(len(settings) + 1).integers(0, g.shape[0], size=(draws, n))]
+    pairs[f"per-example n={n}"] = per_example_estimates((batch**2).sum(-1).mean(1), n,
+                                                         (batch.mean(1) ** 2).sum(-1))
+    est = {}
+    for k, (g2, s) in pairs.items():
+        est[k] = {"grad_sq": float(g2.mean()), "trace_cov": float(s.mean()),
+                  "b_simple": float(s.mean() / g2.mean()),
+                  "se_grad_sq": float(g2.std(ddof=1) / np.sqrt(draws)),
+                  "se_trace_cov": float(s.std(ddof=1) / np.sqrt(draws))}
+    return truth, est
+
+
 @reproduction(
     "P5-T1",
     claim="The two-batch estimators of |G|^2 and tr(Sigma) (McCandlish App. A.1) and their per-example form "
     "are unbiased; B_simple = tr(Sigma)/|G|^2 (Eq. 2.9) is estimated as a ratio of means.",
-    target="linear regression D=20, population 2e5 (exact B_simple ~23.2-23.4): mean estimates "
-    "within 2% of the truth for (B_small, B_big) in {(1,64), (8,64), (32,64)}; B_simple within 3%",
+    target="linear regression D=20, population 2e5 (exact B_simple ~23.2-23.4), 4000 draws: mean estimates "
+    "within 2% of the truth for (B_small, B_big) in {(1,64), (8,64), (32,64)} and for the per-example form "
+    "(n = 64); B_simple within 3%. Beyond papers.md, as the claim says 'unbiased': every mean within 4 "
+    "standard errors of the truth (2% cannot see a missing Bessel factor at n = 64, a 1.6% bias; "
+    "4 SE ~ 1.3%)",
     needs=_NEEDS,
 )
 def p5_t1(quick: bool) -> Outcome:
-    from elasticlab.gns.experiments import unbiasedness
-
-    r = unbiasedness(draws=3000)
-    truth = r["truth"]
-    rel = {}
-    for (bs, bb), est in r["settings"].items():
-        rel[f"{bs}/{bb}"] = {k: est[k] / truth[k] - 1.0 for k in ("grad_sq", "trace_cov", "b_simple")}
-    passed = all(
-        abs(e["grad_sq"]) < 0.02 and abs(e["trace_cov"]) < 0.02 and abs(e["b_simple"]) < 0.03
-        for e in rel.values()
-    )
-    labels = [f"B_small={k.split('/')[0]}" for k in rel]
+    draws = 4000
+    truth, estimates = _unbiasedness(draws)
+    rel = {k: {q: est[q] / truth[q] - 1.0 for q in ("grad_sq", "trace_cov", "b_simple")}
+           for k, est in estimates.items()}
+    within = all(abs(e["grad_sq"]) < 0.02 and abs(e["trace_cov"]) < 0.02 and abs(e["b_simple"]) < 0.03
+                 for e in rel.values())
+    z = {k: {q: (est[q] - truth[q]) / est[f"se_{q}"] for q in ("grad_sq", "trace_cov")}
+         for k, est in estimates.items()}
+    unbiased = all(abs(v) <= 4.0 for e in z.values() for v in e.values())
+    labels = [k if k.startswith("per") else f"B_small={k.split('/')[0]}" for k in rel]
     fig = bars(
         labels,
-        [r["settings"][k]["b_simple"] for k in r["settings"]],
+        [est["b_simple"] for est in estimates.values()],
         target=truth["b_simple"],
         target_label=f"true B_simple = {truth['b_simple']:.2f}",
         yaxis="ratio-of-means B_simple",
-        title="P5-T1: B_simple estimates (B_big = 64, 3000 draws)",
+        title=f"P5-T1: B_simple estimates (B_big = 64, {draws} draws)",
         ok=[abs(e["b_simple"]) < 0.03 for e in rel.values()],
     )
     worst = max(abs(v) for e in rel.values() for v in e.values())
-    b_est = ", ".join(f"{est['b_simple']:.2f}" for est in r["settings"].values())
+    worst_z = max(abs(v) for e in z.values() for v in e.values())
+    b_est = ", ".join(f"{est['b_simple']:.2f}" for est in estimates.values())
     return Outcome(
-        {"truth": truth, "estimates": r["settings"], "relative_error": rel},
-        passed,
-        f"B_simple {b_est} (true {truth['b_simple']:.2f}); worst rel. error {100 * worst:.1f}%",
+        {"truth": truth, "draws": draws, "estimates": estimates, "relative_error": rel, "z": z,
+         "within_target": within, "within_4se": unbiased},
+        within and unbiased,
+        f"B_simple {b_est} (true {truth['b_simple']:.2f}); worst rel. error {100 * worst:.1f}%, worst "
+        f"|mean - truth| {worst_z:.1f} SE",
         fig,
     )
 
