@@ -8,12 +8,14 @@
   and their PyTorch references.
 - :class:`GNSEstimator` (estimator.py): per-example and two-batch estimators, B_simple, Pollux's (sqr, var).
 - :mod:`~elasticlab.gns.ddp`: combining replicas under DistributedDataParallel.
+- :class:`GNSMonitor` (monitor.py): the GNS of an existing training loop, estimator form chosen by itself.
 - :mod:`~elasticlab.gns.experiments`: P5-T1/T2 estimator experiments on synthetic linear regression, P5-T3
   (steps/examples trade-off of SGD) and P5-T5 (LayerNorm-only GNS against the total).
 """
 from elasticlab.gns.estimator import GNSEstimator, per_example_estimates, two_batch_estimates
+from elasticlab.gns.monitor import GNSMonitor
 from elasticlab.gns.norms import PerSampleGradNorms
 from elasticlab.gns.registry import RULES, Rule, register_rule, rule_for
 
-__all__ = ["GNSEstimator", "PerSampleGradNorms", "RULES", "Rule", "per_example_estimates", "register_rule",
-           "rule_for", "two_batch_estimates"]
+__all__ = ["GNSEstimator", "GNSMonitor", "PerSampleGradNorms", "RULES", "Rule", "per_example_estimates",
+           "register_rule", "rule_for", "two_batch_estimates"]

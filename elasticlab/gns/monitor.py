@@ -1,0 +1,431 @@
+"""``GNSMonitor``: the gradient noise scale of an existing training loop, estimator chosen by itself.
+
+    monitor = GNSMonitor(model)
+    for x, y in loader:
+        opt.zero_grad()
+        with monitor.step():                       # forward(s) and backward(s) of one optimizer step
+            loss_fn(model(x), y).backward()
+        opt.step()
+    monitor.b_simple, monitor.history
+
+Which form of McCandlish et al.'s App. A.1 estimator each measured step uses (``method="auto"``):
+- ``"replica"``: ``model`` is a ``DistributedDataParallel`` over >= 2 processes: each replica's local
+  gradient ‖g_r‖² (taken before the averaging by :class:`~elasticlab.gns.ddp.ReplicaGradNorms`, a DDP comm
+  hook) against the all-reduced one; B_small = local batch, B_big = global batch; one extra all-reduce
+  of 4 numbers.
+- ``"micro_batch"``: several backwards in one step (gradient accumulation): each micro-batch's ‖h_k‖²
+  (tensor hooks see the gradient before it is added to ``.grad``) against the accumulated one.
+- ``"per_example"``: one backward on one process: per-example norms (:class:`PerSampleGradNorms`); on an
+  initialised group with a plain (not DDP) model, the per-example sums are all-reduced
+  (:func:`~elasticlab.gns.ddp.update_per_example`).
+Unequal micro-batch or replica batches b_k enter through their harmonic mean H: E mean_k‖ḡ_k‖² =
+‖G‖² + tr Σ/H and, gradients averaged with equal weights, E‖ḡ‖² = ‖G‖² + tr Σ/(K·H) (Eq. A.1).
+
+Gradients are read at the end of each backward (an autograd engine callback queued after DDP's own), so
+clipping or ``scaler.unscale_`` between the last backward and :meth:`end` does not change them. With a
+``grad_scaler`` the loss scale is divided out; an overflowed step gives non-finite norms, which
+:class:`GNSEstimator` skips and counts (``skipped``). Under ``torch.autocast`` the norms are float32.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from elasticlab.gns import ddp as _ddp
+from elasticlab.gns.estimator import GNSEstimator
+from elasticlab.gns.norms import PerSampleGradNorms
+
+METHODS = ("auto", "per_example", "micro_batch", "replica")
+
+
+def _batch_of(obj, depth: int = 0) -> int | None:
+    """dim 0 of the first tensor in a forward's arguments (one level into lists, tuples and dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0]) if obj.dim() >= 1 else None
+    if depth < 2 and isinstance(obj, (list, tuple)):
+        vals = obj
+    elif depth < 2 and isinstance(obj, dict):
+        vals = list(obj.values())
+    else:
+        return None
+    for v in vals:
+        b = _batch_of(v, depth + 1)
+        if b is not None:
+            return b
+    return None
+
+
+class GNSMonitor:
+    """Measures B_simple, ‖G‖² and tr Σ (McCandlish Eqs. 2.9, A.1) of ``model`` every ``every`` steps.
+
+    ``accumulation``: ``"mean"`` when each micro-batch's loss is divided by the number of micro-batches
+    (Lightning, HF Trainer), ``"sum"`` when not. ``loss_reduction``: how each batch's loss reduces over
+    its examples (per-example form). ``per_layer``: keep per-module estimates (per-example and micro-batch
+    forms). ``beta`` and ``init_batch_size``: the :class:`GNSEstimator`'s. ``history``: one dict per measured
+    step (``step``, ``b_simple``, ``grad_sq``, ``trace_cov``, ``batch_size``, ``micro_batches``, ``method``,
+    ``skipped``, and ``layers`` {module: B_simple} with ``per_layer``).
+    """
+
+    def __init__(self, model: nn.Module, every: int = 1, beta: float = 0.99, method: str = "auto",
+                 grad_scaler=None, per_layer: bool = True, accumulation: str = "mean",
+                 loss_reduction: str = "mean", init_batch_size: int = 1, process_group=None):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"GNSMonitor needs an nn.Module, got {type(model).__name__}")
+        if not (isinstance(every, int) and every >= 1):
+            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if accumulation not in ("mean", "sum"):
+            raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
+        if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        self.model, self.every, self.method = model, every, method
+        self.grad_scaler, self.per_layer, self.accumulation = grad_scaler, per_layer, accumulation
+        self.group = process_group
+        self.estimator = GNSEstimator(beta=beta, init_batch_size=init_batch_size)
+        self.history: list[dict] = []
+        self.steps = 0                        # steps begun
+        self.unmeasured = 0                   # measured steps that gave no estimate (e.g. one micro-batch)
+        is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self.module = model.module if is_ddp else model
+        on = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if on else 1
+        self._replicas = None
+        if method == "replica" or (method == "auto" and is_ddp and self.world > 1):
+            if not (is_ddp and self.world > 1):
+                raise ValueError("method='replica' needs a DistributedDataParallel model over >= 2 processes "
+                                 f"(got {type(model).__name__}, world size {self.world})")
+            try:
+                self._replicas = _ddp.ReplicaGradNorms(model, process_group)
+            except RuntimeError as e:
+                raise RuntimeError(f"GNSMonitor could not register its DDP communication hook ({e}); a DDP "
+                                   "model takes one hook: remove yours, or use method='per_example'") from e
+        self._psn, self._psn_error = None, None
+        if method == "per_example" or (method == "auto" and self._replicas is None):
+            try:
+                self._psn = PerSampleGradNorms(self.module, loss_reduction=loss_reduction,
+                                               grad_scaler=grad_scaler)
+            except ValueError as e:
+                if method == "per_example":
+                    raise
+                self._psn_error = str(e)
+        self._accumulating = False            # auto: a step had several backwards, per-example norms unused
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("GNSMonitor: the model has no trainable parameters")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._layer_of = [n.rpartition(".")[0] for n in self._names]
+        self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._hooks: list = []
+        self._open = self._measuring = self._fixed_size = False
+        self._reset_step()
+
+    # ------------------------------------------------------------------------------------------ steps
+    def _reset_step(self) -> None:
+        self._task, self._nback = None, 0
+        self._mb: list[list[tuple[int, torch.Tensor]]] = []    # per backward: (param index, ‖h_k‖²)
+        self._grad_norms: list = []                            # (index, ‖.grad‖) after the last backward
+        self._psn_snap = None
+        self._fwd_sizes: list[int] = []
+        self._given_sizes: list[int] = []
+        self._scale = None
+
+    def is_measured(self, step: int | None = None) -> bool:
+        """Whether step ``step`` (1-based; default the next one) is measured: 1, 1 + every, ..."""
+        step = self.steps + 1 if step is None else step
+        return (step - 1) % self.every == 0
+
+    def _use_psn(self) -> bool:
+        return self._psn is not None and not (self.method == "auto" and self._accumulating)
+
+    def begin(self, batch_size: int | None = None) -> None:
+        """Start one optimizer step (its forwards and backwards follow); ``batch_size`` is the size of each
+        micro-batch, when the model's forward does not show it (dim 0 of its first tensor argument)."""
+        if self._open:
+            raise RuntimeError("GNSMonitor.begin() called twice without end(): one step at a time")
+        self.steps += 1
+        self._open, self._measuring = True, self.is_measured(self.steps)
+        if not self._measuring:
+            return
+        self._reset_step()
+        if self._replicas is not None:
+            self._replicas.reset()            # its hook adds up every synchronised backward, measured or not
+        if batch_size is not None:
+            self._given_sizes = [self._check_size(batch_size)]
+            self._fixed_size = True
+        else:
+            self._fixed_size = False
+        self._scale = self._current_scale()
+        self._hooks = [p.register_hook(self._grad_hook(i)) for i, p in enumerate(self._params)]
+        if self._use_psn():
+            self._psn.__enter__()
+
+    @staticmethod
+    def _check_size(n) -> int:
+        if not (isinstance(n, int) and n >= 1):
+            raise ValueError(f"batch_size must be an integer >= 1, got {n!r}")
+        return n
+
+    def micro_batch(self, batch_size: int | None = None) -> None:
+        """A micro-batch of this step starts (for loops whose forward of ``model`` is not called directly,
+        as a LightningModule whose ``training_step`` calls a submodule): its size, and a fresh slate for the
+        per-example norms."""
+        if not (self._open and self._measuring):
+            return
+        if batch_size is not None:
+            if self._fixed_size:
+                self._given_sizes, self._fixed_size = [], False
+            self._given_sizes.append(self._check_size(batch_size))
+        if self._use_psn() and self._psn._active:
+            self._psn._begin_step()
+
+    def _on_forward(self, module, args, kwargs):
+        if self._open and self._measuring and torch.is_grad_enabled():
+            b = _batch_of(args) or _batch_of(kwargs)
+            if b is not None:
+                self._fwd_sizes.append(b)
+
+    def _grad_hook(self, i: int):
+        p = self._params[i]
+
+        def hook(g):
+            tid = torch._C._current_graph_task_id()
+            if tid != self._task:             # the first gradient of a new backward
+                self._task = tid
+                self._nback += 1
+                self._mb.append([])
+                Variable._execution_engine.queue_callback(self._after_backward_queued)
+            if self._nback >= 2:              # accumulating: the micro-batches' own gradients
+                if self._nback == 2 and p.grad is not None:      # .grad still holds micro-batch 1 alone
+                    self._mb[0].append((i, p.grad.detach().double().pow(2).sum()))
+                self._mb[-1].append((i, g.detach().double().pow(2).sum()))
+            return None
+        return hook
+
+    def _after_backward_queued(self) -> None:
+        # queued again so that it runs after the callbacks queued during this backward (DDP's finalize,
+        # which writes the averaged gradients into .grad)
+        Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        """End of one backward: ‖.grad‖ per parameter (kept on its device) and the per-example norms."""
+        have = [i for i, p in enumerate(self._params) if p.grad is not None]
+        norms = torch._foreach_norm([self._params[i].grad.detach() for i in have], 2, dtype=torch.float32)
+        self._grad_norms = list(zip(have, norms))
+        if self._nback == 1 and self._use_psn() and self._psn._active:
+            try:
+                self._psn_snap = self._read_psn()
+            except RuntimeError as e:
+                self._psn_snap = e
+
+    def _param_vector(self, pairs, square: bool) -> torch.Tensor:
+        """(P,) float64 on the CPU from (parameter index, 0-dim tensor) pairs (one host read per device)."""
+        out = torch.zeros(len(self._params), dtype=torch.float64)
+        by_dev: dict = {}
+        for i, v in pairs:
+            by_dev.setdefault(v.device, []).append((i, v))
+        for rows in by_dev.values():
+            vals = torch.stack([v.double() for _, v in rows]).cpu()
+            out.index_add_(0, torch.tensor([i for i, _ in rows]), vals.pow(2) if square else vals)
+        return out
+
+    def _read_psn(self):
+        psn = self._psn
+        sq = psn.sq_norms()
+        if self.per_layer and self.world == 1:
+            layers, lg = psn.layer_sq_norms(), psn.layer_grad_sq_norms(sq.shape[0])
+            return sq, sum(lg.values()), {k: (layers[k], lg[k]) for k in layers}
+        return sq, psn.grad_sq_norm(sq.shape[0]), None
+
+    def end(self, step: int | None = None) -> dict | None:
+        """Close the step opened by :meth:`begin`: fold its estimate; returns its ``history`` record (None
+        for an unmeasured step). ``step`` names it in the record (default: steps begun so far)."""
+        if not self._open:
+            raise RuntimeError("GNSMonitor.end() without begin()")
+        self._open = False
+        if not self._measuring:
+            return None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._psn is not None and self._psn._active:
+            self._psn.__exit__()
+        k = self._nback
+        if k == 0:
+            self.unmeasured += 1
+            return None
+        if self._replicas is not None:
+            rec = self._fold_replicas(k)
+        elif k >= 2:
+            self._accumulating = True
+            rec = self._fold_micro_batches(k)
+        else:
+            rec = self._fold_per_example()
+        if rec is None:
+            self.unmeasured += 1
+            return None
+        folded, batch, form, layers = rec
+        out = {"step": self.steps if step is None else int(step), "b_simple": self.b_simple,
+               "grad_sq": self.grad_sq, "trace_cov": self.trace_cov, "batch_size": batch,
+               "micro_batches": k, "method": form, "skipped": not folded}
+        if layers:
+            lb = self.estimator.layer_b_simple()
+            out["layers"] = {name: lb[name] for name in layers if name in lb}
+        self.history.append(out)
+        return out
+
+    @contextlib.contextmanager
+    def step(self, batch_size: int | None = None):
+        """``with monitor.step(): ...`` = :meth:`begin` ... :meth:`end` around one optimizer step's
+        forwards and backwards."""
+        self.begin(batch_size)
+        try:
+            yield self
+        except BaseException:
+            self._abort()
+            raise
+        self.end()
+
+    def _abort(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._psn is not None and self._psn._active:
+            self._psn.__exit__()
+        self._open = False
+
+    # ------------------------------------------------------------------------------------------ forms
+    def _current_scale(self) -> float | torch.Tensor | None:
+        sc = self.grad_scaler
+        if sc is None or not sc.is_enabled():
+            return None
+        t = getattr(sc, "_scale", None)       # a device tensor: read at end(), no host sync here
+        return float(sc.get_scale()) if t is None else t.detach().clone()
+
+    def _scale_sq(self) -> float:
+        return 1.0 if self._scale is None else float(self._scale) ** 2
+
+    def _sizes(self, k: int) -> list[int]:
+        """The k micro-batch sizes of this step: given ones, else the forwards' (the last k of them)."""
+        given = self._given_sizes * k if self._fixed_size else self._given_sizes
+        sizes = given if len(given) >= k else self._fwd_sizes
+        if len(sizes) < k:
+            raise ValueError(f"GNSMonitor: {k} backwards in this step but {len(sizes)} micro-batch sizes "
+                             "known (the model's forward shows none): pass batch_size= to step()/begin(), or "
+                             "call micro_batch(n) before each micro-batch")
+        return sizes[-k:]
+
+    def _weight(self, k: int) -> float:
+        """Each micro-batch's loss weight w: its gradient is w·ḡ_k."""
+        return 1.0 / k if self.accumulation == "mean" else 1.0
+
+    def _fold_micro_batches(self, k: int):
+        sizes = self._sizes(k)
+        h = k / sum(1.0 / b for b in sizes)                   # harmonic mean micro-batch
+        w2 = self._weight(k) ** 2 * self._scale_sq()
+        small = torch.stack([self._param_vector(row, False) for row in self._mb]) / w2   # ‖ḡ_k‖², (k, P)
+        big = self._param_vector(self._grad_norms, True) / (w2 * k * k)   # ‖ḡ‖² of the mean gradient
+        est = self.estimator
+        folded = est.update_two_batch(float(small.sum(1).mean()), float(big.sum()), h, k * h)
+        layers = None
+        if self.per_layer:
+            layers = {}
+            for name, cols in self._layer_groups().items():
+                est.update_two_batch(float(small[:, cols].sum(1).mean()), float(big[cols].sum()), h, k * h,
+                                     layer=name)
+                layers[name] = None
+        return folded, int(sum(sizes)), "micro_batch", layers
+
+    def _layer_groups(self) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(self._layer_of):
+            groups.setdefault(name, []).append(i)
+        return groups
+
+    def _fold_per_example(self):
+        snap = self._psn_snap
+        if isinstance(snap, RuntimeError):
+            raise RuntimeError(f"GNSMonitor: no per-example norms for this step ({snap}); run the model's "
+                               "forward inside the step: with monitor.step(): loss_fn(model(x), y).backward()"
+                               ) from snap
+        if snap is None:
+            if self._psn is None:
+                raise RuntimeError(
+                    "GNSMonitor: one backward per step on one process needs per-example gradient norms, but "
+                    f"they are not available for this model ({self._psn_error}). Accumulate >= 2 "
+                    "micro-batches per step (micro-batch form) or train under DDP (replica form)")
+            return None                                        # per-example norms off after accumulation
+        sq, grad_sq, layers = snap
+        if self.world > 1:
+            folded = _ddp.update_per_example(self.estimator, sq, grad_sq, self.group)
+            return folded, int(sq.shape[0]) * self.world, "per_example", None
+        folded = self.estimator.update(sq, grad_sq, layers=layers)
+        return folded, int(sq.shape[0]), "per_example", layers
+
+    def _fold_replicas(self, k: int):
+        """Replica two-batch form; the one extra all-reduce: [Σ_r ‖ḡ_r‖², Σ 1/b_r, Σ b_r, R]."""
+        b = sum(self._sizes(k))
+        local = self._replicas.local_sq_norm
+        self._replicas.reset()
+        w2 = self._weight(k) ** 2 * self._scale_sq()          # this replica's mean gradient: local/(w·k)
+        mean_sq = local / (w2 * k * k)
+        t = torch.tensor([mean_sq, 1.0 / b, float(b), 1.0], dtype=torch.float64)
+        t = t.to(_ddp._comm_device(self.group))
+        dist.all_reduce(t, group=self.group)
+        t = t.cpu()
+        r = float(t[3])
+        h = r / float(t[1])
+        big = float(self._param_vector(self._grad_norms, True).sum()) / (w2 * k * k)   # DDP-averaged .grad
+        if local == 0.0 or not math.isfinite(h):
+            return None
+        folded = self.estimator.update_two_batch(float(t[0]) / r, big, h, r * h)
+        return folded, int(round(float(t[2]))), "replica", None
+
+    # ------------------------------------------------------------------------------------------ read-out
+    @property
+    def b_simple(self) -> float:
+        """B_simple = tr Σ/‖G‖² (McCandlish Eq. 2.9), ratio of the estimator's EMAs."""
+        return self.estimator.b_simple
+
+    @property
+    def grad_sq(self) -> float:
+        return self.estimator.grad_sq
+
+    @property
+    def trace_cov(self) -> float:
+        return self.estimator.trace_cov
+
+    @property
+    def skipped(self) -> int:
+        """Measured steps whose norms were not finite (overflowed half-precision steps), not folded."""
+        return self.estimator.skipped
+
+    def layer_b_simple(self) -> dict[str, float]:
+        return self.estimator.layer_b_simple()
+
+    def state_dict(self) -> dict:
+        return {"estimator": self.estimator.state_dict(), "history": [dict(h) for h in self.history],
+                "steps": self.steps, "unmeasured": self.unmeasured, "accumulating": self._accumulating}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.estimator.load_state_dict(state["estimator"])
+        self.history = [dict(h) for h in state.get("history", [])]
+        self.steps = int(state.get("steps", 0))
+        self.unmeasured = int(state.get("unmeasured", 0))
+        self._accumulating = bool(state.get("accumulating", False))
+
+    def close(self) -> None:
+        """Remove the monitor's hooks from the model (a DDP comm hook cannot be removed and stays)."""
+        if self._open:
+            self._abort()
+        self._root.remove()
+
+    def __repr__(self) -> str:
+        return (f"GNSMonitor(b_simple={self.b_simple:.4g}, steps={self.steps}, measured={len(self.history)}, "
+                f"skipped={self.skipped}, every={self.every})")

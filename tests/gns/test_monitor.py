@@ -1,0 +1,295 @@
+"""GNSMonitor against GNSEstimator fed the same batches by hand: per-example, micro-batch (accumulation),
+bf16 autocast, a GradScaler (scale divided out, overflow skipped and counted), DDP replicas (2 gloo)."""
+import copy
+import datetime
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from elasticlab.gns import GNSEstimator, GNSMonitor, PerSampleGradNorms
+
+RTOL = 1e-6
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def batches(n_steps, batch, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(6, 3, generator=g)
+    out = []
+    for _ in range(n_steps):
+        x = torch.randn(batch, 6, generator=g)
+        out.append((x, (x @ w).argmax(1)))
+    return out
+
+
+def close(a, b, rtol=RTOL):
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def test_per_example_matches_estimator_on_the_same_batches():
+    data = batches(6, 8)
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    mon = GNSMonitor(model, beta=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        with mon.step():
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+    ref, opt = GNSEstimator(beta=0.9), torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    expected = []
+    with PerSampleGradNorms(ref_model) as norms:
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(ref_model(x), y).backward()
+            ref.update_from(norms)
+            expected.append(ref.b_simple)
+            opt.step()
+    assert [h["method"] for h in mon.history] == ["per_example"] * 6
+    assert [h["step"] for h in mon.history] == list(range(1, 7))
+    for h, e in zip(mon.history, expected):
+        assert close(h["b_simple"], e), (h["b_simple"], e)
+    assert math.isfinite(mon.b_simple) and mon.b_simple > 0
+    for name, v in ref.layer_b_simple().items():
+        assert close(mon.layer_b_simple()[name], v)
+    assert set(mon.history[-1]["layers"]) == {"0", "2", "3"}
+
+
+def _micro_grads(model, parts, weight):
+    """Each micro-batch's gradient (weighted loss) and the accumulated one, by torch.autograd.grad."""
+    params = list(model.parameters())
+    gs = [torch.autograd.grad(F.cross_entropy(model(x), y) * weight, params) for x, y in parts]
+    total = [sum(g[i] for g in gs) for i in range(len(params))]
+    sq = [sum(float(t.double().pow(2).sum()) for t in g) for g in gs]
+    return sq, sum(float(t.double().pow(2).sum()) for t in total)
+
+
+@pytest.mark.parametrize("accumulation,sizes", [("mean", (4, 4, 4)), ("sum", (2, 5, 3))])
+def test_micro_batch_form_with_accumulation(accumulation, sizes):
+    model = make_model()
+    mon = GNSMonitor(model, beta=0.5, accumulation=accumulation)
+    ref = GNSEstimator(beta=0.5)
+    k = len(sizes)
+    w = 1.0 / k if accumulation == "mean" else 1.0
+    for x, y in batches(4, sum(sizes), seed=3):
+        parts = list(zip(x.split(list(sizes)), y.split(list(sizes))))
+        sq, big = _micro_grads(model, parts, w)
+        h = k / sum(1.0 / b for b in sizes)
+        ref.update_two_batch(sum(s / w ** 2 for s in sq) / k, big / (w * k) ** 2, h, k * h)
+        model.zero_grad()
+        with mon.step():
+            for xb, yb in parts:
+                (F.cross_entropy(model(xb), yb) * w).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)   # after the step: must not matter
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.5 * p.grad
+        assert close(mon.history[-1]["b_simple"], ref.b_simple, 1e-5), (mon.history[-1], ref)
+        assert close(mon.grad_sq, ref.grad_sq, 1e-5) and close(mon.trace_cov, ref.trace_cov, 1e-5)
+    assert mon.history[-1]["method"] == "micro_batch" and mon.history[-1]["batch_size"] == sum(sizes)
+    assert mon.history[-1]["micro_batches"] == k and mon.layer_b_simple().keys() == {"0", "2", "3"}
+
+
+def test_clipping_inside_the_step_does_not_change_the_estimate():
+    data = batches(3, 8)
+    a, b = make_model(), make_model()
+    ma, mb = GNSMonitor(a), GNSMonitor(b)
+    for x, y in data:
+        with ma.step():
+            F.cross_entropy(a(x), y).backward()
+        with mb.step():
+            F.cross_entropy(b(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(b.parameters(), 1e-4)
+        a.zero_grad()
+        b.zero_grad()
+    assert close(ma.b_simple, mb.b_simple)
+
+
+def test_bf16_autocast_per_example_and_micro_batch():
+    data = batches(3, 8)
+    model, ref_model = make_model(), make_model()
+    mon, ref = GNSMonitor(model), GNSEstimator()
+    with PerSampleGradNorms(ref_model) as norms:
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                F.cross_entropy(ref_model(x), y).backward()
+            ref.update_from(norms)
+            ref_model.zero_grad()
+    for x, y in data:
+        with mon.step(), torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(model(x), y).backward()
+        model.zero_grad()
+    assert close(mon.b_simple, ref.b_simple, 1e-5)
+    # bf16 is close to float32 (same batches, no optimizer step)
+    f32 = GNSMonitor(make_model())
+    for x, y in data:
+        with f32.step():
+            F.cross_entropy(f32.model(x), y).backward()
+        f32.model.zero_grad()
+    assert abs(mon.b_simple - f32.b_simple) < 0.05 * f32.b_simple
+    acc = GNSMonitor(make_model())
+    with acc.step(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for xb, yb in zip(data[0][0].split(4), data[0][1].split(4)):
+            (F.cross_entropy(acc.model(xb), yb) / 2).backward()
+    assert acc.history[-1]["method"] == "micro_batch" and math.isfinite(acc.history[-1]["b_simple"])
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_grad_scaler_scale_divided_out_and_overflow_skipped(micro):
+    data = batches(4, 8)
+    plain, scaled = make_model(), make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    mp_, ms = GNSMonitor(plain, beta=0.5), GNSMonitor(scaled, beta=0.5, grad_scaler=scaler)
+    opt = torch.optim.SGD(scaled.parameters(), lr=0.0)
+    for step, (x, y) in enumerate(data):
+        parts = list(zip(x.split(8 // micro), y.split(8 // micro)))
+        with mp_.step():
+            for xb, yb in parts:
+                (F.cross_entropy(plain(xb), yb) / micro).backward()
+        plain.zero_grad()
+        with ms.step():
+            for xb, yb in parts:
+                loss = F.cross_entropy(scaled(xb), yb) / micro
+                if step == 2:
+                    loss = loss * float("inf")                 # an overflowed step
+                scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert ms.skipped == 1 and ms.history[2]["skipped"] and not ms.history[3]["skipped"]
+    assert scaler.get_scale() < 2.0 ** 10                       # the scaler saw the overflow too
+    ref = GNSMonitor(make_model(), beta=0.5)                    # the plain run without step 2
+    for step, (x, y) in enumerate(data):
+        if step == 2:
+            continue
+        with ref.step():
+            for xb, yb in zip(x.split(8 // micro), y.split(8 // micro)):
+                (F.cross_entropy(ref.model(xb), yb) / micro).backward()
+        ref.model.zero_grad()
+    assert close(ms.b_simple, ref.b_simple, 1e-5), (ms, ref)
+    assert not close(ms.b_simple, mp_.b_simple, 1e-5)           # the skipped step is really left out
+
+
+def test_every_and_state_dict():
+    model = make_model()
+    mon = GNSMonitor(model, every=3)
+    for x, y in batches(7, 8):
+        with mon.step():
+            F.cross_entropy(model(x), y).backward()
+        model.zero_grad()
+    assert [h["step"] for h in mon.history] == [1, 4, 7] and mon.estimator.num_updates == 3
+    other = GNSMonitor(make_model())
+    other.load_state_dict(mon.state_dict())
+    assert other.b_simple == mon.b_simple and other.history == mon.history and other.steps == 7
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="every"):
+        GNSMonitor(make_model(), every=0)
+    with pytest.raises(ValueError, match="method"):
+        GNSMonitor(make_model(), method="magic")
+    with pytest.raises(ValueError, match="replica"):
+        GNSMonitor(make_model(), method="replica")
+
+    class Scaled(nn.Module):                  # a parameter no per-example rule covers
+        def __init__(self):
+            super().__init__()
+            self.lin, self.s = nn.Linear(6, 3), nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return self.lin(x) * self.s
+
+    m = Scaled()
+    mon = GNSMonitor(m)
+    x, y = batches(1, 8)[0]
+    with pytest.raises(RuntimeError, match="Accumulate >= 2"):
+        with mon.step():
+            F.cross_entropy(m(x), y).backward()
+    m.zero_grad()
+    with mon.step():                          # with accumulation it works (micro-batch form)
+        for xb, yb in zip(x.split(4), y.split(4)):
+            (F.cross_entropy(m(xb), yb) / 2).backward()
+    assert mon.history[-1]["method"] == "micro_batch"
+    model = make_model()
+    mon = GNSMonitor(model)
+    loss = F.cross_entropy(model(x), y)       # forward outside the step
+    with pytest.raises(RuntimeError, match="forward inside the step"):
+        with mon.step():
+            loss.backward()
+    model.zero_grad()
+    with pytest.raises(ValueError, match="micro-batch sizes"):
+        with GNSMonitor(model, method="micro_batch").step():
+            for _ in range(2):
+                (model[3](torch.randn(2, 16)).sum()).backward()   # forwards of a submodule: no size
+
+
+# ---- DDP: two gloo processes ----------------------------------------------------------------------
+WORLD, B_LOCAL, STEPS = 2, 6, 3
+
+
+def _ddp_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        res = {}
+        for micro in (1, 2):
+            model = nn.parallel.DistributedDataParallel(make_model())
+            mon = GNSMonitor(model, beta=0.5)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches(STEPS, WORLD * B_LOCAL):
+                xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+                opt.zero_grad()
+                with mon.step():
+                    for j, (xb, yb) in enumerate(zip(xs.split(B_LOCAL // micro), ys.split(B_LOCAL // micro))):
+                        ctx = model.no_sync() if j < micro - 1 else torch.enable_grad()
+                        with ctx:
+                            (F.cross_entropy(model(xb), yb) / micro).backward()
+                opt.step()
+            res[micro] = mon.history
+        torch.save(res, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_replica_form_two_gloo_processes(tmp_path):
+    mp.start_processes(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    res = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+    # one process: the replicas' local gradients and their average, the same SGD steps on the full batch
+    model = make_model()
+    params = list(model.parameters())
+    ref = GNSEstimator(beta=0.5)
+    for x, y in batches(STEPS, WORLD * B_LOCAL):
+        local = [torch.autograd.grad(F.cross_entropy(model(x[r * B_LOCAL:(r + 1) * B_LOCAL]),
+                                                     y[r * B_LOCAL:(r + 1) * B_LOCAL]), params)
+                 for r in range(WORLD)]
+        mean = [sum(g[i] for g in local) / WORLD for i in range(len(params))]
+        small = sum(sum(float(t.double().pow(2).sum()) for t in g) for g in local) / WORLD
+        big = sum(float(t.double().pow(2).sum()) for t in mean)
+        ref.update_two_batch(small, big, B_LOCAL, WORLD * B_LOCAL)
+        with torch.no_grad():
+            for p, g in zip(params, mean):
+                p -= 0.1 * g
+    for micro in (1, 2):
+        for r in range(WORLD):
+            h = res[r][micro]
+            assert [e["method"] for e in h] == ["replica"] * STEPS and h[-1]["batch_size"] == WORLD * B_LOCAL
+            assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (micro, r, h[-1], ref)
