@@ -127,6 +127,9 @@ def run(workdir: str, *, agents: int = 3, leave: bool = False, step_delay: float
 
     from elasticlab.cluster.torchrun import TorchrunJob, listening_sockets
     from elasticlab.elastic import check_exactly_once, effective_rows
+    from elasticlab.elastic.rendezvous import listener_inodes
+
+    before = listener_inodes([os.getpid()])  # this process's listeners from before the job: not judged
 
     own = netns is None
     net = netns or Netns(agents)
@@ -146,7 +149,7 @@ def run(workdir: str, *, agents: int = 3, leave: bool = False, step_delay: float
             with contextlib.suppress(psutil.NoSuchProcess):
                 for q in [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]:
                     addr_of[q] = job.nodes[job._node_of[p.pid]]["addr"]
-        for s in listening_sockets(addr_of):
+        for s in listening_sockets(addr_of, exclude=before):
             seen[(s["pid"], s["port"])] = {**s, "expected": addr_of[s["pid"]]}
 
     changes = []

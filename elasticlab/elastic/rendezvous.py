@@ -132,10 +132,9 @@ def worker_store(timeout_s: float = 30.0):
     return dist.PrefixStore(f"elasticlab/{token_digest(token)}", store)
 
 
-def listening_sockets(pids) -> list[dict]:
-    """TCP sockets in LISTEN state owned by ``pids``: ``{"pid", "addr", "port"}`` each, read from
+def _listeners(pids):
+    """``(pid, inode, address, port)`` of each TCP socket in LISTEN state owned by ``pids``, read from
     ``/proc/<pid>/net/tcp{,6}`` (the process's own network namespace) and ``/proc/<pid>/fd``."""
-    out = []
     for pid in pids:
         try:
             inodes = set()
@@ -144,6 +143,7 @@ def listening_sockets(pids) -> list[dict]:
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if link.startswith("socket:["):
                         inodes.add(link[8:-1])
+            rows = []
             for table, width in (("tcp", 4), ("tcp6", 16)):
                 with open(f"/proc/{pid}/net/{table}") as f:
                     next(f)
@@ -158,7 +158,97 @@ def listening_sockets(pids) -> list[dict]:
                         ip = ipaddress.ip_address(raw)
                         if ip.version == 6 and ip.ipv4_mapped:
                             ip = ip.ipv4_mapped
-                        out.append({"pid": pid, "addr": str(ip), "port": int(hexport, 16)})
+                        rows.append((pid, cols[9], str(ip), int(hexport, 16)))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # the process ended meanwhile
+        yield from rows
+
+
+def listening_sockets(pids, *, exclude=()) -> list[dict]:
+    """TCP sockets in LISTEN state owned by ``pids``: ``{"pid", "addr", "port"}`` each, read from
+    ``/proc/<pid>/net/tcp{,6}`` (the process's own network namespace) and ``/proc/<pid>/fd``; ``exclude``:
+    socket inodes to leave out (:func:`listener_inodes` taken before)."""
+    exclude = set(exclude)
+    return [{"pid": pid, "addr": addr, "port": port} for pid, inode, addr, port in _listeners(pids)
+            if inode not in exclude]
+
+
+def listener_inodes(pids) -> set[str]:
+    """The inodes of the listening sockets ``pids`` own now (a baseline for ``listening_sockets``)."""
+    return {inode for _, inode, _, _ in _listeners(pids)}
+
+
+def _ray_dirs() -> tuple[str, ...]:
+    import importlib.util
+
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("ray")  # where it is installed; not imported
+        if spec is not None and spec.submodule_search_locations:
+            return tuple(os.path.join(d, "") for d in spec.submodule_search_locations)
+    return ()
+
+
+def is_ray_process(pid: int) -> bool:
+    """Whether ``pid`` is one of Ray's own processes: a worker (its title ``ray::...``) or a program of the
+    ``ray`` package (GCS, raylet, agents, dashboard, monitors), read from ``/proc/<pid>/cmdline``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return False
+    if args and args[0].startswith("ray::"):
+        return True
+    dirs = _ray_dirs()
+    return any(a.startswith(d) for a in args[:3] for d in dirs)
+
+
+def process_tree(roots, *, skip=None) -> set[int]:
+    """``roots`` and their descendants alive now, from ``/proc``; a process for which ``skip(pid)`` holds
+    is left out with its descendants."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(name))
+    out, todo = set(), [int(r) for r in roots]
+    while todo:
+        pid = todo.pop()
+        if pid in out or not os.path.exists(f"/proc/{pid}") or (skip is not None and skip(pid)):
+            continue
+        out.add(pid)
+        todo += children.get(pid, [])
     return out
+
+
+class ListenerScan:
+    """The listening sockets that the code under test opens in the process trees of ``roots`` (default:
+    this process), judged apart from the rest: the listeners those trees had when the scan was made are
+    left out (a snapshot of their inodes: e.g. a Ray driver's server in a test process), and so are
+    processes for which ``skip`` holds, with their descendants (default :func:`is_ray_process`: Ray's own
+    raylets, GCS, agents and workers, when another test left a Ray cluster running). A socket the code
+    under test binds afterwards, in these processes or in new ones below them, is reported wherever it
+    listens (0.0.0.0 and :: included). :meth:`scan` as often as wanted; ``seen`` keeps every listener
+    found, keyed by ``(pid, port)``."""
+
+    def __init__(self, roots=None, *, skip=is_ray_process):
+        self.roots = [os.getpid()] if roots is None else [int(r) for r in roots]
+        self.skip = skip
+        self.before = listener_inodes(self.pids())
+        self.seen: dict[tuple[int, int], dict] = {}
+
+    def pids(self, extra=()) -> set[int]:
+        """The processes scanned: the trees of ``roots`` and ``extra``, less the skipped ones."""
+        return process_tree([*self.roots, *extra], skip=self.skip)
+
+    def scan(self, extra=()) -> list[dict]:
+        """The listeners opened since the snapshot, now (also added to ``seen``); ``extra``: more roots."""
+        now = listening_sockets(self.pids(extra), exclude=self.before)
+        for s in now:
+            self.seen[(s["pid"], s["port"])] = s
+        return now
+
+    def beyond(self, allowed=("127.0.0.1", "::1")) -> list[dict]:
+        """The listeners seen on an address other than ``allowed``."""
+        return [s for s in self.seen.values() if s["addr"] not in allowed]

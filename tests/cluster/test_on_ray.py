@@ -18,29 +18,27 @@ from elasticlab.cluster import JobSpec  # noqa: E402
 from elasticlab.cluster.experiments import examples_path  # noqa: E402
 from elasticlab.cluster.ray import RayCluster, RayJob  # noqa: E402
 from elasticlab.cluster.ray.gang import Gang  # noqa: E402
-from elasticlab.cluster.ray.local import kill_node, local_cluster, shutdown  # noqa: E402
+from elasticlab.cluster.ray.local import (  # noqa: E402
+    kill_busy_node,
+    local_cluster,
+    session_dir,
+    session_processes,
+    shutdown,
+)
 
 EX = examples_path()
 
 
-def _actor_processes() -> list:
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any("RayWorker" in c for c in (p.info["cmdline"] or [])):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _live_actors() -> list:
-    """Actors that Ray does not count as dead (its GCS actor table)."""
-    from ray._private import state
-
-    return [a for a in state.actors().values() if a.get("State") != "DEAD"]
+@pytest.fixture
+def ray_cluster():
+    """A 3-node local Ray cluster (2 slots each), the driver connected; every process of its session is
+    ended by pid afterwards, whether the test passed or not (a failed test once left raylets, the GCS and
+    the driver's listeners to the tests after it)."""
+    cluster = local_cluster(3, 2)
+    try:
+        yield cluster
+    finally:
+        shutdown(cluster)
 
 
 def test_gang_keeps_the_workers_on_the_planned_nodes_and_starts_the_rest_there():
@@ -63,6 +61,79 @@ def test_bad_arguments_are_named():
         local_cluster(0)
 
 
+def _until(cond, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_path):
+    """GPU mode without a GPU: ``coupled=True`` runs the path ``resource="GPU"`` takes (each actor holds
+    its slot from its allocation's placement-group bundle, a new allocation starts new actors) with the
+    custom ``slot`` resource. NCCL itself (gloo here) and ``num_gpus`` are not exercised: no GPU here."""
+    cluster = local_cluster(1, 2)
+    session = session_dir(cluster)
+    try:
+        job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
+                     resource="slot", coupled=True, name="coupled", epochs=1, max_steps=20,
+                     checkpoint_every=5, entry_kwargs={"step_s": 0.05}, warm=2).start()
+        assert job._gang.coupled
+        end = time.monotonic() + 200
+        while job.status()["step"] < 3:
+            assert time.monotonic() < end and job.state not in ("failed", "stopped"), job.status()
+            time.sleep(0.2)
+        assert _until(lambda: ray.available_resources().get("slot", 0) == 0)  # both slots in the bundles
+        first = set(job._workers)
+        assert job.resize(1).result(timeout=150)["world_size"] == 1
+        assert not first & set(job._workers), "a coupled resize starts new actors in the new bundles"
+        assert _until(lambda: len(session_processes(session, name="RayWorker")) == 1)  # none kept warm
+        assert _until(lambda: ray.available_resources().get("slot", 0) == 1)
+        assert job.wait(timeout=150) and job.state == "finished", job.status()
+        starts = [e for e in job.events() if e["kind"] == "actors_start"]
+        assert [len(e["workers"]) for e in starts] == [2, 1], starts
+        job.stop()
+        assert _until(lambda: not session_processes(session, name="RayWorker"))
+        assert _until(lambda: ray.available_resources().get("slot", 0) == 2)
+    finally:
+        shutdown(cluster)
+    assert not session_processes(session)
+
+
+def test_session_processes_are_found_by_their_session_directory(tmp_path):
+    """What shutdown ends and the tests count: processes naming the session directory on their command
+    line (GCS, raylets) or holding a file in it (workers, whose title ``ray::<class>`` selects an actor
+    class); not another session's."""
+    import subprocess
+    import sys
+
+    sess, other = tmp_path / "session_a", tmp_path / "session_ab"
+    (sess / "logs").mkdir(parents=True)
+    (other / "logs").mkdir(parents=True)
+    hold = "import sys, time; f = open(sys.argv[1], 'w'); print(1, flush=True); time.sleep(60)"
+    sleep = "import time; time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", sleep, f"--log_dir={sess}/logs"]),
+             subprocess.Popen(["ray::RayWorker", "-c", hold, str(sess / "logs" / "w.out")],
+                              executable=sys.executable, stdout=subprocess.PIPE),
+             subprocess.Popen(["ray::RayWorker", "-c", hold, str(other / "logs" / "w.out")],
+                              executable=sys.executable, stdout=subprocess.PIPE)]
+    try:
+        for p in procs[1:]:
+            assert p.stdout.readline()
+        assert {p.pid for p in session_processes(str(sess))} == {procs[0].pid, procs[1].pid}
+        assert {p.pid for p in session_processes(str(sess), name="RayWorker")} == {procs[1].pid}
+        assert {p.pid for p in session_processes(str(other))} == {procs[2].pid}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert not session_processes(str(sess))
+
+
 def _kinds(events) -> list:
     return [(round(e["t"], 1), e["kind"], e.get("job"), e.get("step"), e.get("world_size")) for e in events]
 
@@ -78,12 +149,14 @@ def _replayed_steps(path: str) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(tmp_path):
-    """Three jobs under the goodput policy on 3 nodes x 2 slots; once a job trains on a worker node, that
-    node is removed. Every job finishes; the cluster sees 4 slots on 2 nodes; the job on the lost node
-    resumed from its checkpoint, and its sample record is exactly-once per epoch except the replayed steps,
-    which are as many as it counted. Afterwards no actor is left and every slot is free."""
-    cluster = local_cluster(3, 2)
+def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(ray_cluster, tmp_path):
+    """Three jobs under the goodput policy on 3 nodes x 2 slots; a worker node on which a job trains at that
+    moment (chosen and removed while the scheduler sends no request) is removed. Every job finishes; the
+    cluster sees 4 slots on 2 nodes; each job that had a worker there resumed from its checkpoint, and
+    every job's sample record is exactly-once per epoch except the replayed steps, which are as many as it
+    counted. Afterwards no actor process is left, every slot is free, and after the shutdown no process
+    of the Ray session is left."""
+    session = session_dir(ray_cluster)
     cl = None
     try:
         head = ray.get_runtime_context().get_node_id()
@@ -98,20 +171,13 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(tmp_path):
         cl.submit(JobSpec(f"{EX}:gns_growing", name="gns", max_batch=256, per_slot_batch=(4, 128),
                           **common))
         cl.start()
-        def busy(name):  # past its first checkpoint, with an epoch of work still ahead
-            st = cl.job(name).status()
-            return st["state"] == "running" and st["step"] > 12 and st["epoch"] == 0
 
-        victim, end = None, time.monotonic() + 400
-        while victim is None:  # a worker node where such a job trains
-            assert time.monotonic() < end, cl.jobs()
-            for n in cl.nodes():
-                if n["node_id"] != head and n["jobs"] and all(busy(j) for j in n["jobs"]):
-                    victim, on_it = n["node_id"], sorted(n["jobs"])
-                    break
-            time.sleep(0.2)
+        def ready(name, st):  # past its first checkpoint, with an epoch of work still ahead
+            return st["step"] > 12 and st["epoch"] == 0
+
+        victim, on_it = kill_busy_node(ray_cluster, cl, ready=ready, exclude=(head,), timeout_s=400)
         t_kill = cl.now()
-        kill_node(cluster, victim)
+        assert on_it
         assert cl.wait(timeout=500), cl.jobs()
         s = cl.summary()
         assert s["states"] == {"comm": "finished", "compute": "finished", "gns": "finished"}, s["errors"]
@@ -147,19 +213,14 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(tmp_path):
     finally:
         if cl is not None:
             cl.stop()
-    # every actor ended with its job: all slots free again, no actor alive in Ray's table; and after the
-    # cluster shuts down, no actor process is left on the machine
+    # every actor ended with its job: all slots free again and no actor process of the session alive (read
+    # from /proc, not from Ray's tables); after the shutdown no process of the session at all
     deadline = time.monotonic() + 60
-    while ray.available_resources().get("slot", 0) < 4 or _live_actors():
+    while ray.available_resources().get("slot", 0) < 4 or session_processes(session, name="RayWorker"):
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    try:
-        assert ray.available_resources().get("slot", 0) == 4
-        assert not _live_actors()
-    finally:
-        shutdown(cluster)
-    deadline = time.monotonic() + 30
-    while _actor_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _actor_processes()
+    assert ray.available_resources().get("slot", 0) == 4
+    assert not session_processes(session, name="RayWorker")
+    shutdown(ray_cluster)
+    assert not session_processes(session)

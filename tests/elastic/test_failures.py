@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import struct
 import time
 
 import pytest
@@ -21,6 +19,7 @@ import pytest
 from elasticlab.elastic import ElasticJob, check_exactly_once
 from elasticlab.elastic.checkpoint import MAGIC, CheckpointError
 from elasticlab.elastic.checkpoint import load as load_checkpoint
+from elasticlab.elastic.rendezvous import ListenerScan
 
 HERE = os.path.abspath(__file__)
 N_SAMPLES = 256
@@ -341,35 +340,11 @@ def test_all_checkpoints_corrupt_restarts_every_rank_from_the_start(tmp_path):
 
 # ---- 4. nothing listens beyond 127.0.0.1 ------------------------------------------------------------
 
-def listening_sockets(pids):
-    """``[(pid, address, port)]`` of the TCP sockets in LISTEN state that the processes ``pids`` own."""
-    inodes = {}
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes[link[8:-1]] = pid
-        except FileNotFoundError:
-            continue
-    out = []
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/net/{name}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] != "0A" or cols[9] not in inodes:          # 0A: LISTEN
-                    continue
-                addr, port = cols[1].split(":")
-                raw = bytes.fromhex(addr)
-                raw = b"".join(struct.pack("<I", w) for w in struct.unpack(f">{len(raw) // 4}I", raw))
-                out.append((inodes[cols[9]], socket.inet_ntop(family, raw), int(port, 16)))
-    return out
-
-
 def test_nothing_listens_beyond_loopback(tmp_path):
+    """Every listener the job opens (the controller's store in this process, the workers' gloo sockets)
+    is on loopback; judged by ListenerScan on what the job opened, not this process's earlier listeners
+    or Ray's processes left by another test."""
+    scan = ListenerScan()
     job = job_of(tmp_path, workers=2, epochs=50, step_delay_s=0.02)
     job.start()
     pids = set()
@@ -377,9 +352,10 @@ def test_nothing_listens_beyond_loopback(tmp_path):
         wait_until(lambda: job.status()["step"] >= 2 or job.state == "failed", 120, "the first steps")
         pids |= pids_of(job)
         port = next(e["port"] for e in job.events() if e["kind"] == "generation")
-        socks = listening_sockets(pids | {os.getpid()})
-        assert any(pid == os.getpid() and p == port for pid, _, p in socks), socks   # the store was seen
-        wide = [s for s in socks if s[1] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+        socks = scan.scan(extra=pids)
+        assert any(s["pid"] == os.getpid() and s["port"] == port for s in socks), socks  # the store was seen
+        assert {s["pid"] for s in socks} & pids, socks                                   # and a worker's
+        wide = scan.beyond(allowed=("127.0.0.1", "::1"))
         assert not wide, f"listening beyond loopback: {wide}"
     finally:
         job.stop()

@@ -32,6 +32,7 @@ from elasticlab.cluster.torchrun import (
     token_digest,
 )
 from elasticlab.elastic import check_exactly_once
+from elasticlab.elastic.rendezvous import ListenerScan
 
 DIGITS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "digits.py")
 TOKEN = "0123456789abcdef0123"
@@ -158,23 +159,75 @@ def test_store_command_refuses_a_wide_address_without_a_token():
 # ---- a TorchrunJob (the controller hosts the store) -----------------------------------------------------
 @pytest.mark.slow
 def test_torchrun_job_listens_on_loopback_only(tmp_path):
-    """Fails on the code before issue 16: the store and the workers' env:// store listened on ``*``."""
+    """Fails on the code before issue 16: the store and the workers' env:// store listened on ``*``. Judged
+    on the listeners the job opens (ListenerScan: not this process's earlier ones, nor Ray's processes
+    that another test may have left running)."""
+    scan = ListenerScan()
     job = TorchrunJob("examples/digits.py:make_task", workers=2, max_workers=2,
                       checkpoint_dir=str(tmp_path / "ck"), entry_kwargs={"base_batch": 16}, epochs=1,
                       name="scan").start()
-    seen = {}
     try:
         end = time.monotonic() + 150
         while job.state not in ("finished", "failed"):
             assert time.monotonic() < end, job.status()
-            _scan([os.getpid()], seen)
+            scan.scan()
             time.sleep(0.2)
         assert job.state == "finished", job.status()
     finally:
         job.stop()
     _, port = job.endpoint
-    assert (os.getpid(), port) in seen                       # the rendezvous store, seen by the scan
-    _assert_loopback_only(seen, 3)                           # this process, and both workers (store, gloo)
+    assert (os.getpid(), port) in scan.seen                  # the rendezvous store, seen by the scan
+    _assert_loopback_only(scan.seen, 3)                      # this process, and both workers (store, gloo)
+
+
+_LISTEN = ("import socket, sys, time; s = socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else "
+           "socket.AF_INET); s.bind((sys.argv[1], 0)); s.listen(1); print(s.getsockname()[1], flush=True); "
+           "time.sleep(60)")
+
+
+def _listener(addr, title=None):
+    """A child process listening on ``addr`` (its title ``title``, as Ray's workers set theirs)."""
+    p = subprocess.Popen([title or sys.executable, "-c", _LISTEN, addr], executable=sys.executable,
+                         stdout=subprocess.PIPE, text=True)
+    return p, int(p.stdout.readline())
+
+
+def test_listener_scan_still_catches_a_wide_bind_in_the_code_under_test(monkeypatch):
+    """The scan leaves out this process's listeners from before it and Ray's processes, yet reports a store
+    that the code under test binds to 0.0.0.0 (a planted bug in ``bind_store``) and a new process on ::."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    from elasticlab.elastic import rendezvous
+    from elasticlab.elastic.rendezvous import process_tree
+
+    old = socket.socket()
+    old.bind(("0.0.0.0", 0))                                   # this process's, from an earlier test
+    old.listen(1)
+    procs = []
+    try:
+        scan = ListenerScan()
+        procs.append(_listener("0.0.0.0", "ray::IDLE"))       # a Ray worker another test left running
+        real = rendezvous.bind_store
+        monkeypatch.setattr(rendezvous, "bind_store", lambda host, port=0, **kw: real("0.0.0.0", port, **kw))
+        port = get_free_port()
+        for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                     "GLOO_SOCKET_IFNAME": "lo"}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv(TOKEN_ENV, raising=False)
+        store = rendezvous.worker_store(5)                    # rank 0's store, under the planted bug
+        procs.append(_listener("::"))                          # a process of the code under test
+        scan.scan()
+        wide = {(s["pid"], s["addr"], s["port"]) for s in scan.beyond()}
+        assert wide == {(os.getpid(), "0.0.0.0", port), (procs[1][0].pid, "::", procs[1][1])}, scan.seen
+        # what it left out was there to see: this process's earlier listener, the Ray-titled process's
+        every = {(s["pid"], s["port"]) for s in rendezvous.listening_sockets(process_tree([os.getpid()]))}
+        assert {(os.getpid(), old.getsockname()[1]), (procs[0][0].pid, procs[0][1])} <= every
+        del store
+    finally:
+        old.close()
+        for p, _ in procs:
+            p.kill()
+            p.wait()
 
 
 # ---- torchrun by hand: `store` + `agent` ----------------------------------------------------------------

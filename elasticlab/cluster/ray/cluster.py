@@ -10,6 +10,8 @@ the nodes that remain (their own fault path) and the next round re-allocates.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -70,7 +72,26 @@ class RayCluster(Scheduler):
         self.slots = sum(n["slots"] for n in self._nodes)
         self._plan: dict[str, list[str]] = {}
         self._last_scan = time.monotonic()
+        self._apply_lock, self._held = threading.Lock(), False
         super().__init__(policy, interval, **kwargs)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """While inside: the loop sends the jobs no request (no resize, pause, resume, set_batch, start);
+        a request already sent runs on. Rounds are still decided and applied after. For a test or a
+        benchmark that needs the jobs' placement to stay put (e.g. to remove a node a job trains on)."""
+        with self._apply_lock:  # an _apply under way finishes first
+            self._held = True
+        try:
+            yield self
+        finally:
+            with self._apply_lock:
+                self._held = False
+
+    def _apply(self, now: float) -> None:
+        with self._apply_lock:
+            if not self._held:
+                super()._apply(now)
 
     # ---- what the policies and the panel see ---------------------------------------------------------
     def nodes(self) -> list[dict]:

@@ -1,8 +1,9 @@
 """The three-job comparison of :mod:`elasticlab.cluster.experiments` on Ray, optionally losing a node.
 
-:func:`run_on_ray` runs the jobs under one policy on a :class:`~elasticlab.cluster.ray.RayCluster` and, at
-``kill_node_at`` seconds, removes a worker node (one that hosts a job when there is one); the node is added
-back afterwards so that every policy starts from the same cluster. :func:`compare_on_ray` does that per
+:func:`run_on_ray` runs the jobs under one policy on a :class:`~elasticlab.cluster.ray.RayCluster` and, from
+``kill_node_at`` seconds on, removes the first worker node on which a job trains at that moment
+(:func:`~elasticlab.cluster.ray.local.kill_busy_node`); the node is added back afterwards so that every
+policy starts from the same cluster. :func:`compare_on_ray` does that per
 policy on one local multi-node cluster (:func:`~elasticlab.cluster.ray.local.local_cluster`).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ def run_on_ray(policy: str, cluster, *, specs=None, quick: bool = False, interva
     import ray
 
     from elasticlab.cluster.ray.cluster import RayCluster
-    from elasticlab.cluster.ray.local import kill_node
+    from elasticlab.cluster.ray.local import kill_busy_node
 
     specs = specs if specs is not None else three_jobs(quick)
     if record_dir is not None:
@@ -52,12 +53,12 @@ def run_on_ray(policy: str, cluster, *, specs=None, quick: bool = False, interva
         end = time.monotonic() + timeout
         while not cl.wait(timeout=0.2) and time.monotonic() < end:
             if kill_node_at is not None and killed is None and cl.now() >= kill_node_at:
-                nodes = [n for n in cl.nodes() if n["node_id"] != head]
-                nodes.sort(key=lambda n: -sum(n["jobs"].values()))
-                if nodes:
-                    victim = nodes[0]
-                    kill_node(cluster, victim["node_id"])
-                    killed = {"t": cl.now(), "node": victim["node_id"], "jobs": sorted(victim["jobs"])}
+                try:  # a worker node on which a job trains at that moment
+                    node, jobs = kill_busy_node(cluster, cl, exclude=(head,),
+                                                timeout_s=max(1.0, min(120.0, end - time.monotonic())))
+                    killed = {"t": cl.now(), "node": node, "jobs": jobs}
+                except TimeoutError as e:  # no job trained on a worker node until then
+                    killed = {"t": None, "node": None, "jobs": [], "error": str(e)[:300]}
         ok = cl.wait(timeout=0)
         out = cl.summary()
         out["timed_out"] = not ok
@@ -71,7 +72,7 @@ def run_on_ray(policy: str, cluster, *, specs=None, quick: bool = False, interva
         out["history"] = cl.history()
     finally:
         cl.stop()
-    if killed is not None:  # the next policy gets the same cluster
+    if killed is not None and killed["node"] is not None:  # the next policy gets the same cluster
         from elasticlab.cluster.ray.local import add_node
 
         add_node(cluster, slots_per_node, resource=cl.resource)

@@ -8,7 +8,8 @@ across allocations, so a resize re-reserves the slots and reuses the live actors
 starting only the missing ones; up to ``warm`` workers stay alive idle after a shrink (as a local job's warm
 processes), holding no slot. With ``resource="GPU"`` an actor must hold its GPU (Ray sets
 ``CUDA_VISIBLE_DEVICES`` only for an actor that asks for one), so the actors live in the allocation's
-bundles and a new allocation starts new actors.
+bundles and a new allocation starts new actors. ``coupled`` chooses that mode for any resource (default:
+``resource == "GPU"``); the tests run it with the custom ``slot`` resource, since no GPU is at hand.
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ class Gang:
     current allocation; see the module docstring."""
 
     def __init__(self, name: str, resource: str, entrypoint: str, entry_kwargs: dict, options: dict,
-                 place_timeout_s: float = 60.0, start_timeout_s: float = 180.0, warm: int = 0):
+                 place_timeout_s: float = 60.0, start_timeout_s: float = 180.0, warm: int = 0,
+                 coupled: bool | None = None):
         self.name, self.resource = name, resource
         self.entrypoint, self.entry_kwargs, self.options = entrypoint, entry_kwargs, options
         self.place_timeout_s, self.start_timeout_s = float(place_timeout_s), float(start_timeout_s)
         self.warm = int(warm)
-        self.coupled = resource == "GPU"  # actors live in their bundles
+        self.coupled = resource == "GPU" if coupled is None else bool(coupled)  # actors live in bundles
         self.workers: dict[int, dict] = {}
         self.pg = None
         self._next_id = 0
@@ -91,7 +93,8 @@ class Gang:
         ids = []
         for i, node in enumerate(nodes):
             if self.coupled:
-                how = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                hold = {"num_gpus": 1} if self.resource == "GPU" else {"resources": {self.resource: 1}}
+                how = {**hold, "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=first_bundle + i)}
             else:
                 how = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}

@@ -51,7 +51,8 @@ class RayJobStatus(JobStatus):
 class RayJob:
     """A job run by Ray actors (see the module docstring). ``placement_of(n)`` gives the node id of each of
     ``n`` workers (the allocator's placement) or None (Ray chooses); ``resource``: the slot resource
-    (``"GPU"`` on a GPU cluster: NCCL, one GPU per actor)."""
+    (``"GPU"`` on a GPU cluster: NCCL, one GPU per actor); ``coupled``: each actor holds its slot from
+    its allocation's bundle (default: for ``"GPU"`` only; see :mod:`~elasticlab.cluster.ray.gang`)."""
 
     supports_batch = True
 
@@ -59,7 +60,7 @@ class RayJob:
                  accum_steps: int = 0, entry_kwargs: dict | None = None, placement_of=None,
                  resource: str = "slot", record_samples: str | None = None, name: str = "job",
                  place_timeout_s: float = 30.0, start_timeout_s: float = 180.0, fault_grace_s: float = 5.0,
-                 max_faults: int = 5, warm: int = 0, **options):
+                 max_faults: int = 5, warm: int = 0, coupled: bool | None = None, **options):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if not (isinstance(resource, str) and resource):
@@ -77,7 +78,7 @@ class RayJob:
         self._state, self._error = "new", None
         self._last: dict = {}
         self._gang = Gang(name, resource, entrypoint, self.entry_kwargs, self.opts, place_timeout_s,
-                          start_timeout_s, warm)
+                          start_timeout_s, warm, coupled)
         self._workers = self._gang.workers  # id -> {"actor", "node"}
         self._gen, self._ranks, self._runs = 0, [], {}  # generation, worker ids by rank, id -> run ref
         self._ended = None  # how the generation ended: "left", "finished", "fault"
@@ -180,6 +181,20 @@ class RayJob:
     def nodes(self) -> list[str]:
         """The Ray node id of each rank of the current generation."""
         return list(self.status().nodes)
+
+    def live_nodes(self) -> list[str]:
+        """The node of each rank while a generation trains undisturbed: it has stepped, no request is in
+        flight and none of its workers has ended; [] otherwise (between generations, during a resize or a
+        fault, once the job is over). Steady while nobody sends the job a request (``RayCluster.hold``)."""
+        with self._lock:
+            if self._state != "running" or self._pending is not None or self._requests:
+                return []
+            if self._last.get("generation") != self._gen:
+                return []
+        ranks, runs = list(self._ranks), dict(self._runs)
+        if self._ended is not None or not ranks or set(runs) != set(ranks):
+            return []
+        return [self._workers[w]["node"] for w in ranks if w in self._workers]
 
     def metrics(self, since: int = 0) -> list[dict]:
         return self._metrics.since(since)

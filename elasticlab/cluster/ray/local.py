@@ -10,6 +10,7 @@ all the same is tried again (``attempts`` times), after ending the processes it 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import time
@@ -93,6 +94,36 @@ def kill_node(cluster, node_id: str) -> None:
             p.kill()
 
 
+def kill_busy_node(cluster, scheduler, *, ready=None, exclude=(), timeout_s: float = 300.0,
+                   poll_s: float = 0.2) -> tuple[str, list[str]]:
+    """Remove (:func:`kill_node`) a node on which a job trains at that moment, the choice and the kill made
+    together: inside ``scheduler.hold()`` (a :class:`~elasticlab.cluster.ray.RayCluster`; no request goes
+    out meanwhile, so no generation ends but by a fault or its finish), the node hosting a rank of the most
+    jobs whose :meth:`~elasticlab.cluster.ray.RayJob.live_nodes` are steady and for which ``ready(name,
+    status)`` holds (e.g. a checkpoint behind it and work ahead), leaving out ``exclude`` (e.g. the head
+    node). Tried every ``poll_s`` until ``timeout_s`` or the end of every job, then TimeoutError. Returns
+    ``(node_id, jobs)``:
+    the jobs that had a worker on it."""
+    end = time.monotonic() + timeout_s
+    while True:
+        with scheduler.hold():
+            on: dict[str, list[str]] = {}
+            for name in [row["name"] for row in scheduler.jobs()]:
+                h = scheduler.job(name)
+                nodes = h.live_nodes() if h is not None and hasattr(h, "live_nodes") else []
+                if nodes and (ready is None or ready(name, h.status())):
+                    for node in set(nodes) - set(exclude):
+                        on.setdefault(node, []).append(name)
+            if on:
+                victim = max(sorted(on), key=lambda n: len(on[n]))
+                kill_node(cluster, victim)
+                return victim, sorted(on[victim])
+        if time.monotonic() > end or scheduler.wait(timeout=0):
+            raise TimeoutError(f"no node hosted a ready, steadily training job within {timeout_s} s "
+                               f"(or every job ended): {scheduler.jobs()}")
+        time.sleep(poll_s)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -147,12 +178,54 @@ def _end_new(before: set[int]) -> None:
             psutil.Process(pid).kill()
 
 
-def shutdown(cluster) -> None:
-    """Disconnect the driver and end every node of ``cluster`` and the worker processes its raylets
-    started (which on one machine could outlive them)."""
+def session_dir(cluster) -> str:
+    """The Ray session directory of ``cluster`` (its head node's): every process of the cluster names it
+    on its command line or holds a file in it open (logs, sockets)."""
+    return cluster.head_node.get_session_dir_path()
+
+
+def session_processes(session: str, *, name: str | None = None) -> list:
+    """The live processes of the Ray session whose directory is ``session`` (from :func:`session_dir`):
+    its GCS, raylets and agents (the directory on their command lines) and its workers (a log file in it
+    open), zombies left out; ``name``: only the workers whose title starts with ``ray::<name>`` (an actor
+    class). Read from ``/proc``, not from Ray, so it sees workers that outlived their raylet."""
+    import psutil
+
+    session = session.rstrip("/")
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                continue
+            cmd = p.info["cmdline"] or []
+            if name is not None and not (cmd and cmd[0].startswith(f"ray::{name}")):
+                continue
+            if any(c.endswith(session) or session + "/" in c for c in cmd) or \
+                    _holds_file_in(p.pid, session + "/"):
+                out.append(p)
+    return out
+
+
+def _holds_file_in(pid: int, directory: str) -> bool:
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(directory):
+                    return True
+    return False
+
+
+def shutdown(cluster, timeout_s: float = 10.0) -> None:
+    """Disconnect the driver and end every node of ``cluster`` and every process of its session, by pid:
+    the raylets' worker processes (which on one machine could outlive them), and then whatever of the
+    session is still alive (:func:`session_processes`: a worker of a removed node, an agent a failed
+    start left). Safe to call twice; raises if a process of the session survives ``timeout_s``."""
     import psutil
     import ray
 
+    if cluster.head_node is None:  # shut down already
+        return
+    session = session_dir(cluster)
     workers = []
     for node in cluster.list_all_nodes():
         for info in node.all_processes.get("raylet", []):
@@ -160,7 +233,24 @@ def shutdown(cluster) -> None:
                 workers += psutil.Process(info.process.pid).children(recursive=True)
     with contextlib.suppress(Exception):
         ray.shutdown()
-    cluster.shutdown()
-    for p in workers:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
+    try:
+        cluster.shutdown()
+    finally:
+        left = workers + session_processes(session)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _, alive = psutil.wait_procs(left, timeout=timeout_s)
+        alive = [p for p in alive if _running(p)]
+        if alive:
+            raise RuntimeError(f"Ray processes of {session} still alive after shutdown: "
+                               f"{[p.pid for p in alive]}")
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
