@@ -34,9 +34,9 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from elasticlab.gns import ddp as _ddp
+from elasticlab.gns.capture import StepGradients
 from elasticlab.gns.estimator import GNSEstimator
 from elasticlab.gns.norms import PerSampleGradNorms
 
@@ -120,17 +120,14 @@ class GNSMonitor:
             raise ValueError("GNSMonitor: the model has no trainable parameters")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._grads = StepGradients(self._params, self._after_backward)
         self._layer_of = [n.rpartition(".")[0] for n in self._names]
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-        self._hooks: list = []
         self._open = self._measuring = self._fixed_size = False
         self._reset_step()
 
     # ------------------------------------------------------------------------------------------ steps
     def _reset_step(self) -> None:
-        self._task, self._nback = None, 0
-        self._mb: list[list[tuple[int, torch.Tensor]]] = []    # per backward: (param index, ‖h_k‖²)
-        self._grad_norms: list = []                            # (index, ‖.grad‖) after the last backward
         self._psn_snap = None
         self._fwd_sizes: list[int] = []
         self._given_sizes: list[int] = []
@@ -162,7 +159,7 @@ class GNSMonitor:
         else:
             self._fixed_size = False
         self._scale = self._current_scale()
-        self._hooks = [p.register_hook(self._grad_hook(i)) for i, p in enumerate(self._params)]
+        self._grads.start()
         if self._use_psn():
             self._psn.__enter__()
 
@@ -191,49 +188,13 @@ class GNSMonitor:
             if b is not None:
                 self._fwd_sizes.append(b)
 
-    def _grad_hook(self, i: int):
-        p = self._params[i]
-
-        def hook(g):
-            tid = torch._C._current_graph_task_id()
-            if tid != self._task:             # the first gradient of a new backward
-                self._task = tid
-                self._nback += 1
-                self._mb.append([])
-                Variable._execution_engine.queue_callback(self._after_backward_queued)
-            if self._nback >= 2:              # accumulating: the micro-batches' own gradients
-                if self._nback == 2 and p.grad is not None:      # .grad still holds micro-batch 1 alone
-                    self._mb[0].append((i, p.grad.detach().double().pow(2).sum()))
-                self._mb[-1].append((i, g.detach().double().pow(2).sum()))
-            return None
-        return hook
-
-    def _after_backward_queued(self) -> None:
-        # queued again so that it runs after the callbacks queued during this backward (DDP's finalize,
-        # which writes the averaged gradients into .grad)
-        Variable._execution_engine.queue_callback(self._after_backward)
-
     def _after_backward(self) -> None:
-        """End of one backward: ‖.grad‖ per parameter (kept on its device) and the per-example norms."""
-        have = [i for i, p in enumerate(self._params) if p.grad is not None]
-        norms = torch._foreach_norm([self._params[i].grad.detach() for i in have], 2, dtype=torch.float32)
-        self._grad_norms = list(zip(have, norms))
-        if self._nback == 1 and self._use_psn() and self._psn._active:
+        """End of one backward: the per-example norms of the first (more backwards: micro-batch form)."""
+        if self._grads.backwards == 1 and self._use_psn() and self._psn._active:
             try:
                 self._psn_snap = self._read_psn()
             except RuntimeError as e:
                 self._psn_snap = e
-
-    def _param_vector(self, pairs, square: bool) -> torch.Tensor:
-        """(P,) float64 on the CPU from (parameter index, 0-dim tensor) pairs (one host read per device)."""
-        out = torch.zeros(len(self._params), dtype=torch.float64)
-        by_dev: dict = {}
-        for i, v in pairs:
-            by_dev.setdefault(v.device, []).append((i, v))
-        for rows in by_dev.values():
-            vals = torch.stack([v.double() for _, v in rows]).cpu()
-            out.index_add_(0, torch.tensor([i for i, _ in rows]), vals.pow(2) if square else vals)
-        return out
 
     def _read_psn(self):
         psn = self._psn
@@ -251,12 +212,10 @@ class GNSMonitor:
         self._open = False
         if not self._measuring:
             return None
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._grads.stop()
         if self._psn is not None and self._psn._active:
             self._psn.__exit__()
-        k = self._nback
+        k = self._grads.backwards
         if k == 0:
             self.unmeasured += 1
             return None
@@ -293,9 +252,7 @@ class GNSMonitor:
         self.end()
 
     def _abort(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._grads.stop()
         if self._psn is not None and self._psn._active:
             self._psn.__exit__()
         self._open = False
@@ -329,8 +286,8 @@ class GNSMonitor:
         sizes = self._sizes(k)
         h = k / sum(1.0 / b for b in sizes)                   # harmonic mean micro-batch
         w2 = self._weight(k) ** 2 * self._scale_sq()
-        small = torch.stack([self._param_vector(row, False) for row in self._mb]) / w2   # ‖ḡ_k‖², (k, P)
-        big = self._param_vector(self._grad_norms, True) / (w2 * k * k)   # ‖ḡ‖² of the mean gradient
+        small = self._grads.micro_sq() / w2                  # ‖ḡ_k‖², (k, P)
+        big = self._grads.grad_sq() / (w2 * k * k)            # ‖ḡ‖² of the mean gradient, (P,)
         est = self.estimator
         folded = est.update_two_batch(float(small.sum(1).mean()), float(big.sum()), h, k * h)
         layers = None
@@ -381,7 +338,7 @@ class GNSMonitor:
         t = t.cpu()
         r = float(t[3])
         h = r / float(t[1])
-        big = float(self._param_vector(self._grad_norms, True).sum()) / (w2 * k * k)   # DDP-averaged .grad
+        big = float(self._grads.grad_sq().sum()) / (w2 * k * k)   # .grad: DDP averaged the replicas
         if local == 0.0 or not math.isfinite(h):
             return None
         folded = self.estimator.update_two_batch(float(t[0]) / r, big, h, r * h)

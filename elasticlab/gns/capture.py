@@ -1,0 +1,90 @@
+"""``StepGradients``: the squared gradient norms of each backward in one optimizer step, without copies.
+
+For the micro-batch form of McCandlish et al.'s App. A.1 estimator (B_small = micro-batch), each backward's
+own gradient h_k is needed, not only the accumulated ``.grad``: a tensor hook on each parameter sees h_k
+before autograd adds it to ``.grad`` (no copy of the gradients is kept). The first backward's ‖h_1‖² costs
+nothing unless a second one follows: its parameters' ``.grad`` still hold h_1 alone when the second
+backward's hooks fire. The first hook of each backward (a new graph task) queues an engine callback that
+reads ‖.grad‖ per parameter at the end of that backward, after the callbacks queued during it (DDP's, which
+write the averaged gradients), so clipping or ``unscale_`` before the optimizer step does not change it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.autograd import Variable
+
+
+class StepGradients:
+    """Per-backward gradient norms of ``params`` between :meth:`start` and :meth:`stop`.
+
+    ``after_backward``: called (no arguments) at the end of each backward, after ``.grad`` was read.
+    """
+
+    def __init__(self, params: list[torch.Tensor], after_backward: Callable[[], None] | None = None):
+        self.params = list(params)
+        self.after_backward = after_backward
+        self._hooks: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.backwards = 0
+        self._task = None
+        self._micro: list[list[tuple[int, torch.Tensor]]] = []    # per backward: (param index, ‖h_k‖²)
+        self._last: list[tuple[int, torch.Tensor]] = []           # (param index, ‖.grad‖) after the last
+
+    def start(self) -> None:
+        self.reset()
+        self._hooks = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def stop(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, i: int):
+        p = self.params[i]
+
+        def hook(g):
+            tid = torch._C._current_graph_task_id()
+            if tid != self._task:             # the first gradient of a new backward
+                self._task = tid
+                self.backwards += 1
+                self._micro.append([])
+                Variable._execution_engine.queue_callback(self._queue_again)
+            if self.backwards >= 2:
+                if self.backwards == 2 and p.grad is not None:     # .grad still holds h_1 alone
+                    self._micro[0].append((i, p.grad.detach().double().pow(2).sum()))
+                self._micro[-1].append((i, g.detach().double().pow(2).sum()))
+            return None
+        return hook
+
+    def _queue_again(self) -> None:
+        Variable._execution_engine.queue_callback(self._read)
+
+    def _read(self) -> None:
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        norms = torch._foreach_norm([self.params[i].grad.detach() for i in have], 2, dtype=torch.float32)
+        self._last = list(zip(have, norms))
+        if self.after_backward is not None:
+            self.after_backward()
+
+    def _vector(self, pairs, square: bool) -> torch.Tensor:
+        """(P,) float64 on the CPU from (parameter index, 0-dim tensor) pairs, one host read per device."""
+        out = torch.zeros(len(self.params), dtype=torch.float64)
+        by_dev: dict = {}
+        for i, v in pairs:
+            by_dev.setdefault(v.device, []).append((i, v))
+        for rows in by_dev.values():
+            vals = torch.stack([v.double() for _, v in rows]).cpu()
+            out.index_add_(0, torch.tensor([i for i, _ in rows]), vals.pow(2) if square else vals)
+        return out
+
+    def micro_sq(self) -> torch.Tensor:
+        """(backwards, P): ‖h_k‖² per backward and parameter (only when there were >= 2 backwards)."""
+        return torch.stack([self._vector(row, False) for row in self._micro])
+
+    def grad_sq(self) -> torch.Tensor:
+        """(P,): ‖.grad‖² per parameter at the end of the last backward."""
+        return self._vector(self._last, True)
