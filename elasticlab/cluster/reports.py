@@ -7,7 +7,7 @@ scheduler's state (``_jobs``, ``_history``, ``_rounds``, ``_events``, ``slots``,
 """
 from __future__ import annotations
 
-from elasticlab.cluster.view import TERMINAL, LiveJob
+from elasticlab.cluster.view import TERMINAL, LiveJob, LiveState
 
 
 class ClusterReports:
@@ -25,11 +25,12 @@ class ClusterReports:
         rows = []
         for j in jobs:
             st = j.handle.status() if j.handle is not None else {}
-            rows.append({"name": j.name, "state": j.state, "slots": j.held if j.state not in TERMINAL else 0,
+            rows.append({"name": j.name, "state": str(j.state),
+                         "slots": j.held if j.state not in TERMINAL else 0,
                          "world_size": j.world_size, "target": j.target[0],
                          "global_batch": st.get("global_batch"), "accum_steps": st.get("accum_steps"),
                          "step": st.get("step", 0), "epoch": st.get("epoch", 0), "gns": st.get("gns"),
-                         "goodput": j.predicted_goodput() if j.state == "running" else None,
+                         "goodput": j.predicted_goodput() if j.state == LiveState.RUNNING else None,
                          "jct": j.jct(now), "restarts": j.restarts, "service": j.attained_service,
                          "error": j.error})
         return rows
@@ -38,14 +39,14 @@ class ClusterReports:
         """Cluster metrics now: slots used, queue length, running/finished/failed/dropped, average JCT."""
         with self._lock:
             jobs = list(self._jobs.values())
-        done = [j.finish_time - j.submission_time for j in jobs if j.state == "finished"]
+        done = [j.finish_time - j.submission_time for j in jobs if j.state == LiveState.FINISHED]
         return {"t": self.now(), "slots": self.slots, "slots_used": sum(j.held for j in jobs
                                                                          if j.state not in TERMINAL),
-                "queued": sum(j.state == "queued" for j in jobs),
-                "running": sum(j.state in ("starting", "running") for j in jobs),
-                "paused": sum(j.state == "paused" for j in jobs),
-                "finished": len(done), "failed": sum(j.state == "failed" for j in jobs),
-                "dropped": sum(j.state == "dropped" for j in jobs),
+                "queued": sum(j.state == LiveState.QUEUED for j in jobs),
+                "running": sum(j.state in (LiveState.STARTING, LiveState.RUNNING) for j in jobs),
+                "paused": sum(j.state == LiveState.PAUSED for j in jobs),
+                "finished": len(done), "failed": sum(j.state == LiveState.FAILED for j in jobs),
+                "dropped": sum(j.state == LiveState.DROPPED for j in jobs),
                 "avg_jct": sum(done) / len(done) if done else None,
                 "restart_cost_s": self.restart_cost.estimate, "policy": self.policy_name}
 
@@ -68,11 +69,11 @@ class ClusterReports:
         """JCT per job, average JCT of the finished jobs, makespan, resizes and the measured restart cost."""
         with self._lock:
             jobs = list(self._jobs.values())
-        jct = {j.name: (j.finish_time - j.submission_time) for j in jobs if j.state == "finished"}
+        jct = {j.name: (j.finish_time - j.submission_time) for j in jobs if j.state == LiveState.FINISHED}
         ends = [j.finish_time for j in jobs if j.finish_time is not None]
         return {"policy": self.policy_name, "slots": self.slots,
                 "jct": jct, "avg_jct": sum(jct.values()) / len(jct) if jct else None,
-                "states": {j.name: j.state for j in jobs},
+                "states": {j.name: str(j.state) for j in jobs},
                 "makespan": (max(ends) - min(j.submission_time for j in jobs)) if ends and jobs else None,
                 "restarts": {j.name: j.restarts for j in jobs},
                 "restart_cost": self.restart_cost.as_dict(), "rounds": len(self._rounds),

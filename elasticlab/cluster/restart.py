@@ -47,6 +47,7 @@ def measure_restart_cost(entrypoint, sizes=(1, 2, 1), *, steps_between: int = 3,
     Returns ``{"latencies_s", "median_s"}``. ``job_kwargs`` go to :class:`~elasticlab.elastic.ElasticJob`.
     """
     from elasticlab.elastic import ElasticJob
+    from elasticlab.elastic.states import TERMINAL
 
     sizes = [int(s) for s in sizes]
     if len(sizes) < 2 or min(sizes) < 1:
@@ -62,7 +63,7 @@ def measure_restart_cost(entrypoint, sizes=(1, 2, 1), *, steps_between: int = 3,
         for n in sizes[1:]:
             target = job.status()["step"] + steps_between
             while job.status()["step"] < target:
-                if job.state in ("finished", "failed", "stopped") or time.monotonic() > end:
+                if job.state in TERMINAL or time.monotonic() > end:
                     raise RuntimeError(f"the probe job ended or timed out (state {job.state})")
                 time.sleep(0.02)
             lat.append(float(job.resize(n).result(max(1.0, end - time.monotonic()))["latency_s"]))

@@ -4,7 +4,8 @@ Every ``interval`` seconds (and at every arrival and completion) each job is rea
 :class:`~elasticlab.cluster.view.LiveJob` (fitted throughput model, live GNS), the policy allocates slots
 (:func:`elasticlab.alloc.dp_allocate`) with the measured restart cost
 (:class:`~elasticlab.cluster.restart.RestartCost`), and the result is applied every tick as a
-reconciliation: one request in flight per job, shrinks before grows, a grow only into free slots. A job
+reconciliation (:mod:`~elasticlab.cluster.reconcile`): one request in flight per job, shrinks before
+grows, a grow only into free slots. A job
 that fails (or raises and makes no progress for ``crash_grace_s``) gives its slots back. Admission is
 ``"queue"`` or ``"drop"`` (Saxena et al.: a job that cannot get its minimum now is dropped).
 
@@ -20,22 +21,23 @@ import math
 import tempfile
 import threading
 import time
-from functools import partial
 from pathlib import Path
 
 from elasticlab.alloc.policies.base import Cluster as Shape
 from elasticlab.cluster.policies import make_policy
+from elasticlab.cluster.reconcile import Reconciler
 from elasticlab.cluster.reports import ClusterReports
 from elasticlab.cluster.restart import RestartCost
 from elasticlab.cluster.spec import JobSpec
-from elasticlab.cluster.view import TERMINAL, LiveJob
+from elasticlab.cluster.view import TERMINAL, LiveJob, LiveState, Target
 from elasticlab.elastic.policies import BatchConfig
 from elasticlab.elastic.records import EventLog
+from elasticlab.elastic.states import JobState
 
 ADMISSION = ("queue", "drop")
 
 
-class Scheduler(ClusterReports):
+class Scheduler(Reconciler, ClusterReports):
     """The backend-independent scheduling loop (see the module docstring); ``slots`` is set by the backend.
 
     ``interval``: seconds between scheduling rounds; ``admission``: ``"queue"`` or ``"drop"``;
@@ -143,7 +145,7 @@ class Scheduler(ClusterReports):
                 need = sum(j.spec.min_slots for j in self._jobs.values()
                            if j.state not in TERMINAL and j is not job)
                 if need + spec.min_slots > self.slots:
-                    job.state, job.finish_time = "dropped", self.now()
+                    job.state, job.finish_time = LiveState.DROPPED, self.now()
                     self._events.emit("drop", job=spec.name, reason=f"{need} of {self.slots} slots are "
                                       f"promised to running jobs; it needs {spec.min_slots}")
             self._dirty = True
@@ -192,7 +194,7 @@ class Scheduler(ClusterReports):
             jobs = list(self._jobs.values())
         for j in jobs:
             if j.state not in TERMINAL:
-                j.state = "stopped"
+                j.state = LiveState.STOPPED
                 j.finish_time = self.now()
                 j.held = 0
                 self._events.emit("stop", job=j.name)
@@ -246,50 +248,32 @@ class Scheduler(ClusterReports):
                     j.error_seen_t = None
             j.refit()
             self._settle(j, now)
-            if hs == "finished":
-                self._end(j, "finished", now)
-            elif hs in ("failed", "stopped"):
+            if hs == JobState.FINISHED:
+                self._end(j, LiveState.FINISHED, now)
+            elif hs in (JobState.FAILED, JobState.STOPPED):
                 j.error = j.error or st.get("error")
-                self._end(j, "failed", now)
+                self._end(j, LiveState.FAILED, now)
             elif j.error_seen_t is not None and \
                     now - max(j.error_seen_t, j.last_step_t or 0) > self.crash_grace_s:
-                self._end(j, "failed", now)
-            elif hs == "paused" and j.state != "paused" and j.pending is None:
-                j.state = "paused"
-            elif hs == "running":
-                j.state = "running"
+                self._end(j, LiveState.FAILED, now)
+            elif hs == JobState.PAUSED and j.state != LiveState.PAUSED and j.pending is None:
+                j.state = LiveState.PAUSED
+            elif hs == JobState.RUNNING:
+                j.state = LiveState.RUNNING
 
-    def _settle(self, j: LiveJob, now: float) -> None:
-        """Resolve the request in flight: release the slots a finished shrink or pause gave back."""
-        if j.pending is None:
-            return
-        kind, fut, info = j.pending
-        if not fut.done():
-            return
-        j.pending = None
-        if fut.exception() is not None:
-            self._events.emit("request_failed", job=j.name, request=kind, error=repr(fut.exception()))
-            return
-        if kind == "pause":
-            j.held, j.state = 0, "paused"
-        elif kind in ("resize", "resume"):
-            j.held = info["n"]
-        self._events.emit(f"{kind}_done", job=j.name, **{k: v for k, v in info.items() if k != "batch"},
-                          result=fut.result() if kind != "pause" else None)
-
-    def _end(self, j: LiveJob, state: str, now: float) -> None:
+    def _end(self, j: LiveJob, state: LiveState, now: float) -> None:
         with self._lock:
-            j.state, j.finish_time, j.held, j.target = state, now, 0, (0, None)
+            j.state, j.finish_time, j.held, j.target = state, now, 0, Target(0, None)
             self._dirty = True
-        self._events.emit(state, job=j.name, jct=now - j.submission_time, error=j.error)
-        if state == "failed":
+        self._events.emit(state.value, job=j.name, jct=now - j.submission_time, error=j.error)
+        if state == LiveState.FAILED:
             self._stop_handle(j)
 
     def _stop_handle(self, j: LiveJob) -> None:
         h = j.handle
-        if h is None or getattr(j, "_stopping", False):
+        if h is None or j.stopping:
             return
-        j._stopping = True
+        j.stopping = True
         t = threading.Thread(target=lambda: h.stop(timeout=10), name=f"stop-{j.name}", daemon=True)
         t.start()
         self._stoppers.append(t)
@@ -318,7 +302,7 @@ class Scheduler(ClusterReports):
                 if cur.get("global_batch") else None
             batch = j.best_batch(n, j.batch_mode, current if n == cur.get("world_size") else None,
                                  self.hysteresis) if n > 0 else None
-            j.target = (n, batch)
+            j.target = Target(n, batch)
             out[j.name] = {"slots": n, "global_batch": batch.global_batch if batch else None,
                            "accum_steps": batch.accum_steps if batch else None}
         placement = self._placed({k: v["slots"] for k, v in out.items()})
@@ -328,77 +312,3 @@ class Scheduler(ClusterReports):
             rnd["placement"] = placement
         with self._lock:
             self._rounds.append(rnd)
-
-    def _apply(self, now: float) -> None:
-        with self._lock:
-            jobs = sorted((j for j in self._jobs.values() if j.state not in TERMINAL),
-                          key=lambda j: (j.submission_time, j.name))
-            free = self.slots - sum(j.held for j in jobs)
-        # shrinks and pauses first, so that grows find their slots
-        for j in jobs:
-            n, batch = j.target
-            if j.pending is not None or j.handle is None or j.state not in ("running",):
-                continue
-            ws = j.handle.status()["world_size"]
-            if n == 0:
-                self._request(j, "pause", j.handle.pause, n=0)
-            elif n < ws:
-                self._request(j, "resize", partial(j.handle.resize, n, global_batch=batch.global_batch,
-                                                           accum_steps=batch.accum_steps),
-                              n=n, batch=batch, from_size=ws)
-        for j in jobs:
-            n, batch = j.target
-            if j.pending is not None or n == 0:
-                continue
-            if j.handle is None and j.state == "queued":
-                if n <= free:
-                    free -= n
-                    j.held, j.state, j.start_time = n, "starting", now
-                    try:
-                        j.handle = self._launch_job(j, n, batch)
-                    except Exception as e:
-                        j.error = f"could not start: {e!r}"
-                        self._end(j, "failed", now)
-                        continue
-                    self._events.emit("start", job=j.name, slots=n, global_batch=batch.global_batch,
-                                      wait_s=now - j.submission_time)
-                continue
-            if j.handle is None:
-                continue
-            st = j.handle.status()
-            if j.state == "paused" and st["state"] == "paused":
-                if n - j.held <= free:
-                    free -= n - j.held
-                    j.held = n
-                    self._request(j, "resume", partial(j.handle.resume, n), n=n)
-                continue
-            if j.state != "running" or st["state"] != "running":
-                continue
-            ws = st["world_size"]
-            if n > ws:
-                if n - j.held <= free:
-                    free -= n - j.held
-                    j.held = n
-                    self._request(j, "resize", partial(j.handle.resize, n, global_batch=batch.global_batch,
-                                                               accum_steps=batch.accum_steps),
-                                  n=n, batch=batch, from_size=ws)
-            elif n == ws and batch is not None and st.get("global_batch") and \
-                    getattr(j.handle, "supports_batch", True) and (
-                    batch.global_batch != st["global_batch"] or batch.accum_steps != st["accum_steps"]):
-                self._request(j, "set_batch", partial(j.handle.set_batch, batch.global_batch,
-                                                              accum_steps=batch.accum_steps),
-                              n=n, batch=batch)
-
-    def _request(self, j: LiveJob, kind: str, call, **info) -> None:
-        try:
-            fut = call()
-        except RuntimeError as e:  # the job ended between the status read and the request
-            self._events.emit("request_failed", job=j.name, request=kind, error=str(e))
-            return
-        j.pending = (kind, fut, info)
-        if kind in ("resize", "pause", "resume"):
-            j.num_restarts += 1
-        extra = {k: v for k, v in info.items() if k != "batch"}
-        if info.get("batch") is not None:
-            extra.update(global_batch=info["batch"].global_batch, accum_steps=info["batch"].accum_steps)
-        self._events.emit(kind, job=j.name, **extra)

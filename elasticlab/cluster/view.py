@@ -12,18 +12,55 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import Future
+from typing import NamedTuple
 
 import numpy as np
 
 from elasticlab.elastic.policies import BatchConfig
+from elasticlab.elastic.records import StepTime
+from elasticlab.elastic.requests import Kind
 from elasticlab.elastic.states import TERMINAL as JOB_TERMINAL
+from elasticlab.elastic.states import StrEnum
 from elasticlab.goodput.agent import MODES, BatchLimits, GoodputAgent
 
 #: How a policy's jobs choose their batch on the live cluster: the agent's modes (goodput: Pollux's agent,
 #: throughput: Saxena, fixed: M0) less "initial", which only the simulator's trace-driven baselines use.
 BATCH_MODES = tuple(m for m in MODES if m != "initial")
+
+
+class LiveState(StrEnum):
+    """A live job's state on the cluster (equal to its plain-string value); the end states are its job
+    handle's (:data:`elasticlab.elastic.states.TERMINAL`) and ``dropped``."""
+
+    QUEUED = "queued"  # submitted, holds no slot
+    STARTING = "starting"  # its handle is being started on the slots it holds
+    RUNNING = "running"
+    PAUSED = "paused"  # allocated no slot this round: checkpointed, processes warm
+    FINISHED = "finished"
+    FAILED = "failed"  # the job failed, or raised and made no progress for crash_grace_s
+    STOPPED = "stopped"  # the cluster stopped while it ran
+    DROPPED = "dropped"  # refused at admission (admission="drop")
+
+
 #: A live job's end states: its elastic job's, and "dropped" (refused at admission).
-TERMINAL = (*JOB_TERMINAL, "dropped")
+TERMINAL = (*(LiveState(s.value) for s in JOB_TERMINAL), LiveState.DROPPED)
+
+
+class Target(NamedTuple):
+    """What the last scheduling round gave a job: slots (0: none, pause it) and the batch to run."""
+
+    slots: int
+    batch: BatchConfig | None
+
+
+class InFlight(NamedTuple):
+    """The one request a job has in flight: its kind, the handle's future, and what was asked
+    (``n``, ``batch``, ``from_size``; reported in the cluster's events)."""
+
+    kind: Kind
+    future: Future
+    info: dict
 
 
 class LiveJob:
@@ -35,7 +72,7 @@ class LiveJob:
         self.submission_time = float(submission_time)
         self.batch_mode = batch_mode
         self.handle = None  # the ElasticJob (or a torchrun job) once started
-        self.state = "queued"
+        self.state = LiveState.QUEUED
         self.held = 0  # slots reserved in the pool for this job
         self.num_restarts = 0  # re-allocations after the first start
         self.attained_service = 0.0  # slot-seconds
@@ -46,8 +83,9 @@ class LiveJob:
                                               tuple(int(v) for v in spec.per_slot_batch),
                                               force_accum_single_gpu=False))
         self._fit_rows = 0
-        self.pending = None  # (kind, future, info) of the request in flight
-        self.target: tuple[int, BatchConfig | None] = (0, None)
+        self.pending: InFlight | None = None  # the request in flight
+        self.target = Target(0, None)
+        self.stopping = False  # its handle is being stopped
         self.event_index = 0
         self.last_step_t: float | None = None
         self.last_step = 0
@@ -75,7 +113,7 @@ class LiveJob:
 
     @property
     def world_size(self) -> int:
-        if self.handle is None or self.state in TERMINAL or self.state == "paused":
+        if self.handle is None or self.state in TERMINAL or self.state == LiveState.PAUSED:
             return 0
         try:
             return int(self.handle.status()["world_size"])
@@ -108,7 +146,7 @@ class LiveJob:
         self.agent.grad_stats = self.gns()
         rows = self.handle.step_times()
         if rows:
-            self.agent.observe(max(int(r[1]) for r in rows))
+            self.agent.observe(max(int(StepTime(*r).gpus) for r in rows))
         if getattr(self.handle, "fits_throughput", False):  # the job fits itself: use its model
             model = self.handle.throughput_model() if len(rows) >= min_rows else None
             if model is not None:
@@ -217,7 +255,7 @@ class LiveJob:
 
     def jct(self, now: float) -> float | None:
         """Job completion time (submission to finish), or the time so far while it runs."""
-        if self.state == "dropped":
+        if self.state == LiveState.DROPPED:
             return None
         end = self.finish_time if self.finish_time is not None else now
         return max(end - self.submission_time, 0.0)

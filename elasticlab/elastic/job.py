@@ -32,7 +32,7 @@ from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.controller import JobController
 from elasticlab.elastic.policies import BatchConfig, FixedGlobalBatch
 from elasticlab.elastic.pool import default_slots
-from elasticlab.elastic.records import step_time_rows
+from elasticlab.elastic.records import StepTime, step_time_rows
 from elasticlab.elastic.requests import Kind, Request
 from elasticlab.elastic.states import TERMINAL, ElasticJobStatus, JobState, wait_terminal
 from elasticlab.elastic.task import entrypoint_name
@@ -274,10 +274,11 @@ class ElasticJob(BatchAdaptation, JobController):
         """Events (resizes, restarts, checkpoints, faults, ...) with their times, from index ``since``."""
         return self._events.since(since)
 
-    def step_times(self, skip_first: int = 1, aggregate: bool = False) -> list[tuple]:
-        """Measured ``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows for a throughput model
-        fit (Pollux §4.1); the first ``skip_first`` steps of each generation (warm-up) and epoch-tail
-        steps are left out. ``aggregate=True`` gives one row per configuration (median time)."""
+    def step_times(self, skip_first: int = 1, aggregate: bool = False) -> list[StepTime]:
+        """Measured :class:`~.records.StepTime` rows (nodes, gpus, per_gpu_batch, accum_steps, iter_time)
+        for a throughput-model fit (Pollux §4.1); the first ``skip_first`` steps of each generation
+        (warm-up) and epoch-tail steps are left out. ``aggregate=True`` gives one row per configuration
+        (median time)."""
         return step_time_rows(self._metrics.since(0), skip_first, aggregate)
 
     @property

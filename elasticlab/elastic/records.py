@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from typing import NamedTuple
 
 #: Keys of a per-step metrics record (``ElasticJob.metrics()``).
 METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "world_size",
@@ -17,23 +18,32 @@ EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "adapt", "
                "no_checkpoint", "failed", "error_explained")
 
 
+class StepTime(NamedTuple):
+    """One measured step time in a configuration: a row of a throughput-model fit (Pollux §4.1; the
+    columns of :data:`elasticlab.goodput.fit.OBSERVATION_COLUMNS` without ``sync_time``)."""
 
-def step_time_rows(records, skip_first: int = 1, aggregate: bool = False) -> list[tuple]:
-    """``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows from per-step metrics records, for a
-    throughput-model fit (Pollux §4.1): the first ``skip_first`` steps of each generation (warm-up) and
-    epoch-tail steps are left out; nodes = 1 (one machine). ``aggregate=True``: one row per configuration
-    (median time)."""
+    nodes: int
+    gpus: int
+    per_gpu_batch: int
+    accum_steps: int
+    iter_time: float
+
+
+def step_time_rows(records, skip_first: int = 1, aggregate: bool = False) -> list[StepTime]:
+    """:class:`StepTime` rows from per-step metrics records, for a throughput-model fit (Pollux §4.1): the
+    first ``skip_first`` steps of each generation (warm-up) and epoch-tail steps are left out; nodes = 1
+    (one machine). ``aggregate=True``: one row per configuration (median time)."""
     rows, seen = [], {}
     for r in records:
         g = r.get("generation")
         seen[g] = seen.get(g, 0) + 1
         if seen[g] > skip_first and r["samples"] == r["global_batch"]:
-            rows.append((1, r["world_size"], r["per_worker_batch"], r["accum_steps"], r["step_time"]))
+            rows.append(StepTime(1, r["world_size"], r["per_worker_batch"], r["accum_steps"], r["step_time"]))
     if aggregate:
         groups: dict = {}
         for row in rows:
-            groups.setdefault(row[:4], []).append(row[4])
-        rows = [(*k, float(statistics.median(v))) for k, v in sorted(groups.items())]
+            groups.setdefault(row[:4], []).append(row.iter_time)
+        rows = [StepTime(*k, float(statistics.median(v))) for k, v in sorted(groups.items())]
     return rows
 
 

@@ -224,6 +224,11 @@ def test_job_states_transitions_and_terminal_states_are_shared():
         check_transition(JobState.FINISHED, JobState.RUNNING)
     assert set(CLUSTER_TERMINAL) == {*TERMINAL, "dropped"} and "stopped" in CLUSTER_TERMINAL
     assert JobState.RUNNING == "running" and f"{JobState.PAUSED}" == "paused"
+    from elasticlab.cluster.view import LiveState
+
+    assert all(isinstance(s, LiveState) for s in CLUSTER_TERMINAL)  # one enum for the cluster's job states
+    assert {s for s in LiveState if s in CLUSTER_TERMINAL} == {LiveState(s) for s in TERMINAL} | {"dropped"}
+    assert LiveState.QUEUED not in CLUSTER_TERMINAL and str(LiveState.DROPPED) == "dropped"
 
 
 def test_job_status_is_a_record_read_like_a_dict(tmp_path):
