@@ -17,15 +17,27 @@ import ipywidgets as W
 
 from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, subplots_figure, write_json_atomic
 
-#: The charts: (metric key, title, y-axis label, step-shaped line?).
-CHARTS = (("loss", "Loss", "loss", False), ("samples_per_s", "Throughput", "samples/s", False),
-          ("gns", "Gradient noise scale", "B_noise", False),
-          ("global_batch", "Global batch", "samples", True),
-          ("lr", "Learning rate", "lr", True), ("world_size", "World size", "workers", True))
+#: The charts: (metric key, title, y-axis label, step-shaped line?, tick format). Whole-number series
+#: (batch, workers) tick at integers; every axis starts at 0 and its range is set from the data, so a
+#: constant series (an LR of 0.05) is drawn against [0, 0.06], not plotly's empty-axis -1..1.
+CHARTS = (("loss", "Loss", "loss", False, ".3~g"), ("samples_per_s", "Throughput", "samples/s", False, "~s"),
+          ("gns", "Gradient noise scale", "B_noise (samples)", False, "~s"),
+          ("global_batch", "Global batch", "samples", True, "d"),
+          ("lr", "Learning rate", "LR", True, ".3~g"), ("world_size", "World size", "workers", True, "d"))
 #: Events that change the job's shape and are drawn as vertical lines.
 MARKED = ("generation",)
 _LOGGED = ("start", "generation", "resize", "set_batch", "checkpoint_corrupt", "resume", "pause", "fault",
            "restart", "finished", "stop", "error")
+
+
+def y_range(values, whole: bool = False) -> list[float] | None:
+    """[0, top] for a series of values >= 0 (None: no finite value, or a negative one, left to plotly):
+    top is 15% above the largest value, a whole number for whole-number series (ticks at integers)."""
+    finite = [v for v in values if v == v and v not in (float("inf"), float("-inf"))]
+    if not finite or min(finite) < 0:
+        return None
+    top = max(finite) * 1.15 or 1.0
+    return [0, float(int(top) + 1) if whole else top]
 
 
 def batch_policies() -> tuple[str, ...]:
@@ -129,12 +141,16 @@ class JobPanel(PolledPanel):
         self.lr_rule.observe(self._on_lr_rule, names="value")
 
         # ---- charts: a 2x3 grid of subplots, redrawn on every refresh with new data ---------------
-        fig = subplots_figure([title for _, title, *_ in CHARTS], rows=2, cols=3, height=520)
-        for i, (key, _, ylab, stepped) in enumerate(CHARTS):
+        fig = subplots_figure([title for _, title, *_ in CHARTS], rows=2, cols=3, height=540,
+                              horizontal_spacing=0.11, vertical_spacing=0.2)
+        for i, (key, _, ylab, stepped, fmt) in enumerate(CHARTS):
             r, c = divmod(i, 3)
             fig.add_scatter(x=[], y=[], mode="lines", name=key, row=r + 1, col=c + 1,
                             line={"shape": "hv" if stepped else "linear", "width": 2})
-            fig.update_yaxes(title_text=ylab, row=r + 1, col=c + 1)
+            # short tick labels and a title set off from them: the ticks of the next column's axis
+            # were drawn over this one's title
+            fig.update_yaxes(title_text=ylab, title_standoff=4, tickformat=fmt, nticks=6, rangemode="tozero",
+                             row=r + 1, col=c + 1)
         fig.update_xaxes(title_text="time since start (s)", row=2)
         self.chart = LiveFigure(fig)
         self.figure = self.chart.figure
@@ -208,7 +224,7 @@ class JobPanel(PolledPanel):
         n = int(change["new"])
         try:
             self._last_request = self.job.resize(n)
-            self._append_log(f"requested resize to {n} workers")
+            self._append_log(f"requested resize to {n} workers" + self._spawn_note(n))
         except Exception as e:  # a bad size must not kill the widget
             self._append_log(f"<span style='color:#c00'>resize failed: {html.escape(str(e))}</span>")
 
@@ -216,11 +232,27 @@ class JobPanel(PolledPanel):
         st = self.job.status()
         batch = st.get("global_batch") or getattr(getattr(self.job, "policy", None), "global_batch", None) \
             or getattr(self.job, "entry_kwargs", {}).get("base_batch", 32)
-        pol = make_policy(change["new"], batch, max(1, st.get("world_size") or self.workers.value))
-        self.job.policy = pol  # read by the controller at the next generation (resize/restart)
+        n = max(1, st.get("world_size") or self.workers.value)
+        pol = make_policy(change["new"], batch, n)
+        self.job.policy = pol  # the controller sizes every later generation (resize, restart) with it
         if st["state"] == "new":
             self.lr_rule.value = getattr(pol, "lr_rule", self.lr_rule.value)
-        self._append_log(f"batch policy → {html.escape(repr(pol))} (applies at the next resize)")
+            self._append_log(f"batch policy → {html.escape(repr(pol))} (used from the start)")
+            return
+        # sized from the current batch, a policy keeps it at the current size; what changes is the batch at
+        # other sizes, from the next resize on: show it
+        try:
+            sizes = ", ".join(f"{k}: {pol.decide(k, None).global_batch}"
+                              for k in range(1, self.max_workers + 1))
+        except Exception as e:  # a policy that needs statistics it has not seen yet
+            sizes = f"unknown until it has statistics ({e})"
+        rule = self.job.options.get("lr_rule") if hasattr(self.job, "options") else None
+        self._append_log(f"batch policy → {html.escape(repr(pol))}: global batch {st.get('global_batch')} "
+                         f"now; from the next resize, by workers {html.escape(sizes)}"
+                         + (" (adapted to the measured noise scale while it runs)"
+                            if change["new"] == "goodput" else "")
+                         + (f"; the LR rule stays {html.escape(str(rule))} (the workers carry it)" if rule
+                            else ""))
 
     def _on_lr_rule(self, change):
         if self.job.status()["state"] != "new":
@@ -228,6 +260,17 @@ class JobPanel(PolledPanel):
             return
         self.job.options["lr_rule"] = change["new"]
         self._append_log(f"LR rule → {change['new']}")
+
+    def _spawn_note(self, n: int) -> str:
+        """Why growing past the warm worker processes is slower: the new ones must start first."""
+        workers = self.job.status().get("workers") or {}
+        alive = sum(1 for w in workers.values() if w.get("state") != "dead")
+        if not workers or n <= alive:
+            return ""
+        k = n - alive
+        return (f" — {k} more worker process{'es' if k > 1 else ''} beyond the {alive} warm one"
+                f"{'s' if alive != 1 else ''} must start (fork, import torch) before the group re-forms: "
+                f"expect about 2 s more than a resize within the warm ones (the job's <code>warm=</code>)")
 
     # ---- refresh ---------------------------------------------------------------------------------
     def _append_log(self, line: str) -> None:
@@ -239,6 +282,11 @@ class JobPanel(PolledPanel):
     @staticmethod
     def _describe(ev: dict) -> str:
         k = ev["kind"]
+        if k == "resize" and not ev.get("from_size"):
+            # the controller completes a resume (from paused, 0 workers) as a resize request
+            ev = {"kind": "resumed from pause", "world_size": ev.get("to_size"),
+                  **{a: v for a, v in ev.items() if a in ("step", "latency_s")}}
+            k = "resumed from pause"
         skip = {"kind", "time", "t", "path", "port", "entrypoint", "workers", "checkpoint"}
         fields = ", ".join(f"{a}={v:.3g}" if isinstance(v, float) else f"{a}={v}"
                            for a, v in ev.items() if a not in skip and v is not None)
@@ -296,13 +344,16 @@ class JobPanel(PolledPanel):
                   for x, _ in self._marks for ax, ay in axes]
         fig = self.figure
         with fig.batch_update():
-            for i, (key, title, *_) in enumerate(CHARTS):
+            for i, (key, title, _, _, fmt) in enumerate(CHARTS):
                 full = self._series[key]
                 ys = [full[i] for i in keep]
                 last = next((y for y in reversed(full) if y == y), None)
                 fig.data[i].x = t
                 fig.data[i].y = ys
                 fig.layout.annotations[i].text = title if last is None else f"{title} (now {last:.4g})"
+                axis = fig.layout["yaxis" if i == 0 else f"yaxis{i + 1}"]
+                axis.range = y_range(full, whole=fmt == "d")
+                axis.dtick = 1 if key == "world_size" else None
             fig.layout.shapes = shapes
         self.chart.show()
 

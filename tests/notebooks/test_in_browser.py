@@ -1,8 +1,9 @@
 """Real-browser tests: JupyterLab on 127.0.0.1 driven by Debian Chromium through playwright.
 
-* 04_elastic_control_panel: Run All, move the worker slider 2 → 3 with the arrow key, and check that the
-  job really resized (its status, written by the panel to a file, and the status label in the DOM) and
-  that the world-size chart shows 3; stop it with the panel's stop button; no worker process is left.
+* 04_elastic_control_panel: Run All, press start, move the worker slider 2 → 3 with the arrow key, and
+  check that the job really resized (its status, written by the panel to a file, and the status label in
+  the DOM) and that the world-size chart shows 3; stop it with the panel's stop button; no worker process
+  is left.
 * 03_allocation_and_simulation: the AllocationExplorer and SimulationDashboard render their charts.
 
 Screenshots go to out/screenshots/ (git-ignored).
@@ -70,6 +71,8 @@ def test_control_panel_resizes_job_from_browser(tmp_path):
             open_and_run_all(page, lab, "04_elastic_control_panel.ipynb")
             panel = page.locator(".elasticlab-job-panel")
             panel.wait_for(state="attached", timeout=120_000)
+            # live, Run All leaves the job new (the LR rule can still be chosen): start it as a user would
+            page.locator(".elasticlab-job-panel button:has-text('start')").click()
             # the job is up at 2 workers
             st = _wait_status(status_file, lambda s: s["state"] == "running" and s["world_size"] == 2
                               and s["step"] >= 3, timeout=240)

@@ -132,6 +132,39 @@ def test_job_panel_lr_rule_and_policy_choices():
     assert job.options["lr_rule"] == "dynamic_sgd"
 
 
+def test_job_panel_policy_now_resume_and_warm_note():
+    """Issue 20 item 5: a policy change says what it changes (the batch at each size); a resume is logged as
+    one (the controller reports it as a resize from 0); growing past the warm processes says why it is slow;
+    the axes start at 0 with whole-number ticks for the batch and the world size."""
+    from elasticlab.widgets import JobPanel
+
+    job = FakeJob()
+    job.status_workers = {0: {"state": "active"}, 1: {"state": "active"}, 2: {"state": "idle"}}
+    status = job.status
+    job.status = lambda: {**status(), "workers": job.status_workers}
+    panel = JobPanel(job, autostart_poll=False, chart_every_s=0.0)
+    panel.start()
+    job.step(3)
+    panel.refresh()
+    panel.policy.value = "fixed_per_worker"   # 32 per worker, sized from 64 at 2 workers
+    assert ("global batch 64 now; from the next resize, by workers 1: 32, 2: 64, 3: 96, 4: 128"
+            in panel.log.value)
+    job._ws = 2
+    panel.workers.value = 3                   # 3 warm processes: no note
+    assert "must start" not in panel.log.value
+    panel.workers.value = 4
+    assert "1 more worker process beyond the 3 warm ones must start" in panel.log.value
+    job._e.append({"kind": "resize", "time": time.time(), "from_size": 0, "to_size": 4, "step": 9,
+                   "latency_s": 0.5})
+    panel.refresh()
+    assert "<b>resumed from pause</b> world_size=4, step=9, latency_s=0.5" in panel.log.value
+    spec = _plotly_spec(panel.chart)
+    lay = spec["layout"]
+    assert lay["yaxis5"]["range"] == pytest.approx([0, 0.1 * 1.15]) and lay["yaxis5"]["tickformat"] == ".3~g"
+    assert lay["yaxis4"]["range"] == [0, 74] and lay["yaxis4"]["tickformat"] == "d"
+    assert lay["yaxis6"]["dtick"] == 1
+
+
 def test_job_panel_writes_status_file_and_downsamples(tmp_path):
     from elasticlab.widgets import JobPanel
 
