@@ -247,11 +247,12 @@ class GNSMonitor:
         try:
             yield self
         except BaseException:
-            self._abort()
+            self.abort()
             raise
         self.end()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Close an open step without folding it (its hooks removed)."""
         self._grads.stop()
         if self._psn is not None and self._psn._active:
             self._psn.__exit__()
@@ -380,7 +381,7 @@ class GNSMonitor:
     def close(self) -> None:
         """Remove the monitor's hooks from the model (a DDP comm hook cannot be removed and stays)."""
         if self._open:
-            self._abort()
+            self.abort()
         self._root.remove()
 
     def __repr__(self) -> str:
