@@ -35,7 +35,8 @@ def _want_cuda() -> bool:
 
 def extension():
     cpu_sources = _rel(glob.glob(os.path.join(HERE, "csrc", "*.cpp")) +
-                       glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
+                       glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")) +
+                       glob.glob(os.path.join(HERE, "csrc", "autograd", "*.cpp")))
     cxx = ["-O3", "-fopenmp"]
     kwargs = dict(name="elasticlab._C", extra_link_args=["-fopenmp"],
                   include_dirs=[os.path.join(HERE, "csrc")])

@@ -6,7 +6,8 @@ torchvision) and G3 (the W2 block at D=1024, B=64, T=512). Median of timed steps
 on CUDA), methods interleaved round by round so that drift hits all alike; a method slower than ``--slow-s``
 a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused backward),
 ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
-kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-hooks`` (elasticlab, hooks only),
+kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-py`` (the fused layers' Python autograd.Functions
+instead of their C++ ones), ``psgn-hooks`` (elasticlab, hooks only),
 ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
 Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go on.
@@ -231,10 +232,12 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
                 loss = loss_fn(model(x), y)
             loss.backward()
         return step
-    if method in ("psgn-ref", "psgn-cublas"):
-        # elasticlab with its kernels off (reference path), or without the Triton fused kernel (cuBLAS + fold)
+    if method in ("psgn-ref", "psgn-cublas", "psgn-py"):
+        # elasticlab with its kernels off (reference path), without the Triton fused kernel (cuBLAS + fold),
+        # or with every fused layer on its Python autograd.Function instead of the C++ one
         from elasticlab.gns import triton_outer
-        switch, attr = (kernels, "USE_KERNELS") if method == "psgn-ref" else (triton_outer, "ENABLED")
+        switch, attr = {"psgn-ref": (kernels, "USE_KERNELS"), "psgn-cublas": (triton_outer, "ENABLED"),
+                        "psgn-py": (kernels, "USE_CXX_AUTOGRAD")}[method]
         inner = make_step("psgn", model, x, y, prec)
 
         def step():

@@ -77,6 +77,29 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
     return op
 
 
+# The fused layers' C++ autograd functions (csrc/autograd/fused_layers.cpp): forward and backward without
+# Python on the backward path. False sends every fused layer to its Python autograd.Function (comparisons;
+# torch.compile always takes those).
+USE_CXX_AUTOGRAD = True
+_CXX_READY: dict[str, bool] = {}                   # device type -> the kernels the C++ backwards call exist
+_CXX_NEEDS = ("row_sq_norms", "seq_linear_gram_norms", "seq_linear_outer_norms", "layernorm_per_example")
+
+
+def cxx_autograd(name: str, x: torch.Tensor):
+    """``torch.ops.elasticlab.<name>``, a fused layer as a C++ autograd function, when it may serve this call
+    (built, kernels and :data:`USE_CXX_AUTOGRAD` on, grad mode on, eager rather than compiling, floating ``x``
+    on a device with the kernels), else None: the caller then uses its Python autograd.Function."""
+    if not (USE_KERNELS and USE_CXX_AUTOGRAD) or name not in _OPERATORS or not torch.is_grad_enabled():
+        return None
+    if x.dtype not in FLOATING or torch.compiler.is_compiling():
+        return None
+    dev = x.device.type
+    ok = _CXX_READY.get(dev)
+    if ok is None:
+        ok = _CXX_READY[dev] = all(_ext.has_kernel(k, dev) for k in _CXX_NEEDS)
+    return getattr(torch.ops.elasticlab, name) if ok else None
+
+
 # ---------------------------------------------------------------------------------------------- reference
 def seq_linear_gram_norms_ref(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Gram form: ‖G_b‖² = Σ_{t,s} (a_t·a_s)(d_t·d_s) (Li et al. 2022 ghost norm; O(B·T²·(Din+Dout)))."""

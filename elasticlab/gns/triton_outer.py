@@ -76,9 +76,15 @@ def preferred(a: torch.Tensor, d: torch.Tensor) -> bool:
     """Whether to send this layer to the fused kernel rather than to cuBLAS: supported inputs, row-major
     operands (an unfolded convolution's transposed views load uncoalesced), and a shape where it measured
     faster (:data:`MIN_TILES`, :data:`MAX_SHORT_T`)."""
-    if not supported(a) or a.stride(-1) != 1 or d.stride(-1) != 1:
+    if a.stride(-1) != 1 or d.stride(-1) != 1:
         return False
-    return shape_preferred(a.shape[1], a.shape[2], d.shape[2])
+    return takes(a, a.shape[1], a.shape[2], d.shape[2])
+
+
+def takes(like: torch.Tensor, T: int, din: int, dout: int) -> bool:
+    """Whether the fused kernel serves a (row-major) layer of this shape whose inputs have ``like``'s dtype
+    and device (the choice :func:`preferred` makes, from the shape alone)."""
+    return supported(like) and shape_preferred(T, din, dout)
 
 
 def shape_preferred(T: int, din: int, dout: int) -> bool:

@@ -2,7 +2,10 @@
 
 ∇γ ℓ_b = Σ_t δ_{b,t} ⊙ x̂_{b,t} and ∇β ℓ_b = Σ_t δ_{b,t}, with x̂ = (x − μ)·rstd: (B, D) each, cheap to form,
 so their norms are exact row norms. Fused, the parameter gradients are the batch sums of the same per-example
-ones, and ATen's own backward gives the input gradient. Autocast runs LayerNorm in float32; so does the rule.
+ones, and ATen's own backward gives the input gradient. Autocast runs LayerNorm in float32; so does the
+rule. Fused calls go to the C++ autograd function ``elasticlab::layer_norm_norms``, or under
+``torch.compile`` to
+:class:`_LayerNormNorms`.
 """
 from __future__ import annotations
 
@@ -81,6 +84,16 @@ def layernorm_forward(module: nn.LayerNorm, slot):
             raise ValueError(f"per-example norms need a batch dimension first: LayerNorm got shape "
                              f"{tuple(x.shape)}")
         slot.called()
+        op = kernels.cxx_autograd("layer_norm_norms", x)
+        if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
+            upcast = torch.is_autocast_enabled(x.device.type)
+            dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
+            B = x.shape[0]
+            buf = torch.full((2, B), math.nan, dtype=kernels.acc_dtype(dt), device=x.device)
+            out = op(x, module.weight, module.bias, shape, module.eps, buf, upcast)
+            w_sq, b_sq = buf.unbind(0)
+            slot.record({"weight": w_sq, "bias": b_sq}, B)
+            return out
         return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot)
     return forward
 

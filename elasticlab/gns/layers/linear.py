@@ -4,6 +4,8 @@
 the Gram form or the outer-product form, whichever :func:`elasticlab.gns.kernels.use_gram` finds cheaper for
 the layer's shape and device ("mixed ghost clipping", Bu, Mao & Xu 2022). Fused, the outer-product form *is*
 the weight-gradient GEMM: Σ_b G_b comes out of the same per-example products whose norms are taken.
+Fused calls go to the C++ autograd function ``elasticlab::linear_norms`` (no Python in the backward), except
+under ``torch.compile`` and for layers the Triton kernel serves, which take :class:`_LinearNorms`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import kernels
+from elasticlab.gns import kernels, triton_outer
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
 
@@ -107,13 +109,45 @@ class _LinearNorms(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+def _cxx_form(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:
+    """How the C++ autograd function forms this call's norms: 0 outer product (cuBLAS), 1 Gram; None for a
+    sequence layer the Triton fused kernel takes (launched from Python: the autograd.Function serves it)."""
+    if x.dim() == 2:
+        return 0
+    like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
+    T, din, dout = x[0].numel() // x.shape[-1], x.shape[-1], module.weight.shape[0]
+    if kernels.use_gram(T, din, dout, fused_outer=True, like=like, batch=x.shape[0]):
+        return 1
+    if x.stride(-1) == 1 and triton_outer.takes(like, T, din, dout):
+        return None
+    return 0
+
+
+_NAN = float("nan")
+
+
 def linear_forward(module: nn.Linear, slot):
+    forms: dict[tuple, int | None] = {}        # (shape, dtype, device, autocast dtype) -> _cxx_form
+
     def forward(x):
         if x.dim() < 2:
             raise ValueError("per-example norms need a batch dimension first: Linear got shape "
                              f"{tuple(x.shape)}")
         slot.called()
-        return _LinearNorms.apply(x, module.weight, module.bias, slot, autocast_dtype(x))
+        dtype = autocast_dtype(x)
+        op = kernels.cxx_autograd("linear_norms", x)
+        if op is not None:
+            key = (x.shape, x.dtype, x.device, dtype)
+            form = forms[key] if key in forms else forms.setdefault(key, _cxx_form(module, x, dtype))
+            if form is not None:
+                # the backward fills the rows (weight, bias) of this buffer, in C++
+                B = x.shape[0]
+                buf = torch.full((2, B), _NAN, dtype=kernels.acc_dtype(dtype or x.dtype), device=x.device)
+                out = op(x, module.weight, module.bias, buf, form, dtype)
+                w_sq, b_sq = buf.unbind(0)
+                slot.record({"weight": w_sq, "bias": b_sq}, B)
+                return out
+        return _LinearNorms.apply(x, module.weight, module.bias, slot, dtype)
     return forward
 
 

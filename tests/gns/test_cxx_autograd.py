@@ -1,0 +1,162 @@
+"""The fused Linear and LayerNorm as C++ autograd functions (csrc/autograd/fused_layers.cpp) against their
+Python autograd.Functions (``kernels.USE_CXX_AUTOGRAD = False``) and against torch.func."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from elasticlab.gns import PerSampleGradNorms, kernels
+
+pytestmark = pytest.mark.skipif("linear_norms" not in kernels._OPERATORS,
+                                reason="elasticlab._C without the C++ autograd functions")
+
+
+class Block(nn.Module):
+    def __init__(self, d=6, bias=True, ln_bias=True):
+        super().__init__()
+        self.ln = nn.LayerNorm(d, bias=ln_bias)
+        self.up = nn.Linear(d, 9, bias=bias)
+        self.down = nn.Linear(9, 3)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(self.ln(x))))
+
+
+def _norms(model, x, cxx: bool, autocast=None):
+    """(per-example squared norms, {param: grad}) of Σ out² with the C++ or the Python fused path."""
+    old = kernels.USE_CXX_AUTOGRAD
+    kernels.USE_CXX_AUTOGRAD = cxx
+    calls = []
+    real = kernels.cxx_autograd
+
+    def spy(name, t):
+        op = real(name, t)
+        calls.append(op is not None)
+        return op
+    kernels.cxx_autograd = spy
+    try:
+        model.zero_grad(set_to_none=True)
+        with PerSampleGradNorms(model, loss_reduction="sum") as n:
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = model(x)
+            (out.float() if autocast is not None else out).pow(2).sum().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return n.param_sq_norms(), grads, calls
+    finally:
+        kernels.USE_CXX_AUTOGRAD = old
+        kernels.cxx_autograd = real
+
+
+@pytest.mark.parametrize("shape", [(5, 6), (4, 7, 6), (3, 2, 5, 6)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cxx_matches_python_and_torch_func(shape, bias):
+    torch.manual_seed(0)
+    model = Block(bias=bias, ln_bias=bias).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    got, g_cxx, calls = _norms(model, x, cxx=True)
+    assert calls and all(calls)                              # every fused layer took the C++ function
+    ref, g_py, calls_py = _norms(model, x, cxx=False)
+    assert not any(calls_py)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
+        assert torch.isfinite(got[k]).all()
+    for k in g_py:
+        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
+    # torch.func: per-example gradients of Σ_t out_b²
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xb):
+        return functional_call(model, p, (xb.unsqueeze(0),)).pow(2).sum()
+    pe = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for k, v in pe.items():
+        torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+
+
+def test_cxx_under_bf16_autocast_matches_python():
+    torch.manual_seed(1)
+    model = Block()
+    x = torch.randn(4, 8, 6)
+    got, g_cxx, calls = _norms(model, x, cxx=True, autocast=torch.bfloat16)
+    assert all(calls)
+    ref, g_py, _ = _norms(model, x, cxx=False, autocast=torch.bfloat16)
+    for k in ref:
+        assert got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+    for k in g_py:
+        assert g_cxx[k].dtype == torch.float32
+        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_weight_and_input_gradients():
+    """A frozen weight (bias trains) gets no norm; the input gradient still flows; no backward leaves NaN
+    rows unread."""
+    torch.manual_seed(2)
+    lin = nn.Linear(6, 4)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(5, 3, 6, requires_grad=True)
+    with PerSampleGradNorms(lin, loss_reduction="sum") as n:
+        lin(x).pow(2).sum().backward()
+    norms = n.param_sq_norms()
+    assert list(norms) == ["bias"]
+    d = 2 * lin(x).detach()
+    torch.testing.assert_close(norms["bias"], d.sum(1).pow(2).sum(1))
+    x2 = x.detach().clone().requires_grad_()
+    lin(x2).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_no_grad_and_inference_mode_run_the_plain_layer():
+    torch.manual_seed(3)
+    model = Block()
+    x = torch.randn(2, 5, 6)
+    want = model(x)
+    with PerSampleGradNorms(model):
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), want)
+
+
+def test_bad_buffer_is_a_clear_error():
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"norms must be \(2, B\) = \(2, 3\)"):
+        torch.ops.elasticlab.linear_norms(x, w, None, torch.empty(2, 5), 0, None)
+    with pytest.raises(RuntimeError, match="form must be 0"):
+        torch.ops.elasticlab.linear_norms(x, w, None, torch.empty(2, 3), 7, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
+def test_cxx_on_cuda_matches_python(precision):
+    """On CUDA: the C++ functions (cuBLAS outer form or Gram, LayerNorm kernel) against the Python ones, at a
+    sequence length the Triton kernel does not take (T=300); float64 also against torch.func."""
+    torch.manual_seed(4)
+    dt = torch.float64 if precision == "fp64" else torch.float32
+    model = Block(d=64).to("cuda", dt)
+    x = torch.randn(6, 300, 64, device="cuda", dtype=dt)
+    ac = torch.bfloat16 if precision == "bf16" else None
+
+    def run(cxx):
+        old = kernels.USE_CXX_AUTOGRAD
+        kernels.USE_CXX_AUTOGRAD = cxx
+        try:
+            model.zero_grad(set_to_none=True)
+            with PerSampleGradNorms(model, loss_reduction="sum") as n:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ac is not None):
+                    out = model(x)
+                out.float().pow(2).sum().backward()
+            return n.param_sq_norms(), {k: p.grad.clone() for k, p in model.named_parameters()}
+        finally:
+            kernels.USE_CXX_AUTOGRAD = old
+
+    got, g1 = run(True)
+    ref, g2 = run(False)
+    tol = dict(rtol=1e-9, atol=1e-10) if precision == "fp64" else dict(rtol=2e-3, atol=1e-4)
+    for k in ref:
+        assert got[k].dtype == (torch.float64 if precision == "fp64" else torch.float32)
+        torch.testing.assert_close(got[k], ref[k], **tol)
+    for k in g2:
+        torch.testing.assert_close(g1[k], g2[k], **tol)
