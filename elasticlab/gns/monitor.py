@@ -21,10 +21,9 @@ Which form of McCandlish et al.'s App. A.1 estimator each measured step uses (``
 Unequal micro-batch or replica batches b_k enter through their harmonic mean H: E mean_k‖ḡ_k‖² =
 ‖G‖² + tr Σ/H and, gradients averaged with equal weights, E‖ḡ‖² = ‖G‖² + tr Σ/(K·H) (Eq. A.1).
 
-Gradients are read at the end of each backward (an autograd engine callback queued after DDP's own), so
-clipping or ``scaler.unscale_`` between the last backward and :meth:`end` does not change them. With a
-``grad_scaler`` the loss scale is divided out; an overflowed step gives non-finite norms, which
-:class:`GNSEstimator` skips and counts (``skipped``). Under ``torch.autocast`` the norms are float32.
+Gradients are read at the end of each backward (:class:`~elasticlab.gns.capture.StepGradients`): clipping
+after it changes nothing. A ``grad_scaler``'s loss scale is divided out; an overflowed step's non-finite
+norms are skipped and counted (``skipped``). Under ``torch.autocast`` the norms are float32.
 """
 from __future__ import annotations
 
@@ -57,6 +56,28 @@ def _batch_of(obj, depth: int = 0) -> int | None:
         b = _batch_of(v, depth + 1)
         if b is not None:
             return b
+    return None
+
+
+def _check_size(n) -> int:
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _shared_parameter(module: nn.Module) -> str | None:
+    """Why per-example norms would be wrong: a trainable parameter registered in two modules (tied weights,
+    as GPT-2's embedding and output layer) would have each module's per-example norm counted apart."""
+    owners: dict[int, str] = {}
+    for name, mod in module.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            full = f"{name}.{pname}" if name else pname
+            if id(p) in owners:
+                return (f"parameter {owners[id(p)]!r} is also {full!r} (tied weights): the per-example norm "
+                        "of their summed gradient is not the sum of the two modules' norms")
+            owners[id(p)] = full
     return None
 
 
@@ -105,8 +126,10 @@ class GNSMonitor:
             except RuntimeError as e:
                 raise RuntimeError(f"GNSMonitor could not register its DDP communication hook ({e}); a DDP "
                                    "model takes one hook: remove yours, or use method='per_example'") from e
-        self._psn, self._psn_error = None, None
-        if method == "per_example" or (method == "auto" and self._replicas is None):
+        self._psn, self._psn_error = None, _shared_parameter(self.module)
+        if self._psn_error and method == "per_example":
+            raise ValueError(f"GNSMonitor: per-example norms are not available: {self._psn_error}")
+        if not self._psn_error and (method == "per_example" or (method == "auto" and self._replicas is None)):
             try:
                 self._psn = PerSampleGradNorms(self.module, loss_reduction=loss_reduction,
                                                grad_scaler=grad_scaler)
@@ -118,10 +141,9 @@ class GNSMonitor:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GNSMonitor: the model has no trainable parameters")
-        self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._grads = StepGradients(self._params, self._after_backward)
-        self._layer_of = [n.rpartition(".")[0] for n in self._names]
+        self._layer_of = [n.rpartition(".")[0] for n, _ in named]
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         self._open = self._measuring = self._fixed_size = False
         self._reset_step()
@@ -153,21 +175,12 @@ class GNSMonitor:
         self._reset_step()
         if self._replicas is not None:
             self._replicas.reset()            # its hook adds up every synchronised backward, measured or not
-        if batch_size is not None:
-            self._given_sizes = [self._check_size(batch_size)]
-            self._fixed_size = True
-        else:
-            self._fixed_size = False
+        self._fixed_size = batch_size is not None
+        self._given_sizes = [_check_size(batch_size)] if self._fixed_size else []
         self._scale = self._current_scale()
         self._grads.start()
         if self._use_psn():
             self._psn.__enter__()
-
-    @staticmethod
-    def _check_size(n) -> int:
-        if not (isinstance(n, int) and n >= 1):
-            raise ValueError(f"batch_size must be an integer >= 1, got {n!r}")
-        return n
 
     def micro_batch(self, batch_size: int | None = None) -> None:
         """A micro-batch of this step starts (for loops whose forward of ``model`` is not called directly,
@@ -178,7 +191,7 @@ class GNSMonitor:
         if batch_size is not None:
             if self._fixed_size:
                 self._given_sizes, self._fixed_size = [], False
-            self._given_sizes.append(self._check_size(batch_size))
+            self._given_sizes.append(_check_size(batch_size))
         if self._use_psn() and self._psn._active:
             self._psn._begin_step()
 
@@ -333,12 +346,11 @@ class GNSMonitor:
         self._replicas.reset()
         w2 = self._weight(k) ** 2 * self._scale_sq()          # this replica's mean gradient: local/(w·k)
         mean_sq = local / (w2 * k * k)
-        t = torch.tensor([mean_sq, 1.0 / b, float(b), 1.0], dtype=torch.float64)
-        t = t.to(_ddp._comm_device(self.group))
+        dev = _ddp._comm_device(self.group)
+        t = torch.tensor([mean_sq, 1.0 / b, float(b), 1.0], dtype=torch.float64, device=dev)
         dist.all_reduce(t, group=self.group)
         t = t.cpu()
-        r = float(t[3])
-        h = r / float(t[1])
+        r, h = float(t[3]), float(t[3]) / float(t[1])
         big = float(self._grads.grad_sq().sum()) / (w2 * k * k)   # .grad: DDP averaged the replicas
         if local == 0.0 or not math.isfinite(h):
             return None
@@ -374,8 +386,7 @@ class GNSMonitor:
     def load_state_dict(self, state: dict) -> None:
         self.estimator.load_state_dict(state["estimator"])
         self.history = [dict(h) for h in state.get("history", [])]
-        self.steps = int(state.get("steps", 0))
-        self.unmeasured = int(state.get("unmeasured", 0))
+        self.steps, self.unmeasured = int(state.get("steps", 0)), int(state.get("unmeasured", 0))
         self._accumulating = bool(state.get("accumulating", False))
 
     def close(self) -> None:

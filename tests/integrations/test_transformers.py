@@ -1,0 +1,95 @@
+"""The Hugging Face Trainer callback on a tiny GPT-2 (built from a config, nothing downloaded) against
+GNSEstimator fed the same batches by hand: per-example (GPT-2's Conv1D rule), gradient accumulation."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from elasticlab.gns import GNSEstimator, PerSampleGradNorms  # noqa: E402
+from elasticlab.integrations.transformers import GradientNoiseScaleCallback  # noqa: E402
+
+T, V, B = 12, 40, 4
+
+
+def tiny_gpt2(tied=False):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=V, n_positions=T,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, V, (T,), generator=g)
+        # positions per example: the per-example norms need every layer's input batched
+        return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(T)}
+
+
+def train(tmp_path, callback, steps, accum=1, model=None):
+    model = model or tiny_gpt2()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=B, gradient_accumulation_steps=accum,
+        max_steps=steps, learning_rate=0.0, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer.train()
+    return trainer, seen
+
+
+def loss_of(model, ids, scale=1.0):
+    pos = torch.arange(T).expand(ids.shape[0], -1)
+    return model(input_ids=ids, labels=ids, position_ids=pos).loss * scale
+
+
+def test_tiny_gpt2_per_example_matches_the_estimator(tmp_path):
+    cb = GradientNoiseScaleCallback(log_layers=True)
+    model = tiny_gpt2()
+    ref_model = copy.deepcopy(model)                           # learning rate 0: the model stays put
+    trainer, seen = train(tmp_path, cb, 3, model=model)
+    assert len(seen) == 3 and all(s.shape == (B, T) for s in seen)
+    ref, expected = GNSEstimator(beta=0.99), []
+    with PerSampleGradNorms(ref_model) as norms:
+        for ids in seen:
+            ref_model.zero_grad()
+            loss_of(ref_model, ids).backward()
+            ref.update_from(norms)
+            expected.append(ref.b_simple)
+    got = [h["b_simple"] for h in cb.history]
+    assert [h["method"] for h in cb.history] == ["per_example"] * 3       # Conv1D covered by its rule
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=0)
+    logged = [e for e in trainer.state.log_history if "gns/b_simple" in e]
+    assert [e["step"] for e in logged] == [1, 2, 3]
+    torch.testing.assert_close(torch.tensor([e["gns/b_simple"] for e in logged]), torch.tensor(expected),
+                               rtol=1e-4, atol=0)
+    assert any(k.startswith("gns/layer/transformer.h.0.attn.c_attn") for k in logged[-1])
+
+
+def test_tiny_gpt2_gradient_accumulation_and_tied_weights(tmp_path):
+    cb = GradientNoiseScaleCallback()
+    model = tiny_gpt2(tied=True)                               # GPT-2's default: embedding = output layer
+    ref_model = copy.deepcopy(model)
+    _, seen = train(tmp_path, cb, 2, accum=2, model=model)
+    assert len(seen) == 4
+    params = [p for p in ref_model.parameters() if p.requires_grad]
+    ref = GNSEstimator(beta=0.99)
+    for step in range(2):
+        parts = seen[2 * step:2 * step + 2]
+        gs = [torch.autograd.grad(loss_of(ref_model, ids, 0.5), params) for ids in parts]
+        mean = [a + b for a, b in zip(*gs)]
+        small = sum(sum(float((2 * t).double().pow(2).sum()) for t in g) for g in gs) / 2
+        ref.update_two_batch(small, sum(float(t.double().pow(2).sum()) for t in mean), B, 2 * B)
+    assert [h["method"] for h in cb.history] == ["micro_batch"] * 2
+    assert abs(cb.history[-1]["b_simple"] - ref.b_simple) <= 1e-4 * abs(ref.b_simple), (cb.history, ref)
+    # tied weights: one backward per step would need per-example norms, which tying makes wrong
+    one = GradientNoiseScaleCallback()
+    with pytest.raises(RuntimeError, match="tied weights"):
+        train(tmp_path, one, 1, model=tiny_gpt2(tied=True))
