@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel ninja
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	ELASTICLAB_NO_EXT=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test,ray]'
+	ELASTICLAB_NO_EXT=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test,ray,integrations]'
 	$(BIN)/jupyter labextension disable "@jupyterlab/apputils-extension:announcements" >/dev/null
 	touch $@
 
