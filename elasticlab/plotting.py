@@ -1,4 +1,5 @@
-"""Static figure export (PNG, SVG, PDF) of plotly figures for reports and papers.
+"""Static figure export (PNG, SVG, PDF) of plotly figures for reports and papers, and readable log axes
+(:func:`log_axis`).
 
 plotly renders through kaleido 1.x, which drives a local Chromium. On Debian that is ``/usr/bin/chromium``
 (``apt-get install chromium``); kaleido finds it by itself, and :func:`find_chromium` points it there
@@ -16,6 +17,23 @@ from pathlib import Path
 FORMATS = ("png", "svg", "pdf", "jpeg", "webp")
 _CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
 _server_started = False
+
+
+def log_axis(values) -> dict:
+    """Settings for a log axis over ``values`` (``fig.update_yaxes(**log_axis(y))``) with ticks at 1, 2, 5
+    times powers of ten, labelled in full (plotly's own log ticks label 20 and 30 as "2" and "3").
+    Values that are not finite and positive are ignored; none left: a plain log axis."""
+    import math
+
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x)) and float(x) > 0]
+    if not v:
+        return {"type": "log"}
+    lo, hi = math.floor(math.log10(min(v))), math.ceil(math.log10(max(v)))
+    ticks = [m * 10.0**e for e in range(lo, hi + 1) for m in (1, 2, 5)
+             if min(v) / 2 <= m * 10.0**e <= max(v) * 2]
+    if len(ticks) > 10:  # a wide range: powers of ten only
+        ticks = [10.0**e for e in range(lo, hi + 1)]
+    return {"type": "log", "tickvals": ticks, "ticktext": [f"{t:,.10g}" for t in ticks]}
 
 
 def find_chromium() -> str | None:

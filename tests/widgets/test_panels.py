@@ -323,6 +323,17 @@ def test_simulation_dashboard_runs_policies():
         SimulationDashboard(cluster="big")
 
 
+def test_log_axis_labels_ticks_in_full():
+    from elasticlab.plotting import log_axis
+
+    ax = log_axis([12.0, 45.0, 80.0, -3.0, float("nan"), None])
+    assert ax["type"] == "log" and ax["tickvals"] == [10, 20, 50, 100]
+    assert ax["ticktext"] == ["10", "20", "50", "100"]      # plotly's own read "2", "5" for 20, 50
+    wide = log_axis([0.003, 5e4])
+    assert wide["tickvals"][0] == pytest.approx(1e-3) and wide["ticktext"][-1] == "100,000"
+    assert log_axis([0.0, -1.0]) == {"type": "log"}
+
+
 def test_plotting_rejects_bad_input(tmp_path):
     import plotly.graph_objects as go
 
