@@ -7,8 +7,10 @@ under each policy in turn; the baseline (fixed equal shares) is measured in the 
 * ``--backend local`` (default): a :class:`~elasticlab.cluster.LocalCluster` of ``--slots`` slots.
 * ``--backend ray``: a :class:`~elasticlab.cluster.ray.RayCluster` over a local ``ray.cluster_utils.Cluster``
   of ``--nodes`` x ``--slots-per-node`` (custom resource ``slot``); ``--kill-node-at S`` removes a worker
-  node S seconds into each policy's run (added back before the next); ``--record-samples DIR`` writes each
-  job's sample record to ``DIR/<policy>/<job>.jsonl`` (the schema of ``elasticlab run --record-samples``).
+  node on which a job trains, from S seconds into each policy's run on (added back before the next);
+  ``--record-samples DIR`` writes each job's sample record to ``DIR/<policy>/<job>.jsonl`` (the schema of
+  ``elasticlab run --record-samples``, one run per file: each policy runs every job again, so the records
+  are kept apart by policy rather than all in ``DIR/<job>.jsonl``).
 
 Reported per policy: average and per-job JCT (s), makespan, resizes, the measured restart cost, the ratio of
 each policy's average JCT to equal shares (< 1 is better) and, on Ray, the resize latencies (median, shrinks,
@@ -34,7 +36,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kill-node-at", type=float, default=None, metavar="S",
                     help="ray backend: remove a worker node S seconds into each policy's run")
     ap.add_argument("--record-samples", default=None, metavar="DIR",
-                    help="ray backend: write DIR/<policy>/<job>.jsonl sample records")
+                    help="ray backend: write each job's sample record to DIR/<policy>/<job>.jsonl (one "
+                         "run per file, as `elasticlab run --record-samples` writes it)")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args(argv)

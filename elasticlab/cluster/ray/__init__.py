@@ -5,7 +5,9 @@
   by :func:`elasticlab.alloc.placement.place`; a lost node lowers the capacity and the jobs re-allocate.
 * :class:`RayJob` (job.py) -- one job as a gang of actors forming one gloo/NCCL group per generation;
   resize at a step boundary from a checkpoint, faults resumed from the newest valid one.
-* gang.py -- a job's actors and the placement groups holding their slots; actor.py -- the actor.
+* generation.py -- a job's generations (form, drain, end, recover from a fault); gang.py -- a job's actors
+  and the placement groups holding their slots; actor.py -- the actor; local.py -- a multi-node cluster on
+  one machine (tests, benchmark, notebook).
 """
 try:
     import ray  # noqa: F401

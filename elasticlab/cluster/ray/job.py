@@ -16,18 +16,20 @@ The job handle the scheduler drives (``status``, ``metrics``, ``events``, ``step
   newest valid checkpoint on the workers that remain; the steps since that checkpoint are replayed
   (counted in ``lost_steps``; the sample record keeps both, the later generation counts).
 
-Checkpoints go to ``checkpoint_dir``, which every node must reach (a shared file system).
+Checkpoints go to ``checkpoint_dir``, which every node must reach (a shared file system). This module holds
+the handle and the requests; forming, draining and ending the generations is its base
+:class:`~elasticlab.cluster.ray.generation.RayGenerations`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
 from elasticlab.cluster.ray.gang import Gang
+from elasticlab.cluster.ray.generation import RayGenerations
 from elasticlab.cluster.ray.store import node_store
 from elasticlab.elastic import messages as M
 from elasticlab.elastic.checkpoint import CheckpointDir
@@ -48,7 +50,7 @@ class RayJobStatus(JobStatus):
     record_samples: str | None = None
 
 
-class RayJob:
+class RayJob(RayGenerations):
     """A job run by Ray actors (see the module docstring). ``placement_of(n)`` gives the node id of each of
     ``n`` workers (the allocator's placement) or None (Ray chooses); ``resource``: the slot resource
     (``"GPU"`` on a GPU cluster: NCCL, one GPU per actor); ``coupled``: each actor holds its slot from
@@ -206,97 +208,7 @@ class RayJob:
         """``(nodes, gpus, per_gpu_batch, accum_steps, iter_time)`` rows for the throughput-model fit."""
         return step_time_rows(self._metrics.since(0), skip_first, aggregate)
 
-    # ---- generations -------------------------------------------------------------------------------
-    def _form(self, n: int, batch, checkpoint: str | None) -> None:
-        """Reserve the slots and start the next generation of ``n`` workers. If the allocator's nodes cannot
-        be had (a node just died and Ray does not know yet), try again with Ray placing the workers, then
-        with the live workers only."""
-        tag, err = f"{self._gen + 1}", None
-        for attempt in range(3):
-            plan = self._placement_of(n) if self._placement_of is not None and attempt == 0 else None
-            if plan and self._suspect & set(plan):
-                plan = None
-            keep, need = self._gang.choose(n, plan, avoid=self._suspect)
-            if attempt == 2:  # the live workers, or one anywhere
-                need = [] if keep else [None]
-            try:
-                ranks = self._gang.allocate(keep, need, tag)
-                break
-            except Exception as e:  # GetTimeoutError: the slots cannot be had (now)
-                err = e
-                self._events.emit("place_failed", attempt=attempt, want=n, have=len(keep),
-                                  error=repr(e)[:300])
-                for w in [w for w in self._workers if not self._gang.alive(w)]:
-                    self._suspect.add(self._workers[w]["node"])
-                    self._kill([w])
-        else:
-            raise RuntimeError(f"no placement for {n} workers: {err!r}")
-        new = [w for w in ranks if w not in keep]
-        if new:
-            self._events.emit("actors_start", workers=new, nodes=[self._workers[w]["node"] for w in new])
-        self._gen += 1
-        self._ranks, self._ended = ranks, None
-        host = self._host
-        self._runs = {w: self._workers[w]["actor"].run.remote(M.Join(
-            self._gen, r, len(self._ranks), self._port, checkpoint, str(self.checkpoint_dir.directory),
-            batch, host)) for r, w in enumerate(self._ranks)}
-        self._events.emit("generation", generation=self._gen, world_size=len(self._ranks),
-                          nodes=[self._workers[w]["node"] for w in self._ranks], checkpoint=checkpoint)
-
-    def _pump(self) -> None:
-        """Drain the generation's actors, notice the ones that died, note how the generation ends."""
-        import ray
-
-        refs = {w: self._workers[w]["actor"].drain.remote() for w in self._ranks if w in self._workers}
-        dead = []
-        for w, ref in refs.items():
-            try:
-                msgs = ray.get(ref, timeout=30)
-            except Exception as e:  # RayActorError: the actor (or its node) is gone
-                dead.append((w, repr(e)))
-                continue
-            for m in msgs:
-                self._on_message(w, m)
-        done = ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=0)[0] \
-            if self._runs else []
-        for w, ref in list(self._runs.items()):
-            if ref in done:
-                try:
-                    ray.get(ref)
-                except Exception as e:
-                    dead.append((w, repr(e)))
-                del self._runs[w]
-        if dead and self._ended is None:
-            self._ended = "fault"
-            self._events.emit("fault", generation=self._gen, dead=[w for w, _ in dead],
-                              message=dead[0][1][:300])
-        self._suspect.update(self._workers[w]["node"] for w, _ in dead if w in self._workers)
-        self._kill([w for w, _ in dead])
-
-    def _on_message(self, wid: int, m) -> None:
-        if isinstance(m, M.Step):
-            self._on_step(m.record)
-        elif isinstance(m, M.Samples):
-            self._seen = max(self._seen, int(m.row["step"]))
-            if self._rec is not None:
-                self._rec.write(json.dumps(m.row) + "\n")
-        elif isinstance(m, M.Checkpointed):
-            self._ckpt = m.path
-            self._events.emit("checkpoint", step=m.step, path=m.path, reason=m.reason,
-                              generation=m.generation)
-        elif isinstance(m, M.Resumed):
-            self._events.emit("resume", generation=m.generation, step=m.step, checkpoint=m.checkpoint)
-        elif isinstance(m, M.Finished):
-            self._ended = self._ended or "finished"
-        elif isinstance(m, M.Left):
-            self._ended = self._ended or "left"
-        elif isinstance(m, M.Error) and m.generation == self._gen:
-            if self._ended in (None, "left", "finished"):
-                self._ended = "fault"
-                self._events.emit("fault", generation=self._gen, dead=[], message=m.text[:300])
-            with self._lock:
-                self._error = m.text
-
+    # ---- requests and the controller thread (the generations: generation.py) ------------------------
     def _on_step(self, rec: dict) -> None:
         with self._lock:
             self._last = rec
@@ -375,69 +287,3 @@ class RayJob:
             path, _ = self.checkpoint_dir.latest()
             self._form(p["n"], None, str(path) if path is not None else None)
             p["got"] = len(self._ranks)
-
-    def _next(self) -> bool:
-        """The generation ended: finish, pause, re-form at the requested size, or resume after a fault.
-        False when the job is over."""
-        how, p = self._ended, self._pending
-        if how == "finished":
-            with self._lock:
-                self._state = "finished"
-            self._events.emit("finished", step=self._last.get("step"))
-            return False
-        if how == "fault":
-            return self._recover()
-        # left at a step boundary, for a request
-        if p is not None and p["kind"] == "pause":  # the slots go back; up to `warm` workers stay idle
-            self._gang.release()
-            self._gang.trim([])
-            with self._lock:
-                self._state = "paused"
-            self._events.emit("pause", step=self._last.get("step"))
-            self._resolve(self._last.get("step", 0))
-            return True
-        n = p["n"] if p is not None and p["kind"] == "resize" else len(self._ranks)
-        self._target = n
-        self._form(n, p.get("batch") if p else None, self._ckpt)
-        if p is not None:
-            p["sent"], p["got"] = "formed", len(self._ranks)
-        return True
-
-    def _recover(self) -> bool:
-        """After a fault: end the generation's other workers if they are stuck, then go on from the newest
-        valid checkpoint on the workers that are alive."""
-
-        end = time.monotonic() + self.fault_grace_s
-        while self._runs and time.monotonic() < end:
-            self._pump()
-            time.sleep(0.05)
-        self._kill(list(self._runs))  # still in a collective with a dead peer
-        self._runs = {}
-        self._pump()  # what the survivors sent last
-        path, _ = self.checkpoint_dir.latest()
-        ck_step = 0
-        if path is not None:
-            from elasticlab.elastic.checkpoint import load
-
-            ck_step = int(load(path)["step"])
-        lost = max(self._seen - ck_step, 0)  # steps done since the checkpoint: they run again
-        self._seen = ck_step
-        self._faults += 1
-        self._streak += 1
-        self._lost += lost
-        p = self._pending
-        if p is not None:
-            self._resolve(error=RuntimeError(f"a fault interrupted the {p['kind']}"))
-        if self._streak > self.max_faults:
-            raise RuntimeError(f"{self._streak} faults in a row without a step: {self._error}")
-        alive = [w for w in self._workers if self._gang.alive(w)]
-        self._suspect.update(self._workers[w]["node"] for w in self._workers if w not in alive)
-        self._kill([w for w in self._workers if w not in alive])
-        n = max(min(len(alive), self._target), 1) if alive else max(min(self._target, 1), 1)
-        self._events.emit("restart", generation=self._gen + 1, world_size=n, checkpoint=str(path),
-                          lost_steps=lost)
-        self._form(n, None, str(path) if path is not None else None)
-        return True
-
-    def _kill(self, wids) -> None:
-        self._gang.kill(wids)
