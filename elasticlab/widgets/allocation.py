@@ -153,7 +153,11 @@ class AllocationExplorer(Panel):
                     row=1, col=2)
         fig.add_bar(x=methods, y=[0] * len(methods), name="throughput speedup", marker_color="#bbbbbb",
                     row=1, col=2)
-        fig.update_layout(barmode="group", showlegend=True, legend={"orientation": "h", "y": -0.15})
+        fig.update_layout(barmode="group", showlegend=True, margin={"t": 75},
+                          legend={"orientation": "h", "x": 0, "y": 1.1, "yanchor": "bottom"})
+        # job names in full on a narrow page: tilted, and the margin grows to hold them
+        fig.update_xaxes(tickangle=-30, automargin=True, title_text="job", row=1, col=1)
+        fig.update_xaxes(tickangle=-30, automargin=True, title_text="method", row=1, col=2)
         fig.update_yaxes(title_text="GPUs", row=1, col=1)
         fig.update_yaxes(title_text="Σ_j speedup over 1 GPU", row=1, col=2)
         self.chart = LiveFigure(fig)
