@@ -89,6 +89,8 @@ def html_table(rows: list[dict], columns: list[str] | None = None, *, floatfmt: 
     columns = columns or list(rows[0])
 
     def cell(v):
+        if v is None:
+            return "–"
         if isinstance(v, float):
             return floatfmt.format(v)
         return html.escape(str(v))

@@ -14,8 +14,8 @@ import ipywidgets as W
 
 from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, html_table
 
-_COLUMNS = ["name", "state", "slots", "global_batch", "accum_steps", "step", "epoch", "gns", "goodput",
-            "jct", "restarts"]
+_COLUMNS = ["name", "state", "slots", "global_batch", "accum_steps", "step", "epoch", "gns",
+            "goodput (M0-samples/s)", "jct (s)", "restarts"]
 _LOGGED = ("submit", "refused", "drop", "start", "resize", "set_batch", "pause", "resume", "finished",
            "failed", "stop", "error")
 
@@ -49,6 +49,7 @@ class ClusterPanel(PolledPanel):
         self._n_events = 0
         self._log: list[str] = []
         self._n_history = -1
+        self._goodput: dict[str, float] = {}   # the last predicted goodput seen per job (running only)
 
         # ---- policy and submit form ------------------------------------------------------------
         self.policy = W.Dropdown(options=policy_names(), value=cluster.policy_name, description="policy",
@@ -79,11 +80,15 @@ class ClusterPanel(PolledPanel):
 
         fig = go.Figure()
         fig.update_layout(title={"text": "slots per job over time", "x": 0.02, "font": {"size": 13}},
-                                  height=220, margin={"l": 80, "r": 15, "t": 35, "b": 35},
-                                  xaxis_title="time (s)", template="plotly_white")
-        fig.add_heatmap(x=[], y=[], z=[], colorscale="Blues", zmin=0, zmax=cluster.slots,
-                                colorbar={"title": "slots", "len": 0.9}, xgap=0, ygap=2,
-                                hovertemplate="%{y} at %{x:.1f}s: %{z} slots<extra></extra>")
+                          height=self._height(0), margin={"l": 80, "r": 15, "t": 35, "b": 40},
+                          xaxis_title="time since the cluster started (s)", template="plotly_white")
+        # one tick per slot count, at most 5 labels, the title beside the bar: on a short chart the labels
+        # of a tick every 0.5 slot were drawn over each other
+        step = max(1, -(-cluster.slots // 4))
+        fig.add_heatmap(x=[], y=[], z=[], colorscale="Blues", zmin=0, zmax=cluster.slots, xgap=0, ygap=2,
+                        colorbar={"title": {"text": "slots", "side": "right"}, "len": 1.0, "thickness": 14,
+                                  "tickmode": "array", "tickvals": list(range(0, cluster.slots + 1, step))},
+                        hovertemplate="%{y} at %{x:.1f}s: %{z} slots<extra></extra>")
         self.table = W.HTML(value="")
         self.metrics_label = W.HTML(value="")
         self.log = W.HTML(value="", layout=W.Layout(max_height="150px", overflow="hidden auto",
@@ -137,6 +142,23 @@ class ClusterPanel(PolledPanel):
         self.log.value = "<br>".join(reversed(self._log))
 
     # ---- refresh -----------------------------------------------------------------------------------
+    @staticmethod
+    def _height(jobs: int) -> int:
+        return max(220, 80 + 32 * jobs)
+
+    def _row(self, r: dict) -> dict:
+        """A job's table row: the predicted goodput exists only while it runs, so a job that stopped
+        running shows the last one seen, marked (last); "–" where none was ever predicted."""
+        g = r.get("goodput")
+        if g is not None:
+            self._goodput[r["name"]] = g
+            shown = g
+        elif r["name"] in self._goodput:
+            shown = f"{self._goodput[r['name']]:.4g} (last)"
+        else:
+            shown = None
+        return {**r, "goodput (M0-samples/s)": shown, "jct (s)": r.get("jct")}
+
     def slots_matrix(self) -> tuple[list[float], list[str], list[list[int]]]:
         """(times, job names, slots[job][time]) from the cluster's history: the heatmap's data."""
         hist = self.cluster.history()
@@ -149,7 +171,7 @@ class ClusterPanel(PolledPanel):
         """Pull the cluster's state into the chart, the table, the metrics line and the event log."""
         cl = self.cluster
         rows = cl.jobs()
-        self.table.value = html_table(rows, _COLUMNS)
+        self.table.value = html_table([self._row(r) for r in rows], _COLUMNS)
         m = cl.metrics()
         avg = "–" if m["avg_jct"] is None else f"{m['avg_jct']:.1f}s"
         used = m["slots_used"]
@@ -176,7 +198,7 @@ class ClusterPanel(PolledPanel):
             with self.figure.batch_update():
                 hm = self.figure.data[0]
                 hm.x, hm.y, hm.z = times, names, z
-                self.figure.layout.height = max(160, 60 + 32 * len(names))
+                self.figure.layout.height = self._height(len(names))
             self.chart.show()
 
 

@@ -323,6 +323,53 @@ def test_simulation_dashboard_runs_policies():
         SimulationDashboard(cluster="big")
 
 
+class FakeCluster:
+    """A LocalCluster stand-in for the ClusterPanel: one job whose goodput exists only while it runs."""
+
+    slots, policy_name = 4, "goodput"
+
+    def __init__(self):
+        self.rows = [{"name": "a", "state": "running", "slots": 2, "goodput": 123.4, "jct": None}]
+
+    def submit(self, spec):
+        return "x"
+
+    def jobs(self):
+        return [dict(r) for r in self.rows]
+
+    def metrics(self):
+        return {"avg_jct": None, "slots_used": 2, "slots": 4, "policy": "goodput", "queued": 0, "running": 1,
+                "paused": 0, "finished": 0, "failed": 0, "dropped": 0, "restart_cost_s": 0.0}
+
+    def history(self):
+        return [{"t": 0.0, "slots": {"a": 2}, "batch": {"a": 32}}]
+
+    def events(self, since=0):
+        return []
+
+    def set_policy(self, name):
+        self.policy_name = name
+
+    def now(self):
+        return 1.0
+
+
+def test_cluster_panel_keeps_last_goodput_and_readable_colour_bar():
+    """Issue 20 item 6: the goodput column was None for every job once they finished; the colour bar
+    ticks once per slot count (its labels overlapped)."""
+    from elasticlab.widgets import ClusterPanel
+
+    cl = FakeCluster()
+    panel = ClusterPanel(cl, autostart_poll=False)
+    assert "123.4" in panel.table.value and "goodput (M0-samples/s)" in panel.table.value
+    cl.rows[0].update(state="finished", goodput=None, jct=12.5)
+    panel.refresh()
+    assert "123.4 (last)" in panel.table.value and "None" not in panel.table.value
+    bar = panel.figure.data[0].colorbar
+    assert list(bar.tickvals) == [0, 1, 2, 3, 4] and panel.figure.layout.height >= 220
+    panel.close()
+
+
 def test_log_axis_labels_ticks_in_full():
     from elasticlab.plotting import log_axis
 
