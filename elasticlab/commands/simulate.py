@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 NAME = "simulate"
-HELP = "replay a Pollux-artifact workload (CSV) on a simulated GPU cluster under a scheduling policy"
+HELP = ("replay a workload (a Pollux-artifact CSV, or a whole cluster trace such as Philly) on a simulated "
+        "GPU cluster under a scheduling policy")
 
 
 class _PolicyNames:
@@ -22,10 +23,22 @@ class _PolicyNames:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--workload", required=True,
-                        help="workload CSV (name,time,application,num_replicas,batch_size) or a shared name: "
-                             "workload-1..workload-6, realistic/workload-1..6 (shipped in "
-                             "elasticlab/data/adaptdl; $ELASTICLAB_ADAPTDL_DATA overrides the folder)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workload",
+                     help="workload CSV (name,time,application,num_replicas,batch_size) or a shared name: "
+                          "workload-1..workload-6, realistic/workload-1..6 (shipped in "
+                          "elasticlab/data/adaptdl; $ELASTICLAB_ADAPTDL_DATA overrides the folder)")
+    src.add_argument("--trace",
+                     help="a cluster trace turned into a workload by the Pollux artifact's rules: 'philly' "
+                          "(82,248 jobs, 109 days) or a CSV of timestamp,duration,num_gpus")
+    parser.add_argument("--trace-start", type=float, default=0.0,
+                        help="--trace: window start, hours after its first job (default 0)")
+    parser.add_argument("--trace-hours", type=float, default=None,
+                        help="--trace: window length in hours (default: to the end of the trace)")
+    parser.add_argument("--load", type=float, default=1.0,
+                        help="--trace: load factor, x the jobs (default 1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="--trace: seed of the model/config draws (default 0)")
     parser.add_argument("--policy", required=True, choices=_PolicyNames())
     parser.add_argument("--cluster", default="16x4", help="NODESxGPUS_PER_NODE (default 16x4)")
     parser.add_argument("--interval", type=float, default=60.0, help="scheduling interval, s (default 60)")
@@ -52,15 +65,22 @@ def _check_out(path: str) -> str | None:
 
 
 def _check_flags(args) -> str | None:
-    """Why a numeric flag is unusable (checked before anything heavy is imported), or None."""
-    import math
+    """Why a flag is unusable (checked before anything heavy is imported, by the simulator's own checks in
+    :mod:`elasticlab.sim.checks` under the flags' names), or None."""
+    from elasticlab.sim import checks
 
-    if not (math.isfinite(args.interval) and args.interval > 0):
-        return f"--interval must be a finite number of seconds > 0, got {args.interval!r}"
-    if not (math.isfinite(args.restart_delay) and args.restart_delay >= 0):
-        return f"--restart-delay must be a finite number of seconds >= 0, got {args.restart_delay!r}"
-    if args.limit is not None and args.limit < 1:
-        return f"--limit must be a whole number of jobs >= 1, got {args.limit!r}"
+    try:
+        checks.check_interval(args.interval, "--interval")
+        checks.check_restart_delay(args.restart_delay, "--restart-delay")
+        checks.check_limit(args.limit, "--limit")
+        if args.trace is not None:
+            checks.check_hours(args.trace_start, "--trace-start", allow_zero=True)
+            if args.trace_hours is not None:
+                checks.check_hours(args.trace_hours, "--trace-hours")
+            checks.check_load(args.load, "--load")
+            checks.check_seed(args.seed, "--seed")
+    except ValueError as e:
+        return str(e)
     return _check_out(args.out) if args.out else None
 
 
@@ -73,21 +93,36 @@ def run(args) -> int:
     if why:
         print(f"elasticlab simulate: error: {why}", file=sys.stderr)
         return 2
-    from elasticlab.sim import simulate
+    import resource
+    import time
 
+    from elasticlab.sim import simulate, trace_workload
+
+    t0 = time.perf_counter()
     try:
-        res = simulate(args.workload, args.policy, cluster=args.cluster, interval=args.interval,
+        if args.trace is not None:
+            workload = trace_workload(args.trace, start=args.trace_start, hours=args.trace_hours,
+                                      load=args.load, seed=args.seed)
+            label = f"trace {args.trace}"
+        else:
+            workload, label = args.workload, None
+        res = simulate(workload, args.policy, cluster=args.cluster, interval=args.interval,
                        restart_delay=args.restart_delay, limit=args.limit, progress=not args.no_progress)
     except ValueError as e:
         print(f"elasticlab simulate: error: {e}", file=sys.stderr)
         return 2
+    if label is not None:
+        res.workload = label
     s = res.summary
+    s["wall_s"] = time.perf_counter() - t0
+    s["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     print(f"policy {res.policy} on {res.workload}, cluster {args.cluster}: {s['completed']}/{s['jobs']} jobs")
     for key in ("avg_jct", "median_jct", "p99_jct", "makespan"):
         print(f"  {key:12s} {s[key]:10.0f} s  ({s[key] / 3600:.2f} h)")
     print(f"  gpu util     {s.get('gpu_utilisation', math.nan):10.3f}")
     print(f"  restarts     {s['restarts']:10d}")
     print(f"  sched/round  {s['sched_ms_per_round']:10.2f} ms over {s['rounds']} rounds")
+    print(f"  wall         {s['wall_s']:10.1f} s, peak memory {s['peak_rss_mb']:.0f} MB")
     rc = 0
     if args.out:
         try:

@@ -59,6 +59,13 @@ class SimJob:
             split=app.batch_split)
         self.start_time: float | None = None
         self.gpu_limit: int | None = None  # a hard cap on GPUs (the artifact pins NCF to 1 under Pollux)
+        # memos of pure functions of the job's inputs (issue 19: a curve or batch is recomputed only when
+        # its inputs changed); each key holds every input the value depends on
+        self._memo: dict = {}
+        self._step_key = None
+        self._step_val = None
+        self._stats_key = None
+        self._stats_val = None
 
     # ---- state
     @property
@@ -106,18 +113,41 @@ class SimJob:
     def max_profiled_replicas(self, value: int):
         self.agent.max_profiled = int(value)
 
+    def _memoized(self, kind, args, compute):
+        """``compute()`` once per distinct (kind, args, agent inputs); read-only arrays are shared."""
+        a = self.agent
+        key = (kind, args, a.grad_stats, a.max_profiled, id(a.model), self.target_batch)
+        try:
+            hit = self._memo.get(key)
+        except TypeError:  # statistics set to an unhashable object: no memo
+            return compute()
+        if hit is None:
+            if len(self._memo) > 512:  # a job's inputs drift over its epochs: keep the recent ones
+                self._memo.clear()
+            hit = compute()
+            if isinstance(hit, np.ndarray):
+                hit.setflags(write=False)
+            self._memo[key] = hit
+        return hit
+
     def goodput_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
         """Predicted goodput in M0-steps per second (progress rate) at g = 0..max_gpus GPUs
-        (:meth:`GoodputAgent.goodput_curve`; fixed-batch jobs: their batch split over g GPUs)."""
-        return self.agent.goodput_curve(max_gpus, gpus_per_node, mode or self.batch_mode, upto,
-                                        fixed_batch=self.target_batch)
+        (:meth:`GoodputAgent.goodput_curve`; fixed-batch jobs: their batch split over g GPUs); read-only,
+        computed once per distinct input."""
+        mode = mode or self.batch_mode
+        return self._memoized("goodput", (max_gpus, gpus_per_node, mode, upto),
+                              lambda: self.agent.goodput_curve(max_gpus, gpus_per_node, mode, upto,
+                                                               fixed_batch=self.target_batch))
 
     def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
-        """Pollux Eq. (8) (:meth:`GoodputAgent.speedup_curve`); linear (= g) before the job has run."""
-        return self.agent.speedup_curve(max_gpus, gpus_per_node, mode or self.batch_mode, upto,
-                                        fixed_batch=self.target_batch)
+        """Pollux Eq. (8) (:meth:`GoodputAgent.speedup_curve`); linear (= g) before the job has run;
+        read-only, computed once per distinct input."""
+        mode = mode or self.batch_mode
+        return self._memoized("speedup", (max_gpus, gpus_per_node, mode, upto),
+                              lambda: self.agent.speedup_curve(max_gpus, gpus_per_node, mode, upto,
+                                                               fixed_batch=self.target_batch))
 
     def remaining_progress(self) -> float:
         """Scale-invariant progress (M0-steps) left: known from the user's declared number of epochs."""
@@ -157,7 +187,9 @@ class SimJob:
         if r == 0:
             self.atomic_bsz, self.accum_steps = 0, 0
             return
-        choice = self.agent.best_batch(r, self.nodes, self.batch_mode, fixed_batch=self.target_batch)
+        nodes, mode = self.nodes, self.batch_mode
+        choice = self._memoized("batch", (r, nodes, mode), lambda: self.agent.best_batch(
+            r, nodes, mode, fixed_batch=self.target_batch))
         self.atomic_bsz, self.accum_steps = choice.per_gpu, choice.accum
 
     # ---- dynamics
@@ -190,9 +222,15 @@ class SimJob:
         while seconds > 0 and not self.done:
             batch = self.batch_size
             scale = batch / app.init_batch_size
-            step, sync = app.step_time(self.placement, self.atomic_bsz)
+            key = (self.placement, self.atomic_bsz)
+            if key != self._step_key:
+                self._step_key, self._step_val = key, app.step_time(self.placement, self.atomic_bsz)
+            step, sync = self._step_val
             total = step + (step - sync) * self.accum_steps
-            sqr, var = app.grad_stats(batch, self.epoch)
+            key = (batch, self.epoch)
+            if key != self._stats_key:
+                self._stats_key, self._stats_val = key, app.grad_stats(batch, self.epoch)
+            sqr, var = self._stats_val
             gain = (var + sqr) / (var / scale + sqr)
             self.grad_params = (sqr, var)
             self.agent.observe(r)

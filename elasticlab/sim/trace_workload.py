@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from elasticlab.sim.checks import check_hours, check_load, check_seed
 from elasticlab.sim.traces import data_dir, load_application
 
 __all__ = ["read_trace", "trace_workload", "configurations", "TRACE_COLUMNS", "trace_path"]
@@ -73,14 +75,20 @@ def read_trace(spec) -> pd.DataFrame:
     def fail(mask, col, need):
         i = int(np.flatnonzero(mask)[0])
         where = f"line {line0 + i}" if line0 else f"row {i}"
-        raise ValueError(f"{source}, {where}: {col} {raw[col].iloc[i]!r}; it must be {need}")
+        v = raw[col].iloc[i]
+        v = v.item() if isinstance(v, np.generic) else v
+        raise ValueError(f"{source}, {where}: {col} {v!r}; it must be {need}")
 
     ts = raw["timestamp"]
     num = pd.to_numeric(ts, errors="coerce")
-    if num.notna().all():
+    if num.notna().any():  # seconds (a value that is no number is the bad one)
+        if num.isna().any():
+            fail(num.isna().to_numpy(), "timestamp", "a number of seconds like the others")
         t = num.to_numpy(float)
     else:
-        parsed = pd.to_datetime(ts, errors="coerce")
+        with warnings.catch_warnings():  # pandas warns when it parses element by element
+            warnings.simplefilter("ignore", UserWarning)
+            parsed = pd.to_datetime(ts, errors="coerce")
         if parsed.isna().any():
             fail(parsed.isna().to_numpy(), "timestamp", "seconds or a date-time")
         t = (parsed - parsed.min()).dt.total_seconds().to_numpy(float)
@@ -138,28 +146,16 @@ def configurations(application: str, lo_util: float = 0.5, hi_util: float = 0.8)
     return tuple(ret)
 
 
-def _positive(name, value, allow_zero=False):
-    try:
-        x = float(value)
-    except (TypeError, ValueError, OverflowError):
-        x = math.nan
-    if isinstance(value, bool) or not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        need = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {need}, got {value!r}")
-    return x
-
-
 def trace_workload(trace="philly", start: float = 0.0, hours: float | None = None, load: float = 1.0,
                    seed: int = 0) -> pd.DataFrame:
     """A workload (name, time, application, num_replicas, batch_size) from ``trace`` ('philly', a CSV path or
     a DataFrame) over the window [start, start + hours) hours from its first job (``hours=None``: to its
     end), with ``load`` x its jobs, deterministic given ``seed``."""
-    start = _positive("start", start, allow_zero=True)
+    start = check_hours(start, "start", allow_zero=True)
     if hours is not None:
-        hours = _positive("hours", hours)
-    load = _positive("load", load)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a whole number >= 0, got {seed!r}")
+        hours = check_hours(hours, "hours")
+    load = check_load(load)
+    seed = check_seed(seed)
     tr = read_trace(trace)
     keep = (tr.duration >= 60) & (tr.gpu_time < 1000 * _HOUR)
     t0 = start * _HOUR

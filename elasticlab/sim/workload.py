@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from elasticlab.sim.checks import check_limit
 from elasticlab.sim.traces import APPLICATIONS, data_dir
 
 __all__ = ["load_workload", "workload_path", "workload_names", "check_workload", "check_limit",
@@ -45,19 +46,6 @@ def workload_path(spec) -> Path:
     what = f"no CSV file {str(spec)!r}" if p.suffix == ".csv" else "not a CSV file"
     raise ValueError(f"workload {spec!r} not found ({what}, and no shared workload of that name in "
                      f"{data_dir()}); shared workloads: {', '.join(workload_names())}")
-
-
-def check_limit(limit):
-    """``limit`` as an int >= 1 (or None); a ValueError naming it otherwise."""
-    if limit is None:
-        return None
-    try:
-        ok = not isinstance(limit, bool) and float(limit) == int(limit) and int(limit) >= 1
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"limit must be a whole number of jobs >= 1, got {limit!r}")
-    return int(limit)
 
 
 def check_workload(df: pd.DataFrame, source: str = "workload", first_line: int | None = None) -> pd.DataFrame:
