@@ -31,7 +31,7 @@ class StepGradients:
     def reset(self) -> None:
         self.backwards = 0
         self._task = None
-        self._micro: list[list[tuple[int, torch.Tensor]]] = []    # per backward: (param index, ‖h_k‖²)
+        self._micro: list[list[tuple[int, torch.Tensor]]] = []    # per backward: (param index, ‖h_k‖)
         self._last: list[tuple[int, torch.Tensor]] = []           # (param index, ‖.grad‖) after the last
 
     def start(self) -> None:
@@ -53,10 +53,10 @@ class StepGradients:
                 self.backwards += 1
                 self._micro.append([])
                 Variable._execution_engine.queue_callback(self._queue_again)
-            if self.backwards >= 2:
+            if self.backwards >= 2:           # ‖·‖ in float32, no copy; squared in float64 when read
                 if self.backwards == 2 and p.grad is not None:     # .grad still holds h_1 alone
-                    self._micro[0].append((i, p.grad.detach().double().pow(2).sum()))
-                self._micro[-1].append((i, g.detach().double().pow(2).sum()))
+                    self._micro[0].append((i, torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)))
+                self._micro[-1].append((i, torch.linalg.vector_norm(g.detach(), dtype=torch.float32)))
             return None
         return hook
 
@@ -83,7 +83,7 @@ class StepGradients:
 
     def micro_sq(self) -> torch.Tensor:
         """(backwards, P): ‖h_k‖² per backward and parameter (only when there were >= 2 backwards)."""
-        return torch.stack([self._vector(row, False) for row in self._micro])
+        return torch.stack([self._vector(row, True) for row in self._micro])
 
     def grad_sq(self) -> torch.Tensor:
         """(P,): ‖.grad‖² per parameter at the end of the last backward."""
