@@ -269,3 +269,23 @@ def test_messages_are_typed_records_that_pickle():
     join = M.Join(1, 0, 2, 1234, None, "/tmp/x", (32, 0))
     assert pickle.loads(pickle.dumps(join)).batch == (32, 0)
     assert isinstance(pickle.loads(pickle.dumps(M.Exit())), M.Exit)
+
+
+def test_event_kinds_list_every_event_the_job_emits():
+    """records.EVENT_KINDS is the list of the elastic job's events: every ``_events.emit("kind", ...)`` of the
+    package names one of them, and each of them is emitted somewhere."""
+    import ast
+    from pathlib import Path
+
+    import elasticlab.elastic as pkg
+    from elasticlab.elastic.records import EVENT_KINDS
+
+    emitted = set()
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = getattr(node, "func", None)
+            if isinstance(f, ast.Attribute) and f.attr == "emit" and "_events" in ast.unparse(f.value):
+                kind = node.args[0]
+                assert isinstance(kind, ast.Constant), f"{path.name}:{node.lineno}: emit a literal kind"
+                emitted.add(kind.value)
+    assert emitted == set(EVENT_KINDS), (emitted ^ set(EVENT_KINDS))
