@@ -1,8 +1,9 @@
 """Simulation results: per-job DataFrame, utilisation series, and the summary metrics.
 
 avg / median / p99 JCT, makespan, mean GPU utilisation (allocated GPU share while jobs are active),
-restarts, jobs completed / dropped, and finish-time fairness rho = JCT / (JCT with 1/J_avg of the cluster),
-approximated as in Themis/Pollux by JCT over the job's isolated run time times its average contention.
+restarts, jobs completed / dropped, average queueing delay (submission to first GPUs), and finish-time
+fairness rho = JCT / (JCT with 1/J_avg of the cluster), approximated as in Themis/Pollux by JCT over the
+job's isolated run time times its average contention.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def summarize(jobs: pd.DataFrame, util: pd.DataFrame | None = None) -> dict:
     if util is not None and len(util):
         busy = util[util.active_jobs > 0]
         out["gpu_utilisation"] = float(busy.utilisation.mean()) if len(busy) else 0.0
+    if "queue_delay" in jobs:  # submission to first GPUs, over the jobs that started
+        q = jobs.queue_delay.to_numpy(float)
+        q = q[np.isfinite(q)]
+        out["avg_queue_delay"] = float(np.mean(q)) if len(q) else float("nan")
     if "ftf" in jobs and len(done):
         f = done.ftf.to_numpy(float)
         out["ftf_p99"] = float(np.nanpercentile(f, 99))

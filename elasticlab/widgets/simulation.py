@@ -1,9 +1,10 @@
-"""SimulationDashboard: replay a Pollux-artifact workload under several scheduling policies and compare them.
+"""SimulationDashboard: replay a Pollux-artifact workload, or a window of a whole cluster trace (Philly),
+under several scheduling policies and compare them.
 
 Each policy runs through :func:`elasticlab.sim.simulate` (on a background thread when started from the
 button, so the kernel stays free) with a progress bar; the dashboard draws the job-completion-time CDFs,
-the GPU utilisation over time, and a table of the summaries (average / median / p99 JCT, makespan,
-utilisation, restarts).
+the GPU utilisation over time and the queueing delay (the views of :mod:`elasticlab.sim.plots`), and a
+table of the summaries (average / median / p99 JCT, makespan, utilisation, queueing delay, restarts).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from elasticlab.widgets._common import LiveFigure, Panel, color, html_table, sub
 
 DEFAULT_POLICIES = ("pollux", "optimus", "tiresias")
 SUMMARY_COLUMNS = ["policy", "jobs", "completed", "avg_jct", "median_jct", "p99_jct", "makespan",
-                   "gpu_utilisation", "restarts"]
+                   "gpu_utilisation", "avg_queue_delay", "restarts"]
+#: The dropdown's entry for a trace window (``trace=`` of the dashboard).
+TRACE_PREFIX = "trace: "
 
 
 def available_workloads() -> list[str]:
@@ -36,8 +39,9 @@ def available_workloads() -> list[str]:
 
 def compare_policies(workload="workload-6", policies=DEFAULT_POLICIES, cluster="16x4", limit=None,
                      interval: float = 60.0, on_result=None) -> dict:
-    """Run ``workload`` under each policy; returns {policy: SimResult}. ``on_result(policy, result)`` is
-    called after each one (the dashboard's progress)."""
+    """Run ``workload`` (a shared name, CSV or DataFrame, e.g. from :func:`elasticlab.sim.trace_workload`)
+    under each policy; returns {policy: SimResult}. ``on_result(policy, result)`` is called after each one
+    (the dashboard's progress)."""
     from elasticlab.alloc.policies import POLICIES
     from elasticlab.sim import simulate
 
@@ -53,20 +57,31 @@ def compare_policies(workload="workload-6", policies=DEFAULT_POLICIES, cluster="
 
 
 def jct_cdf(result) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted job completion times (hours) and their empirical CDF."""
-    x = np.sort(np.asarray(result.jcts, dtype=float)) / 3600.0
-    return x, np.arange(1, len(x) + 1) / max(len(x), 1)
+    """Sorted job completion times (hours) and their empirical CDF (:func:`elasticlab.sim.plots.jct_cdf`)."""
+    from elasticlab.sim.plots import jct_cdf as cdf
+
+    return cdf(result)
 
 
 class SimulationDashboard(Panel):
-    """Pick a workload, a cluster and policies, press run; compare JCT CDFs, utilisation and summaries."""
+    """Pick a workload, a cluster and policies, press run; compare JCT CDFs, utilisation, queueing delay and
+    summaries. ``trace=("philly", start_h, hours)`` adds that trace window
+    (:func:`elasticlab.sim.trace_workload`, seed 0) to the workloads, selected at start."""
 
     def __init__(self, workload: str = "workload-6", policies=DEFAULT_POLICIES, cluster: str = "16x4",
-                 limit: int | None = None):
+                 limit: int | None = None, trace: tuple | None = None):
         from elasticlab.alloc.policies import POLICIES, Cluster
 
         Cluster.parse(cluster)  # a clear error for a malformed cluster
         names = available_workloads() or [workload]
+        self._trace = None
+        if trace is not None:
+            from elasticlab.sim.trace_workload import trace_workload
+
+            src, start, hours = trace
+            self._trace = trace_workload(src, start=start, hours=hours)  # bad values: a clear error now
+            workload = f"{TRACE_PREFIX}{src} [{start:g} h, +{hours:g} h]"
+            names = [workload, *names]
         if workload not in names:
             raise ValueError(f"workload {workload!r} not found; available: {names}")
         bad = [p for p in policies if p not in POLICIES]
@@ -86,11 +101,14 @@ class SimulationDashboard(Panel):
         self.table = W.HTML()
         self.table.add_class("elasticlab-sim-table")
         self.message = W.HTML()
-        fig = subplots_figure(["Job completion time CDF", "GPU utilisation"], rows=1, cols=2, height=380)
+        fig = subplots_figure(["Job completion time CDF", "GPU utilisation", "Queueing delay CDF"], rows=1,
+                              cols=3, height=380)
         fig.update_xaxes(title_text="JCT (hours)", row=1, col=1)
         fig.update_yaxes(title_text="fraction of jobs", range=[0, 1.02], row=1, col=1)
         fig.update_xaxes(title_text="time (hours)", row=1, col=2)
         fig.update_yaxes(title_text="GPUs busy", range=[0, 1.02], row=1, col=2)
+        fig.update_xaxes(title_text="submission to first GPUs (hours)", row=1, col=3)
+        fig.update_yaxes(title_text="fraction of jobs", range=[0, 1.02], row=1, col=3)
         fig.update_layout(showlegend=True, legend={"orientation": "h", "y": -0.2})
         self.chart = LiveFigure(fig)
         self.figure = self.chart.figure
@@ -131,7 +149,10 @@ class SimulationDashboard(Panel):
         self.run_button.disabled = True
         self.message.value = ""
         try:
-            compare_policies(self.workload.value, pols, self.cluster.value.strip(),
+            wl = self.workload.value
+            if wl.startswith(TRACE_PREFIX) and self._trace is not None:
+                wl = self._trace
+            compare_policies(wl, pols, self.cluster.value.strip(),
                              limit=self.limit.value or None, on_result=self._on_result)
         except Exception as e:
             self.message.value = f"<span style='color:#c00'>simulation failed: {html.escape(str(e))}</span>"
@@ -147,17 +168,20 @@ class SimulationDashboard(Panel):
         self.draw()
 
     def draw(self) -> None:
-        """Redraw the charts and the table from :attr:`results`."""
+        """Redraw the charts and the table from :attr:`results` (the traces of :mod:`elasticlab.sim.plots`'s
+        figures, in one row of subplots)."""
+        from elasticlab.sim.plots import jct_cdf_figure, queueing_figure, utilisation_figure
+
         fig = self.figure
+        views = [f(self.results) for f in (lambda r: jct_cdf_figure(r, log_x=False), utilisation_figure,
+                                           queueing_figure)]
         with fig.batch_update():
             fig.data = ()
-            for i, (pol, res) in enumerate(self.results.items()):
-                x, y = jct_cdf(res)
-                fig.add_scatter(x=x, y=y, mode="lines", name=pol, line={"color": color(i), "shape": "hv"},
-                                row=1, col=1)
-                u = res.utilisation
-                fig.add_scatter(x=u.time / 3600.0, y=u.utilisation, mode="lines", name=pol, showlegend=False,
-                                line={"color": color(i), "width": 1}, row=1, col=2)
+            for col, view in enumerate(views, start=1):
+                for i, tr in enumerate(view.data):
+                    fig.add_scatter(x=tr.x, y=tr.y, mode="lines", name=tr.name, showlegend=col == 1,
+                                    line={"color": color(i), "shape": tr.line.shape, "width": tr.line.width},
+                                    row=1, col=col)
         self.chart.show()
         rows = [{"policy": p, **{k: r.summary.get(k, "") for k in SUMMARY_COLUMNS[1:]}}
                 for p, r in self.results.items()]

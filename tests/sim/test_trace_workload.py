@@ -93,3 +93,30 @@ def test_whole_trace_size():
     w = trace_workload("philly")
     assert 70_000 < len(w) < len(tr) and w.time.max() > 100 * 86400
     assert np.all(np.diff(w.time.to_numpy()) >= 0)
+
+
+def test_plots_and_dashboard_on_a_trace_window():
+    """The result views (issue 19) on a small Philly window: JCT CDF, utilisation, queueing delay, table;
+    the dashboard runs the same window."""
+    from elasticlab.sim import plots
+    from elasticlab.widgets import SimulationDashboard
+
+    w = trace_workload("philly", start=1000, hours=0.5, seed=0)
+    assert 5 <= len(w) <= 60
+    res = {p: simulate(w, p, cluster="4x4", progress=False) for p in ("tiresias", "fifo")}
+    for fig in (plots.jct_cdf_figure(res), plots.utilisation_figure(res, max_points=20),
+                plots.queueing_figure(res)):
+        assert [t.name for t in fig.data] == ["tiresias", "fifo"]
+        assert all(len(t.x) == len(t.y) > 0 for t in fig.data)
+    assert len(plots.utilisation_figure(res, max_points=20).data[0].x) <= 20
+    cdf = plots.jct_cdf_figure(res).data[0]
+    assert np.all(np.diff(cdf.x) >= 0) and cdf.y[-1] == pytest.approx(1.0)
+    table = plots.results_table(res)
+    assert list(table.index) == ["tiresias", "fifo"] and (table.completed == len(w)).all()
+    assert (table.avg_queue_delay >= 0).all() and (table.p99_jct >= table.avg_jct * 0.5).all()
+    d = SimulationDashboard(policies=("fifo",), cluster="4x4", trace=("philly", 1000, 0.5))
+    assert d.workload.value.startswith("trace: philly")
+    d.run()
+    assert d.summary().completed.iloc[0] == len(w)
+    with pytest.raises(ValueError, match="hours"):
+        SimulationDashboard(trace=("philly", 1000, -1))
