@@ -107,7 +107,8 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
       if (need_w) {
         gw = g.t().mm(x);
         at::Tensor x_sq = ctx->saved_data["x_sq"].toTensor();
-        put(norms, 0, (x_sq.defined() ? x_sq : row_sq(x)) * g_sq);
+        at::Tensor row = norms.select(0, 0);
+        at::mul_out(row, x_sq.defined() ? x_sq : row_sq(x), g_sq);
       }
       if (need_b) {
         gb = g.sum({0}, false, acc);

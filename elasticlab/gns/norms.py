@@ -40,6 +40,9 @@ class _Slot:
         self.calls, self.batch = 0, 0
         self.norms: dict[str, torch.Tensor] = {}
         self.touched: set[str] = set()                    # needed params whose .grad was written, not run
+        self.buf: torch.Tensor | None = None              # (2, B) rows a C++ backward writes (weight, bias)
+        self._buf_key: tuple | None = None
+        self._views: dict[str, torch.Tensor] = {}
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
@@ -62,6 +65,22 @@ class _Slot:
         for pname, v in norms.items():
             if pname in self.need:
                 self.norms[pname] = v if not v.requires_grad else v.detach()
+
+    def buffer(self, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This step's (2, B) norms buffer for a fused layer's C++ backward, which writes row 0 (weight) and
+        row 1 (bias); recorded now, valid after the backward. Kept across steps of one shape (the owner sets
+        it to NaN at each forward, so a read before the backward gives NaN; results never alias it)."""
+        key = (batch, dtype, device)
+        if key != self._buf_key:
+            self.buf = torch.full((2, batch), float("nan"), dtype=dtype, device=device)
+            rows = dict(zip(("weight", "bias"), self.buf.unbind(0)))
+            self._views = {p: rows[p] for p in self.need if p in rows}
+            self._buf_key = key
+            self.owner._bufs = None
+        self.batch = batch
+        self.norms = dict(self._views)
+        self.owner._layer_cache = None
+        return self.buf
 
     def factor(self) -> float:
         """B² for a mean-reduced loss (per-example losses are ℓ_i/B), 1 for a summed one."""
@@ -121,6 +140,7 @@ class PerSampleGradNorms:
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
+        self._bufs: list[torch.Tensor] | None = None       # the slots' C++-backward buffers, reset each step
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -132,6 +152,10 @@ class PerSampleGradNorms:
                 s.touched = set()
         if self._probes:
             self._drop_probes()
+        if self._bufs is None:
+            self._bufs = [s.buf for s in self._slots if s.buf is not None]
+        if self._bufs:                                     # NaN until this step's backward writes them
+            torch._foreach_mul_(self._bufs, float("nan"))
         self._scale = self._current_scale()
 
     def _drop_probes(self) -> None:
@@ -197,13 +221,12 @@ class PerSampleGradNorms:
     def _finish(self, vals: list[torch.Tensor], slots: list[_Slot]) -> list[torch.Tensor]:
         """Recorded norms → ‖∇θ ℓ_i‖²: times f = B² for a mean-reduced loss (1 for a summed one), divided by
         the squared loss scale. One ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per
-        layer; each element gets the same multiply as ``v * f`` (``v * (f / scale²)``) would give it."""
+        layer; each element gets the same multiply as ``v * f`` (``v * (f / scale²)``) would give it. Every
+        result is a new tensor (f = 1 too): recorded norms may be views of buffers reused next step."""
         out: list[torch.Tensor | None] = list(vals)
         groups: dict[tuple, list[int]] = {}
         for i, (v, s) in enumerate(zip(vals, slots)):
-            f = s.factor()
-            if f != 1.0 or self._scale is not None:
-                groups.setdefault((f, v.dtype, v.device), []).append(i)
+            groups.setdefault((s.factor(), v.dtype, v.device), []).append(i)
         for (f, dtype, device), idx in groups.items():
             if self._scale is not None:
                 fac = f / self._scale.to(device=device, dtype=dtype) ** 2
@@ -302,6 +325,9 @@ class PerSampleGradNorms:
 
     def sq_norms(self) -> torch.Tensor:
         """(B,) per-example ‖∇θ ℓ_i‖² over all covered trainable parameters, of the last backward."""
+        fast = self._sq_norms_at_once()
+        if fast is not None:
+            return fast
         layers = self.layer_sq_norms()
         if not layers:
             raise RuntimeError("no per-example norms recorded: run forward and loss.backward() inside the "
@@ -324,6 +350,30 @@ class PerSampleGradNorms:
         for v in vals[1 + same:]:
             total += v
         return total
+
+    def _sq_norms_at_once(self) -> torch.Tensor | None:
+        """The common case of :meth:`sq_norms` in three launches (stack, sum, multiply by f/scale²): every
+        recorded norm (B,) of one batch size, dtype and device, and every layer of one factor; else None."""
+        self._check_coverage()
+        vals: list[torch.Tensor] = []
+        f = None
+        for s in self._slots:
+            if s.norms:
+                fs = s.factor()
+                if f is not None and fs != f:
+                    return None
+                f = fs
+                vals.extend(s.norms.values())
+        if not vals:
+            return None
+        v0 = vals[0]
+        shape, dtype, device = v0.shape, v0.dtype, v0.device
+        if len(shape) != 1 or any(v.shape != shape or v.dtype != dtype or v.device != device for v in vals):
+            return None
+        total = torch.stack(vals).sum(0)
+        if self._scale is not None:
+            return total * (f / self._scale.to(device=device, dtype=dtype) ** 2)
+        return total * f if f != 1.0 else total
 
     def _grad_sq_sums(self, lost) -> list[list[float]]:
         """Per slot, Σ g² in float64 of each needed parameter's ``.grad`` (those with one, not left out):

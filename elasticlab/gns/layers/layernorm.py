@@ -88,12 +88,8 @@ def layernorm_forward(module: nn.LayerNorm, slot):
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             upcast = torch.is_autocast_enabled(x.device.type)
             dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            B = x.shape[0]
-            buf = torch.full((2, B), math.nan, dtype=kernels.acc_dtype(dt), device=x.device)
-            out = op(x, module.weight, module.bias, shape, module.eps, buf, upcast)
-            w_sq, b_sq = buf.unbind(0)
-            slot.record({"weight": w_sq, "bias": b_sq}, B)
-            return out
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
+            return op(x, module.weight, module.bias, shape, module.eps, buf, upcast)
         return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot)
     return forward
 

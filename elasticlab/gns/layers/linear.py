@@ -123,11 +123,12 @@ def _cxx_form(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> 
     return 0
 
 
-_NAN = float("nan")
+_MISSING = object()
 
 
 def linear_forward(module: nn.Linear, slot):
-    forms: dict[tuple, int | None] = {}        # (shape, dtype, device, autocast dtype) -> _cxx_form
+    forms: dict[tuple, int | None] = {}        # (shape, dtype, on CUDA, autocast dtype) -> _cxx_form
+    params = module._parameters                # (a dict lookup, not nn.Module.__getattr__, per call)
 
     def forward(x):
         if x.dim() < 2:
@@ -137,16 +138,13 @@ def linear_forward(module: nn.Linear, slot):
         dtype = autocast_dtype(x)
         op = kernels.cxx_autograd("linear_norms", x)
         if op is not None:
-            key = (x.shape, x.dtype, x.device, dtype)
-            form = forms[key] if key in forms else forms.setdefault(key, _cxx_form(module, x, dtype))
-            if form is not None:
-                # the backward fills the rows (weight, bias) of this buffer, in C++
-                B = x.shape[0]
-                buf = torch.full((2, B), _NAN, dtype=kernels.acc_dtype(dtype or x.dtype), device=x.device)
-                out = op(x, module.weight, module.bias, buf, form, dtype)
-                w_sq, b_sq = buf.unbind(0)
-                slot.record({"weight": w_sq, "bias": b_sq}, B)
-                return out
+            key = (x.shape, x.dtype, x.is_cuda, dtype)
+            form = forms.get(key, _MISSING)
+            if form is _MISSING:
+                form = forms[key] = _cxx_form(module, x, dtype)
+            if form is not None:               # the C++ backward fills the slot's (weight, bias) rows
+                buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
+                return op(x, params["weight"], params.get("bias"), buf, form, dtype)
         return _LinearNorms.apply(x, module.weight, module.bias, slot, dtype)
     return forward
 
