@@ -20,11 +20,13 @@ class StepGradients:
     """Per-backward gradient norms of ``params`` between :meth:`start` and :meth:`stop`.
 
     ``after_backward``: called (no arguments) at the end of each backward, after ``.grad`` was read.
+    ``read_first = False`` leaves ``.grad`` unread after the first backward (a caller that reads it then).
     """
 
     def __init__(self, params: list[torch.Tensor], after_backward: Callable[[], None] | None = None):
         self.params = list(params)
         self.after_backward = after_backward
+        self.read_first = True                # False: skip reading .grad after a step's first backward
         self._hooks: list = []
         self.reset()
 
@@ -64,6 +66,11 @@ class StepGradients:
         Variable._execution_engine.queue_callback(self._read)
 
     def _read(self) -> None:
+        if self.backwards == 1 and not self.read_first:       # the caller has the first backward's norms
+            self._last = []
+            if self.after_backward is not None:
+                self.after_backward()
+            return
         have = [i for i, p in enumerate(self.params) if p.grad is not None]
         norms = torch._foreach_norm([self.params[i].grad.detach() for i in have], 2, dtype=torch.float32)
         self._last = list(zip(have, norms))

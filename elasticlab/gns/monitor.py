@@ -178,6 +178,7 @@ class GNSMonitor:
         self._fixed_size = batch_size is not None
         self._given_sizes = [_check_size(batch_size)] if self._fixed_size else []
         self._scale = self._current_scale()
+        self._grads.read_first = not self._use_psn()          # per-example: the norms read .grad then
         self._grads.start()
         if self._use_psn():
             self._psn.__enter__()
@@ -222,12 +223,9 @@ class GNSMonitor:
         for an unmeasured step). ``step`` names it in the record (default: steps begun so far)."""
         if not self._open:
             raise RuntimeError("GNSMonitor.end() without begin()")
-        self._open = False
+        self.abort()                          # hooks off, step closed; its estimate is folded below
         if not self._measuring:
             return None
-        self._grads.stop()
-        if self._psn is not None and self._psn._active:
-            self._psn.__exit__()
         k = self._grads.backwards
         if k == 0:
             self.unmeasured += 1
