@@ -7,6 +7,7 @@ nothing unless a second one follows: its parameters' ``.grad`` still hold h_1 al
 backward's hooks fire. The first hook of each backward (a new graph task) queues an engine callback that
 reads ‖.grad‖ per parameter at the end of that backward, after the callbacks queued during it (DDP's, which
 write the averaged gradients), so clipping or ``unscale_`` before the optimizer step does not change it.
+:func:`batch_of` reads a micro-batch's size from a forward's arguments.
 """
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ from collections.abc import Callable
 
 import torch
 from torch.autograd import Variable
+
+
+def batch_of(obj, depth: int = 0) -> int | None:
+    """dim 0 of the first tensor in a forward's arguments (one level into lists, tuples and dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0]) if obj.dim() >= 1 else None
+    if depth < 2 and isinstance(obj, (list, tuple)):
+        vals = obj
+    elif depth < 2 and isinstance(obj, dict):
+        vals = list(obj.values())
+    else:
+        return None
+    for v in vals:
+        b = batch_of(v, depth + 1)
+        if b is not None:
+            return b
+    return None
+
 
 
 class StepGradients:

@@ -35,28 +35,11 @@ import torch.distributed as dist
 from torch import nn
 
 from elasticlab.gns import ddp as _ddp
-from elasticlab.gns.capture import StepGradients
+from elasticlab.gns.capture import StepGradients, batch_of
 from elasticlab.gns.estimator import GNSEstimator
 from elasticlab.gns.norms import PerSampleGradNorms
 
 METHODS = ("auto", "per_example", "micro_batch", "replica")
-
-
-def _batch_of(obj, depth: int = 0) -> int | None:
-    """dim 0 of the first tensor in a forward's arguments (one level into lists, tuples and dicts)."""
-    if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0]) if obj.dim() >= 1 else None
-    if depth < 2 and isinstance(obj, (list, tuple)):
-        vals = obj
-    elif depth < 2 and isinstance(obj, dict):
-        vals = list(obj.values())
-    else:
-        return None
-    for v in vals:
-        b = _batch_of(v, depth + 1)
-        if b is not None:
-            return b
-    return None
 
 
 def _check_size(n) -> int:
@@ -198,7 +181,7 @@ class GNSMonitor:
 
     def _on_forward(self, module, args, kwargs):
         if self._open and self._measuring and torch.is_grad_enabled():
-            b = _batch_of(args) or _batch_of(kwargs)
+            b = batch_of(args) or batch_of(kwargs)
             if b is not None:
                 self._fwd_sizes.append(b)
 
@@ -295,21 +278,26 @@ class GNSMonitor:
         return 1.0 / k if self.accumulation == "mean" else 1.0
 
     def _fold_micro_batches(self, k: int):
+        """Micro-batch form; on a process group with a plain model (gradients averaged by a DDP wrapper
+        elsewhere), every replica's micro-batches by one all-reduce: [Σ ‖ḡ_k‖², Σ 1/b_k, count]."""
         sizes = self._sizes(k)
-        h = k / sum(1.0 / b for b in sizes)                   # harmonic mean micro-batch
         w2 = self._weight(k) ** 2 * self._scale_sq()
         small = self._grads.micro_sq() / w2                  # ‖ḡ_k‖², (k, P)
         big = self._grads.grad_sq() / (w2 * k * k)            # ‖ḡ‖² of the mean gradient, (P,)
-        est = self.estimator
-        folded = est.update_two_batch(float(small.sum(1).mean()), float(big.sum()), h, k * h)
-        layers = None
-        if self.per_layer:
-            layers = {}
-            for name, cols in self._layer_groups().items():
-                est.update_two_batch(float(small[:, cols].sum(1).mean()), float(big[cols].sum()), h, k * h,
-                                     layer=name)
-                layers[name] = None
-        return folded, int(sum(sizes)), "micro_batch", layers
+        t = torch.tensor([float(small.sum()), sum(1.0 / b for b in sizes), float(k), float(sum(sizes))],
+                         dtype=torch.float64)
+        if self.world > 1:
+            t = t.to(_ddp._comm_device(self.group))
+            dist.all_reduce(t, group=self.group)
+            t = t.cpu()
+        n, h = float(t[2]), float(t[2]) / float(t[1])         # micro-batches, their harmonic mean size
+        est, layers = self.estimator, ({} if self.per_layer and self.world == 1 else None)
+        folded = est.update_two_batch(float(t[0]) / n, float(big.sum()), h, n * h)
+        for name, cols in (self._layer_groups().items() if layers is not None else ()):
+            est.update_two_batch(float(small[:, cols].sum(1).mean()), float(big[cols].sum()), h, k * h,
+                                 layer=name)
+            layers[name] = None
+        return folded, int(round(float(t[3]))), "micro_batch", layers
 
     def _layer_groups(self) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}

@@ -245,9 +245,10 @@ def _ddp_worker(rank, port, out):
     try:
         torch.set_num_threads(1)
         res = {}
-        for micro in (1, 2):
+        for wrap, micro in (("ddp", 1), ("ddp", 2), ("inner", 1), ("inner", 2)):
             model = nn.parallel.DistributedDataParallel(make_model())
-            mon = GNSMonitor(model, beta=0.5)
+            # "inner": the monitor sees the plain module (as a HF callback does) on the process group
+            mon = GNSMonitor(model if wrap == "ddp" else model.module, beta=0.5)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for x, y in batches(STEPS, WORLD * B_LOCAL):
                 xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
@@ -258,7 +259,7 @@ def _ddp_worker(rank, port, out):
                         with ctx:
                             (F.cross_entropy(model(xb), yb) / micro).backward()
                 opt.step()
-            res[micro] = mon.history
+            res[wrap, micro] = mon.history
         torch.save(res, f"{out}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -273,23 +274,36 @@ def _free_port():
 def test_ddp_replica_form_two_gloo_processes(tmp_path):
     mp.start_processes(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     res = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
-    # one process: the replicas' local gradients and their average, the same SGD steps on the full batch
+    # one process: the replicas' (or micro-batches') gradients and their average, the same SGD steps
     model = make_model()
     params = list(model.parameters())
-    ref = GNSEstimator(beta=0.5)
+    refs = {"replica": GNSEstimator(beta=0.5), "per_example": GNSEstimator(beta=0.5),
+            "micro_batch": GNSEstimator(beta=0.5)}
+    def parts_of(x, y, size):
+        return [torch.autograd.grad(F.cross_entropy(model(xb), yb), params)
+                for xb, yb in zip(x.split(size), y.split(size))]
+
+    def sq(g):
+        return sum(float(t.double().pow(2).sum()) for t in g)
+
     for x, y in batches(STEPS, WORLD * B_LOCAL):
-        local = [torch.autograd.grad(F.cross_entropy(model(x[r * B_LOCAL:(r + 1) * B_LOCAL]),
-                                                     y[r * B_LOCAL:(r + 1) * B_LOCAL]), params)
-                 for r in range(WORLD)]
+        local, micro = parts_of(x, y, B_LOCAL), parts_of(x, y, B_LOCAL // 2)
         mean = [sum(g[i] for g in local) / WORLD for i in range(len(params))]
-        small = sum(sum(float(t.double().pow(2).sum()) for t in g) for g in local) / WORLD
-        big = sum(float(t.double().pow(2).sum()) for t in mean)
-        ref.update_two_batch(small, big, B_LOCAL, WORLD * B_LOCAL)
+        refs["replica"].update_two_batch(sum(map(sq, local)) / WORLD, sq(mean), B_LOCAL, WORLD * B_LOCAL)
+        refs["micro_batch"].update_two_batch(sum(map(sq, micro)) / len(micro), sq(mean), B_LOCAL // 2,
+                                             WORLD * B_LOCAL)
+        with PerSampleGradNorms(model) as norms:
+            F.cross_entropy(model(x), y).backward()
+            refs["per_example"].update(norms.sq_norms(), sq(mean))
+        model.zero_grad()
         with torch.no_grad():
             for p, g in zip(params, mean):
                 p -= 0.1 * g
-    for micro in (1, 2):
+    expect = {("ddp", 1): "replica", ("ddp", 2): "replica", ("inner", 1): "per_example",
+              ("inner", 2): "micro_batch"}
+    for key, method in expect.items():
+        ref = refs[method]
         for r in range(WORLD):
-            h = res[r][micro]
-            assert [e["method"] for e in h] == ["replica"] * STEPS and h[-1]["batch_size"] == WORLD * B_LOCAL
-            assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (micro, r, h[-1], ref)
+            h = res[r][key]
+            assert [e["method"] for e in h] == [method] * STEPS and h[-1]["batch_size"] == WORLD * B_LOCAL
+            assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (key, r, h[-1], ref)
