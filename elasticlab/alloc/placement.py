@@ -46,19 +46,21 @@ def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: in
     free = sizes.copy()
     dist = np.zeros(num_nodes, dtype=bool)  # node hosts a multi-node job
     out = {}
-    # 1. keep unchanged placements
+    # 1. keep unchanged placements (the previous tuple itself: no per-node Python work on big clusters)
     for name, c in sorted(counts.items(), key=lambda kv: -kv[1]):
         prev = previous.get(name)
-        if c <= 0 or prev is None or sum(prev) != c or len(prev) != num_nodes:
+        if c <= 0 or prev is None or len(prev) != num_nodes:
             continue
         p = np.asarray(prev, dtype=np.int64)
-        multi = node_count(p) > 1
+        if int(p.sum()) != c:
+            continue
+        multi = int(np.count_nonzero(p)) > 1
         if np.any(p > free) or (one_distributed_per_node and multi and np.any(dist[p > 0])):
             continue
         free -= p
         if multi:
             dist |= p > 0
-        out[name] = tuple(int(x) for x in p)
+        out[name] = prev if type(prev) is tuple and type(prev[0]) is int else tuple(p.tolist())
     # 2. place the rest
     rest = [k for k, c in counts.items() if c > 0 and k not in out]
     if order is None:
@@ -92,12 +94,12 @@ def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: in
                 need -= take
             if need > 0 and not elastic:
                 continue
-            if node_count(p) > 1 and one_distributed_per_node and np.any(dist[p > 0]):
+            if one_distributed_per_node and np.count_nonzero(p) > 1 and np.any(dist[p > 0]):
                 continue
         if p.sum() == 0:
             continue
         free -= p
-        if node_count(p) > 1:
+        if np.count_nonzero(p) > 1:
             dist |= p > 0
-        out[name] = tuple(int(x) for x in p)
+        out[name] = tuple(p.tolist())
     return out

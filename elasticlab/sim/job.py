@@ -69,12 +69,23 @@ class SimJob:
 
     # ---- state
     @property
+    def placement(self) -> tuple:
+        """GPUs per node (length = the cluster's nodes; () when the job holds none)."""
+        return self._placement
+
+    @placement.setter
+    def placement(self, value):
+        self._placement = tuple(value)
+        self._gpus = int(sum(self._placement))  # cached: read several times per step on 1000s of nodes
+        self._nodes = int(sum(1 for x in self._placement if x))
+
+    @property
     def gpus(self) -> int:
-        return int(sum(self.placement))
+        return self._gpus
 
     @property
     def nodes(self) -> int:
-        return int(sum(1 for x in self.placement if x))
+        return self._nodes
 
     @property
     def batch_size(self) -> int:
