@@ -30,61 +30,7 @@ from torch import nn
 
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns.registry import rule_for
-
-
-class _Slot:
-    """What one module recorded in the current step."""
-
-    def __init__(self, owner: PerSampleGradNorms, name: str, module: nn.Module, rule, need: tuple[str, ...]):
-        self.owner, self.name, self.module, self.rule, self.need = owner, name, module, rule, need
-        self.calls, self.batch = 0, 0
-        self.norms: dict[str, torch.Tensor] = {}
-        self.touched: set[str] = set()                    # needed params whose .grad was written, not run
-        self.buf: torch.Tensor | None = None              # (2, B) rows a C++ backward writes (weight, bias)
-        self._buf_key: tuple | None = None
-        self._views: dict[str, torch.Tensor] = {}
-
-    def full(self, pname: str) -> str:
-        return f"{self.name}.{pname}" if self.name else pname
-
-    def called(self) -> None:
-        if self.rule.check is not None:
-            self.rule.check(self.module)
-        self.calls += 1
-        if self.calls > 1:
-            raise RuntimeError(
-                f"module {self.name!r} ({type(self.module).__name__}) ran {self.calls} times in one forward: "
-                "per-example norms of shared weights need the sum of the per-call gradients, which is not "
-                "supported; call the model once per backward")
-
-    def record(self, norms: dict, batch: int) -> None:
-        """Keeps the norms as the backward made them (no launch here: the B² of a mean-reduced loss and the
-        loss scale are applied when they are read, one multiply per layer)."""
-        self.batch = batch
-        self.owner._layer_cache = None
-        for pname, v in norms.items():
-            if pname in self.need:
-                self.norms[pname] = v if not v.requires_grad else v.detach()
-
-    def buffer(self, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """This step's (2, B) norms buffer for a fused layer's C++ backward, which writes row 0 (weight) and
-        row 1 (bias); recorded now, valid after the backward. Kept across steps of one shape (the owner sets
-        it to NaN at each forward, so a read before the backward gives NaN; results never alias it)."""
-        key = (batch, dtype, device)
-        if key != self._buf_key:
-            self.buf = torch.full((2, batch), float("nan"), dtype=dtype, device=device)
-            rows = dict(zip(("weight", "bias"), self.buf.unbind(0)))
-            self._views = {p: rows[p] for p in self.need if p in rows}
-            self._buf_key = key
-            self.owner._bufs = None
-        self.batch = batch
-        self.norms = dict(self._views)
-        self.owner._layer_cache = None
-        return self.buf
-
-    def factor(self) -> float:
-        """B² for a mean-reduced loss (per-example losses are ℓ_i/B), 1 for a summed one."""
-        return float(self.batch) ** 2 if self.owner.loss_reduction == "mean" else 1.0
+from elasticlab.gns.slot import Slot
 
 
 class PerSampleGradNorms:
@@ -111,7 +57,7 @@ class PerSampleGradNorms:
         self.grad_scaler = grad_scaler
         self._scale: torch.Tensor | None = None           # the loss scale of the current step
         self.skipped: list[str] = []
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._warned: set[tuple[str, ...]] = set()
         for name, mod in model.named_modules():
             direct = [pn for pn, p in mod.named_parameters(recurse=False) if p.requires_grad]
@@ -121,7 +67,7 @@ class PerSampleGradNorms:
                 # is installed, with nothing of its own to record, when one of their parameters trains.
                 if rule is not None and rule.calls_children and any(
                         p.requires_grad for p in mod.parameters()):
-                    self._slots.append(_Slot(self, name, mod, rule, ()))
+                    self._slots.append(Slot(self, name, mod, rule, ()))
                 continue
             covered = tuple(pn for pn in direct if rule is not None and pn in rule.params)
             missing = [pn for pn in direct if pn not in covered]
@@ -134,7 +80,7 @@ class PerSampleGradNorms:
                         "elasticlab.gns.register_rule, freeze them, or pass strict=False to leave them out")
                 self.skipped.extend(full)
             if covered:
-                self._slots.append(_Slot(self, name, mod, rule, covered))
+                self._slots.append(Slot(self, name, mod, rule, covered))
         self._handles: list = []
         self._probes: list = []                           # this step's one-shot hooks on unrun modules
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
@@ -174,12 +120,12 @@ class PerSampleGradNorms:
                         self._probes.append(p.register_post_accumulate_grad_hook(self._probe(s, pname)))
 
     @staticmethod
-    def _probe(slot: _Slot, pname: str):
+    def _probe(slot: Slot, pname: str):
         def hook(_):
             slot.touched.add(pname)
         return hook
 
-    def _left_out(self) -> list[tuple[_Slot, str]]:
+    def _left_out(self) -> list[tuple[Slot, str]]:
         """(slot, parameter) pairs the loss depended on in the last step with no norm of them recorded."""
         return [(s, pn) for s in self._slots if s.touched for pn in sorted(s.touched) if pn not in s.norms]
 
@@ -218,7 +164,7 @@ class PerSampleGradNorms:
             return torch.tensor(float(sc.get_scale()), dtype=torch.float64)
         return t.detach().clone()
 
-    def _finish(self, vals: list[torch.Tensor], slots: list[_Slot]) -> list[torch.Tensor]:
+    def _finish(self, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Tensor]:
         """Recorded norms → ‖∇θ ℓ_i‖²: times f = B² for a mean-reduced loss (1 for a summed one), divided by
         the squared loss scale. One ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per
         layer; each element gets the same multiply as ``v * f`` (``v * (f / scale²)``) would give it. Every
@@ -247,7 +193,7 @@ class PerSampleGradNorms:
         states = getattr(self.grad_scaler, "_per_optimizer_states", {}) or {}
         return any(getattr(st.get("stage"), "name", "") == "UNSCALED" for st in states.values())
 
-    def _forward_hook(self, slot: _Slot):
+    def _forward_hook(self, slot: Slot):
         def hook(module, inputs, output):
             slot.called()
             if isinstance(output, torch.Tensor) and output.requires_grad:

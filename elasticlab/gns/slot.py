@@ -1,0 +1,62 @@
+"""What one covered module recorded in the current step of :class:`~elasticlab.gns.PerSampleGradNorms`: its
+rule, the parameters it needs, its calls, the batch size and the per-example norms (or, for the fused layers'
+C++ autograd functions, the buffer their backward writes them into)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Slot:
+    """What one module recorded in the current step."""
+
+    def __init__(self, owner, name: str, module: nn.Module, rule, need: tuple[str, ...]):
+        self.owner, self.name, self.module, self.rule, self.need = owner, name, module, rule, need
+        self.calls, self.batch = 0, 0
+        self.norms: dict[str, torch.Tensor] = {}
+        self.touched: set[str] = set()                    # needed params whose .grad was written, not run
+        self.buf: torch.Tensor | None = None              # (2, B) rows a C++ backward writes (weight, bias)
+        self._buf_key: tuple | None = None
+        self._views: dict[str, torch.Tensor] = {}
+
+    def full(self, pname: str) -> str:
+        return f"{self.name}.{pname}" if self.name else pname
+
+    def called(self) -> None:
+        if self.rule.check is not None:
+            self.rule.check(self.module)
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError(
+                f"module {self.name!r} ({type(self.module).__name__}) ran {self.calls} times in one forward: "
+                "per-example norms of shared weights need the sum of the per-call gradients, which is not "
+                "supported; call the model once per backward")
+
+    def record(self, norms: dict, batch: int) -> None:
+        """Keeps the norms as the backward made them (no launch here: the B² of a mean-reduced loss and the
+        loss scale are applied when they are read, one multiply per layer)."""
+        self.batch = batch
+        self.owner._layer_cache = None
+        for pname, v in norms.items():
+            if pname in self.need:
+                self.norms[pname] = v if not v.requires_grad else v.detach()
+
+    def buffer(self, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This step's (2, B) norms buffer for a fused layer's C++ backward, which writes row 0 (weight) and
+        row 1 (bias); recorded now, valid after the backward. Kept across steps of one shape (the owner sets
+        it to NaN at each forward, so a read before the backward gives NaN; results never alias it)."""
+        key = (batch, dtype, device)
+        if key != self._buf_key:
+            self.buf = torch.full((2, batch), float("nan"), dtype=dtype, device=device)
+            rows = dict(zip(("weight", "bias"), self.buf.unbind(0)))
+            self._views = {p: rows[p] for p in self.need if p in rows}
+            self._buf_key = key
+            self.owner._bufs = None
+        self.batch = batch
+        self.norms = dict(self._views)
+        self.owner._layer_cache = None
+        return self.buf
+
+    def factor(self) -> float:
+        """B² for a mean-reduced loss (per-example losses are ℓ_i/B), 1 for a summed one."""
+        return float(self.batch) ** 2 if self.owner.loss_reduction == "mean" else 1.0
