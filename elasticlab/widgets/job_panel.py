@@ -287,6 +287,8 @@ class JobPanel(PolledPanel):
             ev = {"kind": "resumed from pause", "world_size": ev.get("to_size"),
                   **{a: v for a, v in ev.items() if a in ("step", "latency_s")}}
             k = "resumed from pause"
+        elif k == "resume":  # a generation's workers loaded the state it formed from
+            k = "restored" if ev.get("step") else "initialised"
         skip = {"kind", "time", "t", "path", "port", "entrypoint", "workers", "checkpoint"}
         fields = ", ".join(f"{a}={v:.3g}" if isinstance(v, float) else f"{a}={v}"
                            for a, v in ev.items() if a not in skip and v is not None)

@@ -158,6 +158,9 @@ def test_job_panel_policy_now_resume_and_warm_note():
                    "latency_s": 0.5})
     panel.refresh()
     assert "<b>resumed from pause</b> world_size=4, step=9, latency_s=0.5" in panel.log.value
+    job._e.append({"kind": "resume", "time": time.time(), "generation": 3, "step": 9, "world_size": 4})
+    panel.refresh()
+    assert "<b>restored</b> generation=3, step=9, world_size=4" in panel.log.value
     spec = _plotly_spec(panel.chart)
     lay = spec["layout"]
     assert lay["yaxis5"]["range"] == pytest.approx([0, 0.1 * 1.15]) and lay["yaxis5"]["tickformat"] == ".3~g"
