@@ -146,11 +146,18 @@ class Application:
                 float(np.interp(batch_size, self.batch_sizes, self._var[:, e])))
 
     def grad_stats_table(self, batch_size: float):
-        """(sqr, var) arrays over all epochs at ``batch_size`` (for oracle iteration counts)."""
-        epochs = range(self.max_epochs)
-        sqr = np.array([np.interp(batch_size, self.batch_sizes, self._sqr[:, e]) for e in epochs])
-        var = np.array([np.interp(batch_size, self.batch_sizes, self._var[:, e]) for e in epochs])
-        return sqr, var
+        """(sqr, var) arrays over all epochs at ``batch_size`` (for oracle iteration counts); read-only,
+        computed once per batch size (Optimus asks for it every round for every job)."""
+        key = ("grad_stats_table", float(batch_size))
+        hit = self._cache.get(key)
+        if hit is None:
+            epochs = range(self.max_epochs)
+            sqr = np.array([np.interp(batch_size, self.batch_sizes, self._sqr[:, e]) for e in epochs])
+            var = np.array([np.interp(batch_size, self.batch_sizes, self._var[:, e]) for e in epochs])
+            sqr.setflags(write=False)
+            var.setflags(write=False)
+            hit = self._cache[key] = (sqr, var)
+        return hit
 
     # ---- throughput
     def step_time(self, placement, local_bsz: float) -> tuple[float, float]:

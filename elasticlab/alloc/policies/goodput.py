@@ -50,25 +50,27 @@ class GoodputPolicy(Policy):
         jobs = sorted(jobs, key=lambda j: (j.submission_time, j.name))
         if not jobs:
             return {}
-        U = np.empty((len(jobs), total + 1))
+        # the curves are 0 beyond a job's cap hi, and so is its utility: only g <= hi is computed (a row is
+        # a few dozen counts however large the cluster)
+        U = np.zeros((len(jobs), total + 1))
         hi = np.empty(len(jobs), dtype=np.int64)
-        g = np.arange(total + 1)
         for i, job in enumerate(jobs):
-            hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
+            hi[i] = top = min(job.max_replicas(cap=self.max_gpus_per_job), total)
+            g = np.arange(top + 1)
             if self.weight == "remaining":
                 # 1 / predicted time to finish, a change of allocation adding the restart delay
-                rate = job.goodput_curve(total, cluster.gpus_per_node, upto=hi[i])
+                rate = job.goodput_curve(total, cluster.gpus_per_node, upto=top)[:top + 1]
                 with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 where rate = 0: masked below
                     t_left = job.remaining_progress() / rate
                 t_left = t_left + np.where(g == job.gpus, 0.0, self.restart_delay)
                 # a job with no work left keeps what it holds (finite: the DP refuses +inf)
                 t_left = np.maximum(t_left, 1e-9)
-                U[i] = np.where(rate > 0, t_left ** (-self.a), 0.0)
+                U[i, :top + 1] = np.where(rate > 0, t_left ** (-self.a), 0.0)
             else:
-                s = job.speedup_curve(total, cluster.gpus_per_node, upto=hi[i])
+                s = job.speedup_curve(total, cluster.gpus_per_node, upto=top)[:top + 1]
                 w = (1.0 + job.attained_service / self.s0) ** (-self.q)
                 pen = restart_penalty(job.age(now), job.restarts, self.restart_delay)
-                U[i] = w * np.where(g == job.gpus, s, s * pen)
+                U[i, :top + 1] = w * np.where(g == job.gpus, s, s * pen)
         lo = None
         if self.min_one:
             lo = (np.arange(len(jobs)) < total).astype(np.int64)

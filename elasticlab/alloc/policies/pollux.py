@@ -53,17 +53,21 @@ class PolluxPolicy(Policy):
     def utility_table(self, jobs, now, cluster):
         total = cluster.total_gpus
         fair = math.ceil(total / max(len(jobs), 1)) if self.fair_share else 1
+        # speedups are 0 beyond max(hi, fair share), where every utility is that of 0: only the counts
+        # below are computed (a row is a few dozen counts however large the cluster)
         U = np.empty((len(jobs), total + 1))
+        U[:] = power_utility(np.zeros(1) + self.eps, self.p)[0]
         hi = np.empty(len(jobs), dtype=np.int64)
         for i, job in enumerate(jobs):
             hi[i] = min(job.max_replicas(cap=self.max_gpus_per_job), total)
-            s = job.speedup_curve(total, cluster.gpus_per_node, upto=max(hi[i], fair))
+            top = min(max(int(hi[i]), fair), total)
+            s = job.speedup_curve(total, cluster.gpus_per_node, upto=top)[:top + 1]
             base = s[min(fair, total)]
             scaled = s / base / cluster.gpus_per_node if base > 0 else s
             pen = restart_penalty(job.age(now), job.restarts, self.restart_delay)
-            g = np.arange(total + 1)
+            g = np.arange(top + 1)
             scaled = np.where(g == job.gpus, scaled, scaled * pen)
-            U[i] = power_utility(scaled + self.eps, self.p)
+            U[i, :top + 1] = power_utility(scaled + self.eps, self.p)
         return U, hi
 
     def allocate(self, jobs, now, cluster):
