@@ -191,7 +191,9 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(ray_cluster, t
             rep = cl.sample_check(name)
             assert rep["ok"], (name, {e: (len(v["missing"]), len(v["duplicates"]))
                                       for e, v in rep["epochs"].items()})
-            assert all(v["complete"] for v in rep["epochs"].values())
+            missing = {e: len(v["missing"]) for e, v in rep["epochs"].items()}
+            assert all(v["complete"] for v in rep["epochs"].values()), (name, missing, st["step"],
+                                                                       _kinds(cl.job(name).events()))
             assert _replayed_steps(st["record_samples"]) == st["lost_steps"], name
             faults += st["faults"]
             if name in on_it:

@@ -55,28 +55,31 @@ class RayGenerations:
                           nodes=[self._workers[w]["node"] for w in self._ranks], checkpoint=checkpoint)
 
     def _pump(self) -> None:
-        """Drain the generation's actors, notice the ones that died, note how the generation ends."""
+        """Drain the generation's actors, notice the ones that died, note how the generation ends. The
+        runs that have returned are read first: a run counted as done was drained after it sent its last
+        rows (its Samples of the final step would be lost otherwise)."""
         import ray
 
+        done = ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=0)[0] \
+            if self._runs else []
         refs = {w: self._workers[w]["actor"].drain.remote() for w in self._ranks if w in self._workers}
-        dead = []
+        dead = {}
         for w, ref in refs.items():
             try:
                 msgs = ray.get(ref, timeout=30)
             except Exception as e:  # RayActorError: the actor (or its node) is gone
-                dead.append((w, repr(e)))
+                dead[w] = repr(e)
                 continue
             for m in msgs:
                 self._on_message(w, m)
-        done = ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=0)[0] \
-            if self._runs else []
         for w, ref in list(self._runs.items()):
             if ref in done:
                 try:
                     ray.get(ref)
                 except Exception as e:
-                    dead.append((w, repr(e)))
+                    dead.setdefault(w, repr(e))
                 del self._runs[w]
+        dead = list(dead.items())
         if dead and self._ended is None:
             self._ended = "fault"
             self._events.emit("fault", generation=self._gen, dead=[w for w, _ in dead],

@@ -5,7 +5,13 @@ A raylet waits a fixed 15 s for each port its Python helper agent reports at sta
 busy machine makes the agent miss it. Here every node's agent ports are chosen before it starts and given to
 its raylet too (Ray passes three of them; the fourth, the agent's HTTP port, is added to the raylet's
 command line by :func:`_agent_ports_given`), so no raylet waits for a port file; a node start that fails
-all the same is tried again (``attempts`` times), after ending the processes it left behind.
+all the same is tried again (``attempts`` times), after ending the processes it left behind. That is the
+one private Ray name used here (``ray._private.services.start_ray_process``, wrapped while nodes start): no
+public API hands the raylet that port.
+
+Removing a node (:func:`kill_node`, :func:`kill_busy_node`) ends its raylet's worker processes by pid too;
+ending the cluster (:func:`shutdown`) ends every process of its session by pid, found from ``/proc`` by the
+session directory (:func:`session_processes`), so that no Ray process outlives a test, passed or failed.
 """
 from __future__ import annotations
 
