@@ -1,4 +1,4 @@
-// Fused layers as C++ autograd functions: forward like the module, backward forming the input gradient, the
+// Fused layers (Linear, LayerNorm, GroupNorm) as C++ autograd functions: forward like the module, backward forming the input gradient, the
 // parameter gradients and the per-example squared norms in one pass, with no Python on the backward path.
 //
 // The Python rules (elasticlab/gns/layers/linear.py, layernorm.py) choose the form per layer and allocate the
@@ -195,6 +195,78 @@ struct LayerNormNorms : public torch::autograd::Function<LayerNormNorms> {
   }
 };
 
+// GroupNorm with `groups` groups over (B, C, *): per-example ∇γ_c ℓ_b = Σ_s g_{b,c,s} x̂_{b,c,s} and
+// ∇β_c ℓ_b = Σ_s g_{b,c,s} (statistics per example and group, so examples do not interact; Wu & He 2018);
+// ATen's backward gives the input gradient. `upcast` (autocast on): the layer runs in float32 at least.
+struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& norms,
+                            const at::Tensor& weight_in, const at::Tensor& bias_in, int64_t groups, double eps,
+                            bool upcast) {
+    at::Tensor x = x_in, w = weight_in, b = bias_in;
+    if (upcast) {
+      const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
+      x = cast(x, dt);
+      w = cast(w, dt);
+      b = cast(b, dt);
+    }
+    // the layout ATen's group_norm gives its kernels: channels-last kept on the CPU, contiguous elsewhere
+    const auto fmt = x.is_cpu() ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
+    x = x.contiguous(fmt);
+    const int64_t B = x.size(0), C = x.size(1), hw = x.numel() / std::max<int64_t>(B * C, 1);
+    auto [out, mean, rstd] = at::native_group_norm(x, w, b, B, C, hw, groups, eps);
+    ctx->save_for_backward({x, w, mean, rstd});
+    ctx->saved_data["norms"] = norms;
+    ctx->saved_data["shape"] = std::vector<int64_t>{B, C, hw, groups, static_cast<int64_t>(fmt)};
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x_in.scalar_type()),
+                                                     static_cast<int64_t>(weight_in.scalar_type()),
+                                                     static_cast<int64_t>(bias_in.scalar_type())};
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    at::Tensor mean = saved[2], rstd = saved[3];
+    const at::Tensor norms = ctx->saved_data["norms"].toTensor();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    const int64_t B = shape[0], C = shape[1], hw = shape[2], G = shape[3];
+    const auto fmt = static_cast<at::MemoryFormat>(shape[4]);
+    // autograd's inputs: x, norms, weight, bias
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(2),
+               need_b = ctx->needs_input_grad(3);
+    at::Tensor g = cast(grads[0], x.scalar_type()).contiguous(fmt);
+    at::Tensor gx, gw, gb;
+    if (need_x) {
+      gx = std::get<0>(at::native_group_norm_backward(g, x, mean, rstd, w, B, C, hw, G, {true, false, false}));
+      gx = cast(gx, static_cast<at::ScalarType>(dtypes[0]));
+    }
+    if (need_w || need_b) {
+      const auto acc = acc_type(x.scalar_type());
+      at::Tensor x3 = cast(x, acc).reshape({B, C, -1}), g3 = cast(g, acc).reshape({B, C, -1});
+      if (acc != x.scalar_type()) {  // ATen's statistics of half inputs are half: recompute them
+        auto [var, m] = at::var_mean(x3.reshape({B, G, -1}), {-1}, /*correction=*/0, /*keepdim=*/false);
+        mean = m;
+        rstd = at::rsqrt(var + ctx->saved_data["eps"].toDouble());
+      }
+      at::Tensor xhat = ((x3.reshape({B, G, -1}) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape({B, C, -1});
+      if (need_w) {
+        at::Tensor pw = (g3 * xhat).sum({-1});
+        gw = cast(pw.sum({0}), static_cast<at::ScalarType>(dtypes[1]));
+        put(norms, 0, row_sq(pw));
+      }
+      if (need_b) {
+        at::Tensor pb = g3.sum({-1});
+        gb = cast(pb.sum({0}), static_cast<at::ScalarType>(dtypes[2]));
+        put(norms, 1, row_sq(pb));
+      }
+    }
+    return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 at::Tensor linear_norms_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const at::Tensor& norms, int64_t form, std::optional<at::ScalarType> dtype) {
   TORCH_CHECK(form == kOuter || form == kGram, "linear_norms: form must be 0 (outer) or 1 (Gram), got ", form);
@@ -232,23 +304,43 @@ at::Tensor layer_norm_norms_forward_only(const at::Tensor& x, const std::optiona
   return std::get<0>(at::native_layer_norm(xc, shape, weight, bias, eps));
 }
 
+at::Tensor group_norm_norms_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                     int64_t groups, double eps, const at::Tensor& norms, bool upcast) {
+  TORCH_CHECK(x.dim() >= 2, "group_norm_norms: per-example norms need a batch dimension first, got shape ",
+              x.sizes());
+  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
+              "group_norm_norms: norms must be (2, B) = (2, ", x.size(0), "), got ", norms.sizes());
+  return GroupNormNorms::apply(x, norms, weight, bias, groups, eps, upcast);
+}
+
+at::Tensor group_norm_norms_forward_only(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                         int64_t groups, double eps, const at::Tensor&, bool upcast) {
+  if (!upcast) return at::group_norm(x, groups, weight, bias, eps);
+  const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
+  return at::group_norm(cast(x, dt), groups, cast(weight, dt), cast(bias, dt), eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(elasticlab, m) {
   m.def("linear_norms(Tensor x, Tensor weight, Tensor? bias, Tensor norms, int form, ScalarType? dtype) -> Tensor");
   m.def("layer_norm_norms(Tensor x, Tensor? weight, Tensor? bias, int[] normalized_shape, float eps, Tensor norms, "
         "bool upcast) -> Tensor");
+  m.def("group_norm_norms(Tensor x, Tensor weight, Tensor bias, int groups, float eps, Tensor norms, bool upcast) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(elasticlab, Autograd, m) {
   m.impl("linear_norms", &linear_norms_autograd);
   m.impl("layer_norm_norms", &layer_norm_norms_autograd);
+  m.impl("group_norm_norms", &group_norm_norms_autograd);
 }
 
 // Without autograd (inference mode): the layer's forward alone.
 TORCH_LIBRARY_IMPL(elasticlab, CompositeExplicitAutograd, m) {
   m.impl("linear_norms", &linear_norms_forward_only);
   m.impl("layer_norm_norms", &layer_norm_norms_forward_only);
+  m.impl("group_norm_norms", &group_norm_norms_forward_only);
 }
 
 }  // namespace elasticlab

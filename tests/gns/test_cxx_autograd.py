@@ -1,5 +1,5 @@
-"""The fused Linear and LayerNorm as C++ autograd functions (csrc/autograd/fused_layers.cpp) against their
-Python autograd.Functions (``kernels.USE_CXX_AUTOGRAD = False``) and against torch.func."""
+"""The fused Linear, LayerNorm and GroupNorm as C++ autograd functions (csrc/autograd/fused_layers.cpp)
+against their Python autograd.Functions (``kernels.USE_CXX_AUTOGRAD = False``) and against torch.func."""
 from __future__ import annotations
 
 import pytest
@@ -75,6 +75,56 @@ def test_cxx_matches_python_and_torch_func(shape, bias):
         torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
 
 
+class GNNet(nn.Module):
+    def __init__(self, c=6, groups=3):
+        super().__init__()
+        self.gn = nn.GroupNorm(groups, c)
+        self.gn2 = nn.GroupNorm(1, c)
+        self.head = nn.Linear(c, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.gn2(torch.sin(self.gn(x))))
+        return self.head(h.flatten(2).mean(-1)) if h.dim() > 2 else self.head(h)
+
+
+@pytest.mark.parametrize("shape,channels_last", [((4, 6, 5, 3), False), ((4, 6, 5, 3), True),
+                                                 ((5, 6, 7), False), ((3, 6), False)])
+def test_group_norm_cxx_matches_python_and_torch_func(shape, channels_last):
+    torch.manual_seed(5)
+    model = GNNet().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    got, g_cxx, calls = _norms(model, x, cxx=True)
+    assert calls and all(calls)
+    ref, g_py, _ = _norms(model, x, cxx=False)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
+    for k in g_py:
+        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xb):
+        return functional_call(model, p, (xb.unsqueeze(0),)).pow(2).sum()
+    pe = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for k, v in pe.items():
+        torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+
+
+def test_group_norm_cxx_under_bf16_autocast_matches_python():
+    torch.manual_seed(6)
+    model = GNNet()
+    x = torch.randn(4, 6, 5, 3).bfloat16()                 # half inputs: statistics recomputed in float32
+    got, g_cxx, calls = _norms(model, x, cxx=True, autocast=torch.bfloat16)
+    assert all(calls)
+    ref, g_py, _ = _norms(model, x, cxx=False, autocast=torch.bfloat16)
+    for k in ref:
+        assert got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+    for k in g_py:
+        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-5, atol=1e-6)
+
+
 def test_cxx_under_bf16_autocast_matches_python():
     torch.manual_seed(1)
     model = Block()
@@ -130,13 +180,18 @@ def test_bad_buffer_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
-def test_cxx_on_cuda_matches_python(precision):
+@pytest.mark.parametrize("kind", ["block", "groupnorm"])
+def test_cxx_on_cuda_matches_python(precision, kind):
     """On CUDA: the C++ functions (cuBLAS outer form or Gram, LayerNorm kernel) against the Python ones, at a
     sequence length the Triton kernel does not take (T=300); float64 also against torch.func."""
     torch.manual_seed(4)
     dt = torch.float64 if precision == "fp64" else torch.float32
-    model = Block(d=64).to("cuda", dt)
-    x = torch.randn(6, 300, 64, device="cuda", dtype=dt)
+    if kind == "block":
+        model = Block(d=64).to("cuda", dt)
+        x = torch.randn(6, 300, 64, device="cuda", dtype=dt)
+    else:
+        model = GNNet(c=64, groups=8).to("cuda", dt)
+        x = torch.randn(6, 64, 9, 7, device="cuda", dtype=dt)
     ac = torch.bfloat16 if precision == "bf16" else None
 
     def run(cxx):

@@ -6,7 +6,8 @@ channel c, ∇γ_c ℓ_b = Σ_s δ_{b,c,s} x̂_{b,c,s} and ∇β_c ℓ_b = Σ_s 
 (B, C) each, so their norms are exact row norms. Inputs (B, C, *) of any spatial rank, (B, C) included.
 Fused, the forward is ATen's ``native_group_norm`` (which returns μ and rstd), the input gradient ATen's own
 backward, and the parameter gradients the batch sums of the per-example ones. Under autocast the layer runs
-in float32, as LayerNorm's rule does.
+in float32, as LayerNorm's rule does. Fused calls go to the C++ autograd function
+``elasticlab::group_norm_norms``, or under ``torch.compile`` to :class:`_GroupNormNorms`.
 """
 from __future__ import annotations
 
@@ -116,6 +117,12 @@ def groupnorm_forward(module: nn.GroupNorm, slot):
             raise ValueError(f"GroupNorm expected {module.num_channels} channels, got input of shape "
                              f"{tuple(x.shape)}")
         slot.called()
+        op = kernels.cxx_autograd("group_norm_norms", x)
+        if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
+            upcast = torch.is_autocast_enabled(x.device.type)
+            dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
+            return op(x, module.weight, module.bias, module.num_groups, module.eps, buf, upcast)
         return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot)
     return forward
 
