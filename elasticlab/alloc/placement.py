@@ -19,6 +19,24 @@ def node_count(placement) -> int:
     return int(sum(1 for x in placement if x))
 
 
+_SPARSE: dict = {}
+
+
+def _sparse(placement) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes used, GPUs on each) of a placement tuple, remembered per tuple: a job keeps its placement for
+    many rounds, and converting a 1000-node tuple each round cost more than the rest of a round."""
+    hit = _SPARSE.get(placement) if type(placement) is tuple else None
+    if hit is None:
+        p = np.asarray(placement, dtype=np.int64)
+        idx = np.flatnonzero(p)
+        hit = (idx, p[idx])
+        if type(placement) is tuple:
+            if len(_SPARSE) > 8192:
+                _SPARSE.clear()
+            _SPARSE[placement] = hit
+    return hit
+
+
 def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: int,
           one_distributed_per_node: bool = False, elastic: bool = True, order=None,
           node_sizes=None) -> dict:
@@ -51,16 +69,16 @@ def place(counts: dict, previous: dict | None, num_nodes: int, gpus_per_node: in
         prev = previous.get(name)
         if c <= 0 or prev is None or len(prev) != num_nodes:
             continue
-        p = np.asarray(prev, dtype=np.int64)
-        if int(p.sum()) != c:
+        idx, val = _sparse(prev)  # the nodes it uses: O(its nodes) work, not O(the cluster's)
+        if int(val.sum()) != c:
             continue
-        multi = int(np.count_nonzero(p)) > 1
-        if np.any(p > free) or (one_distributed_per_node and multi and np.any(dist[p > 0])):
+        multi = len(idx) > 1
+        if np.any(val > free[idx]) or (one_distributed_per_node and multi and np.any(dist[idx])):
             continue
-        free -= p
+        free[idx] -= val
         if multi:
-            dist |= p > 0
-        out[name] = prev if type(prev) is tuple and type(prev[0]) is int else tuple(p.tolist())
+            dist[idx] = True
+        out[name] = prev if type(prev) is tuple and type(prev[0]) is int else tuple(int(x) for x in prev)
     # 2. place the rest
     rest = [k for k, c in counts.items() if c > 0 and k not in out]
     if order is None:

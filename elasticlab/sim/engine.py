@@ -100,6 +100,7 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
     live: list[tuple[int, SimJob]] = []  # (df index, job), in df order: the order the policies see
     out_rows: dict[int, dict] = {}
     placements: dict = {}
+    node_sizes = cluster.node_sizes  # computed once, not every round
     t = 0.0
     util_rows = []
     sched = []
@@ -151,7 +152,7 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
         counts = pol.allocate(active, t, cluster) if active else {}
         new = place(counts, placements, cluster.num_nodes, cluster.gpus_per_node,
                     one_distributed_per_node=pol.one_distributed_per_node, elastic=not pol.gang,
-                    order=pol.placement_order(active), node_sizes=cluster.node_sizes)
+                    order=pol.placement_order(active), node_sizes=node_sizes)
         sched.append(time.process_time() - t0)
         for j in active:
             old = placements.get(j.name, ())
