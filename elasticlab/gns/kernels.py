@@ -77,7 +77,7 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
     return op
 
 
-# The fused layers' C++ autograd functions (csrc/autograd/fused_layers.cpp): forward and backward without
+# The fused layers' C++ autograd functions (csrc/autograd/): forward and backward without
 # Python on the backward path. False sends every fused layer to its Python autograd.Function (comparisons;
 # torch.compile always takes those).
 USE_CXX_AUTOGRAD = True

@@ -1,4 +1,4 @@
-"""The fused Linear, LayerNorm and GroupNorm as C++ autograd functions (csrc/autograd/fused_layers.cpp)
+"""The fused Linear, Conv, LayerNorm and GroupNorm as C++ autograd functions (csrc/autograd/)
 against their Python autograd.Functions (``kernels.USE_CXX_AUTOGRAD = False``) and against torch.func."""
 from __future__ import annotations
 
@@ -125,6 +125,52 @@ def test_group_norm_cxx_under_bf16_autocast_matches_python():
         torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-5, atol=1e-6)
 
 
+class ConvNet(nn.Module):
+    def __init__(self, nd=2, bias=True):
+        super().__init__()
+        conv = nn.Conv1d if nd == 1 else nn.Conv2d
+        self.c1 = conv(4, 6, 3, stride=2, padding=1, bias=bias)
+        self.c2 = conv(6, 6, 3, padding=2, dilation=2, groups=3)
+        self.c3 = conv(6, 4, 1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.c3(torch.tanh(self.c2(torch.tanh(self.c1(x)))))
+        return self.head(h.flatten(2).mean(-1))
+
+
+@pytest.mark.parametrize("nd,bias", [(2, True), (2, False), (1, True)])
+@pytest.mark.parametrize("form", ["grouped", "gram", "outer"])
+@pytest.mark.parametrize("chunk", [None, 200])
+def test_conv_cxx_matches_python_and_torch_func(monkeypatch, nd, bias, form, chunk):
+    """Every form (the CPU's grouped convolution, Gram, and CUDA's outer form over the patches, forced here),
+    chunked or not, against the Python path and torch.func."""
+    from elasticlab.gns.layers import conv as conv_rule
+    monkeypatch.setattr(kernels, "use_gram", lambda *a, **k: form == "gram")
+    if form == "outer":
+        monkeypatch.setattr(conv_rule, "_cxx_form", lambda *a: 0)
+    if chunk is not None:
+        monkeypatch.setitem(conv_rule.CONV_CHUNK_ELEMS, "cpu", chunk)
+    torch.manual_seed(7)
+    model = ConvNet(nd, bias).double()
+    x = torch.randn(5, 4, *((9, 7) if nd == 2 else (11,)), dtype=torch.float64)
+    got, g_cxx, calls = _norms(model, x, cxx=True)
+    assert calls and all(calls)
+    ref, g_py, _ = _norms(model, x, cxx=False)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
+    for k in g_py:
+        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xb):
+        return functional_call(model, p, (xb.unsqueeze(0),)).pow(2).sum()
+    pe = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for k, v in pe.items():
+        torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+
+
 def test_cxx_under_bf16_autocast_matches_python():
     torch.manual_seed(1)
     model = Block()
@@ -180,13 +226,16 @@ def test_bad_buffer_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["block", "groupnorm"])
+@pytest.mark.parametrize("kind", ["block", "groupnorm", "conv"])
 def test_cxx_on_cuda_matches_python(precision, kind):
     """On CUDA: the C++ functions (cuBLAS outer form or Gram, LayerNorm kernel) against the Python ones, at a
     sequence length the Triton kernel does not take (T=300); float64 also against torch.func."""
     torch.manual_seed(4)
     dt = torch.float64 if precision == "fp64" else torch.float32
-    if kind == "block":
+    if kind == "conv":
+        model = ConvNet().to("cuda", dt)
+        x = torch.randn(6, 4, 33, 31, device="cuda", dtype=dt)
+    elif kind == "block":
         model = Block(d=64).to("cuda", dt)
         x = torch.randn(6, 300, 64, device="cuda", dtype=dt)
     else:

@@ -5,7 +5,8 @@ Hook rule and fused backward. Fused, the weight norms come either from the Gram 
 the weight gradient: on CUDA one batched GEMM per chunk of examples over the unfolded input (the same
 outer-product operator as a sequence Linear), on the CPU as the weight gradient of one convolution with
 c·groups groups (the batch folded into channels; Goodfellow 2015's trick), measured faster there. The choice
-is per layer, by :func:`elasticlab.gns.kernels.use_gram`.
+is per layer, by :func:`elasticlab.gns.kernels.use_gram`. Fused calls go to the C++ autograd function
+``elasticlab::conv_norms`` (the same three forms), or under ``torch.compile`` to :class:`_ConvNorms`.
 """
 from __future__ import annotations
 
@@ -203,17 +204,44 @@ def _conv_per_example(m, x, g, w):
     return per, gw
 
 
+def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """The C++ function's form for this input shape, as :class:`_ConvNorms` chooses it: 1 Gram, else 0 (the
+    outer form over the patches, CUDA) or 2 (one grouped convolution, CPU)."""
+    like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
+    L = 1
+    for i, n in enumerate(x.shape[2:]):
+        k, s, p, dil = module.kernel_size[i], module.stride[i], module.padding[i], module.dilation[i]
+        L *= (n + 2 * p - dil * (k - 1) - 1) // s + 1
+    K, G = module.weight[0].numel(), module.groups
+    if kernels.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
+                        row_major=False):
+        return 1
+    return 0 if x.is_cuda else 2
+
+
 def conv_forward(module: nn.Module, slot):
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None                                         # the hook form handles these
     nd = 1 if isinstance(module, nn.Conv1d) else 2
+    forms: dict[tuple, int] = {}                            # (shape, dtype, on CUDA, autocast dtype) -> form
+    params = module._parameters
+    geometry = (list(module.stride), list(module.padding), list(module.dilation), module.groups)
 
     def forward(x):
         if x.dim() != nd + 2:
             raise ValueError(f"per-example norms need a batch dimension first: {type(module).__name__} got "
                              f"shape {tuple(x.shape)}")
         slot.called()
-        return _ConvNorms.apply(x, module.weight, module.bias, module, slot, autocast_dtype(x))
+        dtype = autocast_dtype(x)
+        op = kernels.cxx_autograd("conv_norms", x)
+        if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
+            key = (x.shape, x.dtype, x.is_cuda, dtype)
+            form = forms.get(key)
+            if form is None:
+                form = forms[key] = _cxx_form(module, x, dtype)
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
+            return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x), dtype)
+        return _ConvNorms.apply(x, module.weight, module.bias, module, slot, dtype)
     return forward
 
 

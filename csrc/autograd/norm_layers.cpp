@@ -1,142 +1,13 @@
-// Fused layers (Linear, LayerNorm, GroupNorm) as C++ autograd functions: forward like the module, backward forming the input gradient, the
-// parameter gradients and the per-example squared norms in one pass, with no Python on the backward path.
-//
-// The Python rules (elasticlab/gns/layers/linear.py, layernorm.py) choose the form per layer and allocate the
-// `norms` buffer, (P, B) in float32 (float64 for float64 inputs), one row per parameter (weight, then bias);
-// the backward writes each row once the gradients exist. A row the backward does not reach (a frozen
-// parameter, no backward yet) keeps what the caller put there (NaN). These operators are eager-only: under
-// torch.compile the rules use their Python autograd.Function instead.
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
-#include <torch/library.h>
+// The fused nn.LayerNorm and nn.GroupNorm as C++ autograd functions (operators elasticlab::layer_norm_norms,
+// group_norm_norms; see common.h).
+#include "common.h"
 
-#include "../ops.h"
+#include <algorithm>
+#include <vector>
 
 namespace elasticlab {
+namespace fused {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The elasticlab operators, called through the dispatcher (CPU or CUDA kernel by the tensors' device).
-at::Tensor row_sq(const at::Tensor& x) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("elasticlab::row_sq_norms", "")
-                       .typed<at::Tensor(const at::Tensor&)>();
-  return op.call(x);
-}
-
-at::Tensor gram_norms(const at::Tensor& a, const at::Tensor& d) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("elasticlab::seq_linear_gram_norms", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(a, d);
-}
-
-std::tuple<at::Tensor, at::Tensor> outer_norms(const at::Tensor& a, const at::Tensor& d) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("elasticlab::seq_linear_outer_norms", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>();
-  return op.call(a, d, true);
-}
-
-std::tuple<at::Tensor, at::Tensor> layernorm_pe(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean,
-                                                const at::Tensor& rstd) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("elasticlab::layernorm_per_example", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                 const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, d, mean, rstd);
-}
-
-at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {
-  return (!t.defined() || t.scalar_type() == dtype) ? t : t.to(dtype);
-}
-
-// Writes `value` into row `row` of the caller's norms buffer.
-void put(const at::Tensor& norms, int64_t row, const at::Tensor& value) { norms.select(0, row).copy_(value); }
-
-// Sequence Linear: how the per-example weight-gradient norms are formed (the Python rule's choice).
-enum LinearForm : int64_t { kOuter = 0, kGram = 1 };
-
-// y = x Wᵀ + b. Backward: dx = g W; 2-D inputs ‖∇W ℓ_b‖² = ‖a_b‖²·‖g_b‖² (Goodfellow 2015); sequences
-// G_b = Σ_t g_{b,t} a_{b,t}ᵀ by the outer form (its batch sum is the weight gradient) or the Gram form
-// (Li et al. 2022), bias ‖Σ_t g_{b,t}‖².
-struct LinearNorms : public torch::autograd::Function<LinearNorms> {
-  // (Optional tensors go last: autograd numbers the inputs it was given, and an absent one is skipped.)
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& norms, const std::optional<at::Tensor>& bias_opt, int64_t form,
-                            std::optional<at::ScalarType> dtype) {
-    const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
-    at::Tensor xc = x, wc = weight, bc = bias;
-    if (dtype.has_value()) {  // autocast: the layer runs in the autocast dtype, as F.linear would
-      xc = cast(x, *dtype);
-      wc = cast(weight, *dtype);
-      bc = cast(bias, *dtype);
-    }
-    at::Tensor out = at::linear(xc, wc, bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt);
-    // ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it
-    at::Tensor x_sq = (xc.dim() == 2 && weight.requires_grad()) ? row_sq(xc) : at::Tensor();
-    ctx->save_for_backward({xc, wc});
-    ctx->saved_data["x_sq"] = x_sq;
-    ctx->saved_data["norms"] = norms;
-    ctx->saved_data["form"] = form;
-    ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x.scalar_type()),
-                                                     static_cast<int64_t>(weight.scalar_type()),
-                                                     bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : -1};
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    at::AutoDispatchBelowADInplaceOrView guard;  // nothing here is differentiated again
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1];
-    const at::Tensor norms = ctx->saved_data["norms"].toTensor();
-    const int64_t form = ctx->saved_data["form"].toInt();
-    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
-    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
-               need_b = dtypes[2] >= 0 && ctx->needs_input_grad(3);
-    at::Tensor g = cast(grads[0], x.scalar_type());
-    at::Tensor gx, gw, gb;
-    if (need_x) gx = cast(g.matmul(w), static_cast<at::ScalarType>(dtypes[0]));
-    const int64_t B = x.size(0);
-    const auto acc = acc_type(g.scalar_type());
-    if (x.dim() == 2) {
-      at::Tensor g_sq = (need_w || need_b) ? row_sq(g) : at::Tensor();
-      if (need_w) {
-        gw = g.t().mm(x);
-        at::Tensor x_sq = ctx->saved_data["x_sq"].toTensor();
-        at::Tensor row = norms.select(0, 0);
-        at::mul_out(row, x_sq.defined() ? x_sq : row_sq(x), g_sq);
-      }
-      if (need_b) {
-        gb = g.sum({0}, false, acc);
-        put(norms, 1, g_sq);
-      }
-    } else {
-      at::Tensor a = x.reshape({B, -1, x.size(-1)}), d = g.reshape({B, -1, g.size(-1)});
-      if (need_w) {
-        if (form == kGram) {
-          put(norms, 0, gram_norms(a, d));
-          gw = d.reshape({-1, d.size(2)}).t().mm(a.reshape({-1, a.size(2)}));
-        } else {
-          auto [n, grad] = outer_norms(a, d);
-          put(norms, 0, n);
-          gw = grad;
-        }
-      }
-      if (need_b) {
-        at::Tensor db = d.sum({1}, false, acc);
-        gb = db.sum(0);
-        put(norms, 1, row_sq(db));
-      }
-    }
-    if (gw.defined()) gw = cast(gw, static_cast<at::ScalarType>(dtypes[1]));
-    if (gb.defined() && dtypes[2] >= 0) gb = cast(gb, static_cast<at::ScalarType>(dtypes[2]));
-    return {gx, gw, at::Tensor(), gb, at::Tensor(), at::Tensor()};
-  }
-};
 
 // LayerNorm over the trailing `shape`: per-example ∇γ ℓ_b = Σ_t g_{b,t} ⊙ x̂_{b,t}, ∇β ℓ_b = Σ_t g_{b,t}
 // (Gray et al. 2024); their batch sums are the parameter gradients, ATen's backward gives the input's.
@@ -267,24 +138,6 @@ struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
   }
 };
 
-at::Tensor linear_norms_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                 const at::Tensor& norms, int64_t form, std::optional<at::ScalarType> dtype) {
-  TORCH_CHECK(form == kOuter || form == kGram, "linear_norms: form must be 0 (outer) or 1 (Gram), got ", form);
-  TORCH_CHECK(x.dim() >= 2, "linear_norms: per-example norms need a batch dimension first, got shape ", x.sizes());
-  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
-              "linear_norms: norms must be (2, B) = (2, ", x.size(0), "), got ", norms.sizes());
-  std::optional<at::Tensor> b = (bias.has_value() && bias->defined()) ? bias : std::nullopt;
-  return LinearNorms::apply(x, weight, norms, b, form, dtype);
-}
-
-at::Tensor linear_norms_forward_only(const at::Tensor& x, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias, const at::Tensor&, int64_t,
-                                     std::optional<at::ScalarType> dtype) {
-  if (!dtype.has_value()) return at::linear(x, weight, bias);
-  std::optional<at::Tensor> bc = bias.has_value() ? std::optional<at::Tensor>(cast(*bias, *dtype)) : std::nullopt;
-  return at::linear(cast(x, *dtype), cast(weight, *dtype), bc);
-}
-
 at::Tensor layer_norm_norms_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                      const std::optional<at::Tensor>& bias, at::IntArrayRef shape, double eps,
                                      const at::Tensor& norms, bool upcast) {
@@ -321,9 +174,10 @@ at::Tensor group_norm_norms_forward_only(const at::Tensor& x, const at::Tensor& 
 }
 
 }  // namespace
+}  // namespace fused
+}  // namespace elasticlab
 
 TORCH_LIBRARY_FRAGMENT(elasticlab, m) {
-  m.def("linear_norms(Tensor x, Tensor weight, Tensor? bias, Tensor norms, int form, ScalarType? dtype) -> Tensor");
   m.def("layer_norm_norms(Tensor x, Tensor? weight, Tensor? bias, int[] normalized_shape, float eps, Tensor norms, "
         "bool upcast) -> Tensor");
   m.def("group_norm_norms(Tensor x, Tensor weight, Tensor bias, int groups, float eps, Tensor norms, bool upcast) "
@@ -331,16 +185,12 @@ TORCH_LIBRARY_FRAGMENT(elasticlab, m) {
 }
 
 TORCH_LIBRARY_IMPL(elasticlab, Autograd, m) {
-  m.impl("linear_norms", &linear_norms_autograd);
-  m.impl("layer_norm_norms", &layer_norm_norms_autograd);
-  m.impl("group_norm_norms", &group_norm_norms_autograd);
+  m.impl("layer_norm_norms", &elasticlab::fused::layer_norm_norms_autograd);
+  m.impl("group_norm_norms", &elasticlab::fused::group_norm_norms_autograd);
 }
 
 // Without autograd (inference mode): the layer's forward alone.
 TORCH_LIBRARY_IMPL(elasticlab, CompositeExplicitAutograd, m) {
-  m.impl("linear_norms", &linear_norms_forward_only);
-  m.impl("layer_norm_norms", &layer_norm_norms_forward_only);
-  m.impl("group_norm_norms", &group_norm_norms_forward_only);
+  m.impl("layer_norm_norms", &elasticlab::fused::layer_norm_norms_forward_only);
+  m.impl("group_norm_norms", &elasticlab::fused::group_norm_norms_forward_only);
 }
-
-}  // namespace elasticlab

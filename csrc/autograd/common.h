@@ -1,0 +1,66 @@
+// Shared by the fused layers' C++ autograd functions (csrc/autograd/*.cpp): the elasticlab kernels called
+// through the dispatcher, casts, and the write of a norm into the caller's (2, B) buffer.
+//
+// Each fused layer is an operator (linear_norms, conv_norms, layer_norm_norms, group_norm_norms) whose
+// Autograd-key kernel is a torch::autograd::Function: forward like the module, backward forming the input
+// gradient, the parameter gradients and the per-example squared norms in one pass, with no Python on the
+// backward path. The Python rules (elasticlab/gns/layers/) choose the form per layer and pass the `norms`
+// buffer, (2, B) in float32 (float64 for float64 inputs), row 0 the weight's, row 1 the bias'; the backward
+// writes each row once the gradients exist, and a row it does not reach keeps its NaN. The operators are
+// eager-only: under torch.compile the rules use their Python autograd.Functions.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "../ops.h"
+
+namespace elasticlab {
+namespace fused {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The elasticlab operators, called through the dispatcher (CPU or CUDA kernel by the tensors' device).
+inline at::Tensor row_sq(const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::row_sq_norms", "")
+                       .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(x);
+}
+
+inline at::Tensor gram_norms(const at::Tensor& a, const at::Tensor& d) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::seq_linear_gram_norms", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(a, d);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> outer_norms(const at::Tensor& a, const at::Tensor& d) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::seq_linear_outer_norms", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(a, d, true);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> layernorm_pe(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean,
+                                                const at::Tensor& rstd) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::layernorm_per_example", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, d, mean, rstd);
+}
+
+inline at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {
+  return (!t.defined() || t.scalar_type() == dtype) ? t : t.to(dtype);
+}
+
+// Writes `value` into row `row` of the caller's norms buffer.
+inline void put(const at::Tensor& norms, int64_t row, const at::Tensor& value) { norms.select(0, row).copy_(value); }
+
+}  // namespace fused
+}  // namespace elasticlab
