@@ -78,6 +78,7 @@ CLAIM_MODULES = (
     "elasticlab.repro.p3_layer_dynamics",
     "elasticlab.repro.p4_pollux",
     "elasticlab.repro.p5_gns",
+    "elasticlab.repro.p5_guided_batch",
     "elasticlab.repro.p6_adascale",
     "elasticlab.repro.psgnorm",
     "elasticlab.repro.sim_fidelity",
