@@ -222,15 +222,20 @@ def _registries() -> dict[str, tuple[str, set[str]]]:
     from elasticlab.alloc.policies import POLICIES as ALLOC
     from elasticlab.cluster.policies import policy_names as cluster_policies
     from elasticlab.elastic.policies import POLICIES as BATCH
+    from elasticlab.elastic.states import OnNoCheckpoint
     from elasticlab.goodput.agent import MODES
     from elasticlab.lr import RULES
+    from elasticlab.sim.traces import APPLICATIONS
 
     return {"LR rules": ("elasticlab/lr/base.py", set(RULES)),
             "LR rules a job can name": ("elasticlab/lr/base.py", {n for n, r in RULES.items() if r.job_rule}),
             "batch policies": ("elasticlab/elastic/policies.py", set(BATCH)),
             "allocation policies": ("elasticlab/alloc/policies/__init__.py", set(ALLOC)),
             "cluster policies": ("elasticlab/cluster/policies.py", set(cluster_policies())),
-            "batch modes": ("elasticlab/goodput/agent.py", set(MODES))}
+            "batch modes": ("elasticlab/goodput/agent.py", set(MODES)),
+            "policies with no checkpoint left": ("elasticlab/elastic/states.py",
+                                                 {p.value for p in OnNoCheckpoint}),
+            "Pollux artifact applications": ("elasticlab/sim/traces.py", set(APPLICATIONS))}
 
 
 def test_each_kind_of_thing_is_listed_only_in_its_registry():
@@ -249,6 +254,29 @@ def test_each_kind_of_thing_is_listed_only_in_its_registry():
                 if rel != home and len(members) > 1 and members <= names:
                     copies.append(f"{rel}:{node.lineno}: every {kind} listed again")
     assert not copies, "\n".join(copies)
+
+
+def test_commands_and_widgets_compare_states_through_their_enums():
+    """The command line and the panels name a job's, a worker's or a live cluster job's state through its
+    enum (JobState, WorkerState, LiveState), never as a bare string compared with a ``state``."""
+    from elasticlab.cluster.view import LiveState
+    from elasticlab.elastic.states import JobState, WorkerState
+
+    states = {s.value for enum in (JobState, WorkerState, LiveState) for s in enum}
+    bare = []
+    for _, path, tree in _modules():
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] not in ("commands", "widgets"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            consts = [c for side in (node.left, *node.comparators)
+                      for c in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side])
+                      if isinstance(c, ast.Constant)]
+            if any(c.value in states for c in consts) and "state" in ast.unparse(node).lower():
+                bare.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bare, "states compared as bare strings:\n" + "\n".join(bare)
 
 
 def test_a_new_lr_rule_or_allocation_policy_is_one_registration(monkeypatch):
@@ -283,7 +311,7 @@ def test_a_new_lr_rule_or_allocation_policy_is_one_registration(monkeypatch):
 
     @alloc_policies.register_policy
     class AllToFirst(alloc_policies.Policy):
-        name, batch_mode, live = "all_to_first_test", "throughput", True
+        name, batch_mode, live, baseline = "all_to_first_test", "throughput", True, True
 
         def allocate(self, jobs, now, cluster):
             return {j.name: (cluster.total_gpus if i == 0 else 0) for i, j in enumerate(jobs)}
@@ -293,3 +321,6 @@ def test_a_new_lr_rule_or_allocation_policy_is_one_registration(monkeypatch):
     assert cluster_policies.batch_mode("all_to_first_test") == "throughput"
     assert cluster_policies.BATCH_MODE["all_to_first_test"] == "throughput"
     assert isinstance(cluster_policies.make_policy("all_to_first_test"), AllToFirst)
+    from elasticlab.widgets import allocation
+
+    assert "all_to_first_test" in allocation.baseline_policies()  # the AllocationExplorer compares it

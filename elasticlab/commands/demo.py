@@ -4,6 +4,9 @@ from __future__ import annotations
 NAME = "demo"
 HELP = "a short elastic DDP run on scikit-learn's digits (resizes 1->2->3->1) with a progress bar"
 
+#: The job's events written above the progress bar.
+SHOWN_EVENTS = ("resize", "fault", "restart", "error")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--schedule", default="30:2,70:3,110:1",
@@ -24,8 +27,9 @@ def run(args) -> int:
     from tqdm import tqdm
 
     import elasticlab
-    from elasticlab.elastic import ElasticJob
+    from elasticlab.elastic import ElasticJob, JobState
     from elasticlab.elastic.job import parse_schedule
+    from elasticlab.elastic.states import TERMINAL
 
     script = Path(elasticlab.__file__).resolve().parent.parent / "examples" / "digits.py"
     if not script.is_file():
@@ -45,7 +49,7 @@ def run(args) -> int:
     seen = 0
     with tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=0.25) as bar:
         try:
-            while job.state not in ("finished", "stopped", "failed"):
+            while job.state not in TERMINAL:
                 time.sleep(0.1)
                 st = job.status()
                 bar.update(st["step"] - bar.n)
@@ -55,7 +59,7 @@ def run(args) -> int:
                                     samples_s=f"{st['samples_per_s'] or 0:.0f}")
                 for e in job.events(seen):
                     seen += 1
-                    if e["kind"] in ("resize", "fault", "restart", "error"):
+                    if e["kind"] in SHOWN_EVENTS:
                         fields = {k: v for k, v in e.items() if k not in ("time", "t", "kind")}
                         bar.write(f"[{e['t']:7.2f}s] {e['kind']}: {fields}")
         except KeyboardInterrupt:
@@ -66,4 +70,4 @@ def run(args) -> int:
     st = job.status()
     loss = f", final loss {st['loss']:.4f}" if st["loss"] is not None else ""
     print(f"{job.state}: {st['step']} steps{loss}")
-    return 0 if job.state in ("finished", "stopped") else 1
+    return 0 if job.state in (JobState.FINISHED, JobState.STOPPED) else 1

@@ -4,8 +4,14 @@ from __future__ import annotations
 NAME = "run"
 HELP = "run a training script's task as an elastic local DDP job, resizing at given steps"
 
+#: The job's events printed (as JSON lines) before the RESULT line.
+PRINTED_EVENTS = ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error", "abort",
+                  "failed")
+
 
 def add_arguments(parser) -> None:
+    from elasticlab.elastic.states import OnNoCheckpoint  # no torch: cheap enough for `elasticlab --help`
+
     parser.add_argument("script", help="'path/to/script.py[:make_task]' or 'package.module:function'")
     parser.add_argument("--workers", type=int, default=1, help="initial number of workers (default 1)")
     parser.add_argument("--schedule", default=None,
@@ -29,7 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart from the newest checkpoint after a worker exception, at most this "
                              "many times (default 0: the first exception fails the job)")
-    parser.add_argument("--on-no-checkpoint", choices=("restart", "fail"), default="restart",
+    parser.add_argument("--on-no-checkpoint", choices=[p.value for p in OnNoCheckpoint], default=None,
                         help="with no loadable checkpoint left: restart from the initial state (default) "
                              "or fail")
 
@@ -42,8 +48,9 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from elasticlab.elastic import ElasticJob, FixedPerWorkerBatch
+    from elasticlab.elastic import ElasticJob, FixedPerWorkerBatch, JobState
     from elasticlab.elastic.job import parse_schedule
+    from elasticlab.elastic.states import OnNoCheckpoint
 
     script = args.script if ":" in args.script else f"{args.script}:make_task"
     if args.record_samples and os.path.exists(args.record_samples) and os.path.getsize(args.record_samples):
@@ -58,7 +65,8 @@ def run(args) -> int:
                          record_samples=args.record_samples or False, checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every, slots=args.slots,
                          warm=max([args.workers, *schedule.values()]), step_delay_s=args.step_delay,
-                         max_restarts=args.max_restarts, on_no_checkpoint=args.on_no_checkpoint)
+                         max_restarts=args.max_restarts,
+                         on_no_checkpoint=args.on_no_checkpoint or OnNoCheckpoint.RESTART)
     except ValueError as e:
         print(f"elasticlab run: {e}", file=sys.stderr)
         return 2
@@ -83,12 +91,12 @@ def run(args) -> int:
     m = job.metrics()
     ev = job.events()
     for e in ev:
-        if e["kind"] in ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error", "abort",
-                         "failed"):
+        if e["kind"] in PRINTED_EVENTS:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in e.items() if k not in ("time", "traceback")}))
     train_s = sum(r["step_time"] for r in m)
-    result = {"finished": bool(finished and job.state == "finished"), "steps": m[-1]["step"] if m else 0,
+    result = {"finished": bool(finished and job.state == JobState.FINISHED),
+              "steps": m[-1]["step"] if m else 0,
               "resizes": [[e["from_size"], e["to_size"], e["step"]] for e in ev if e["kind"] == "resize"],
               "resize_latency_s": [round(e["latency_s"], 4) for e in ev if e["kind"] == "resize"],
               "final_loss": m[-1]["loss"] if m else None,
@@ -103,7 +111,7 @@ def run(args) -> int:
         print(f"elasticlab run: warning: training ended at step {last}, so the schedule entries "
               f"{', '.join(result['schedule_not_reached'])} never took effect", file=sys.stderr)
     print("RESULT " + json.dumps(result))
-    if job.state == "failed":
+    if job.state == JobState.FAILED:
         st = job.status()
         print(f"elasticlab run: the job failed: {st['error']}", file=sys.stderr)
         if st["traceback"]:

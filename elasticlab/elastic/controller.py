@@ -167,8 +167,12 @@ class JobController(Generations, FaultHandling):
         if req and rec["generation"] == req.generation:
             del self._pending[Kind.RESIZE_DONE]
             res = {"world_size": rec["world_size"], "step": rec["step"], "latency_s": now - req.t_request}
-            self._events.emit("resize", from_size=req.from_size, to_size=rec["world_size"], step=rec["step"],
-                              latency_s=res["latency_s"])
+            if req.kind == Kind.RESUME:  # a resume from pause, done at its generation's first step
+                self._events.emit("resumed", world_size=rec["world_size"], step=rec["step"],
+                                  latency_s=res["latency_s"])
+            else:
+                self._events.emit("resize", from_size=req.from_size, to_size=rec["world_size"],
+                                  step=rec["step"], latency_s=res["latency_s"])
             req.future.set_result(res)
         req = self._pending.get(Kind.SET_BATCH)
         if req and rec["step"] > req.step and rec["global_batch"] == req.batch.global_batch \
@@ -249,8 +253,7 @@ class JobController(Generations, FaultHandling):
                     continue
                 if req.n:
                     self._target = req.n
-                req.from_size = 0
-                self._pending[Kind.RESIZE] = req  # done, as a resize, at the first step of its generation
+                self._pending[Kind.RESIZE] = req  # done (event "resumed") at the first step of its generation
                 self._start_generation()
                 return
             if st != S.RUNNING:

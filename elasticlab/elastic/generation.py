@@ -15,7 +15,7 @@ from pathlib import Path
 
 from elasticlab.elastic import messages as M
 from elasticlab.elastic.requests import Kind
-from elasticlab.elastic.states import DrainReason, JobState, WorkerState
+from elasticlab.elastic.states import DrainReason, JobState, OnNoCheckpoint, WorkerState
 
 S, W, D = JobState, WorkerState, DrainReason
 
@@ -114,7 +114,7 @@ class Generations:
             return
         if checkpoint is None and (bad or self._rejected or self._high_water > 0):
             what = ", ".join(sorted({str(p) for p, _ in bad} | self._rejected)) or "none was written"
-            if self.options.get("on_no_checkpoint", "restart") == "fail":
+            if self.options.get("on_no_checkpoint", OnNoCheckpoint.RESTART) == OnNoCheckpoint.FAIL:
                 self._fail(f"no loadable checkpoint left ({what}) and on_no_checkpoint='fail'")
                 return
             self._events.emit("no_checkpoint", unusable=what, step=self._last_step)

@@ -34,7 +34,7 @@ from elasticlab.elastic.policies import BatchConfig, FixedGlobalBatch
 from elasticlab.elastic.pool import default_slots
 from elasticlab.elastic.records import StepTime, step_time_rows
 from elasticlab.elastic.requests import Kind, Request
-from elasticlab.elastic.states import TERMINAL, ElasticJobStatus, JobState, wait_terminal
+from elasticlab.elastic.states import TERMINAL, ElasticJobStatus, JobState, OnNoCheckpoint, wait_terminal
 from elasticlab.elastic.task import entrypoint_name
 from elasticlab.elastic.trainer import default_options
 
@@ -95,7 +95,7 @@ class ElasticJob(BatchAdaptation, JobController):
                  timeout_s: float = 30.0, threads: int = 1, lr_rule: str | None = None,
                  step_delay_s: float = 0.0, goodput_refit_s: float = 10.0, schedule=None,
                  start_method: str = "forkserver", device: str | None = None, max_restarts: int = 0,
-                 max_failed_generations: int = 5, on_no_checkpoint: str = "restart",
+                 max_failed_generations: int = 5, on_no_checkpoint: str = OnNoCheckpoint.RESTART,
                  store_host: str = "127.0.0.1", abort_grace_s: float = 3.0, inject_faults=None):
         self.entrypoint = entrypoint_name(entrypoint)
         if device not in (None, "cpu", "cuda"):
@@ -113,8 +113,9 @@ class ElasticJob(BatchAdaptation, JobController):
         mfg = max_failed_generations
         if isinstance(mfg, bool) or int(mfg) != mfg or mfg < 1:
             raise ValueError(f"max_failed_generations must be a positive integer, got {mfg!r}")
-        if on_no_checkpoint not in ("restart", "fail"):
-            raise ValueError(f"on_no_checkpoint must be 'restart' or 'fail', got {on_no_checkpoint!r}")
+        if on_no_checkpoint not in [p.value for p in OnNoCheckpoint]:
+            raise ValueError(f"on_no_checkpoint must be one of {[p.value for p in OnNoCheckpoint]}, "
+                             f"got {on_no_checkpoint!r}")
         if not isinstance(store_host, str) or not store_host:
             raise ValueError(f"store_host must be an address string such as '127.0.0.1', got {store_host!r}")
         if not abort_grace_s > 0:
@@ -152,7 +153,8 @@ class ElasticJob(BatchAdaptation, JobController):
                                        ramp_per_k=getattr(self.policy, "ramp_per_k", 8), device=device,
                                        max_restarts=int(max_restarts),
                                        max_failed_generations=int(max_failed_generations),
-                                       on_no_checkpoint=on_no_checkpoint, store_host=store_host,
+                                       on_no_checkpoint=OnNoCheckpoint(on_no_checkpoint).value,
+                                       store_host=store_host,
                                        abort_grace_s=float(abort_grace_s),
                                        inject_faults=[tuple(f) for f in inject_faults or ()])
         self.options["schedule"] = self.schedule

@@ -54,8 +54,10 @@ def register_batch_policy(name: str):
 
 
 def batch_policy_name(policy, default: str | None = None) -> str | None:
-    """The registered name of ``policy``'s class (exact class), else ``default``."""
-    return next((n for n, cls in POLICIES.items() if type(policy) is cls), default)
+    """The registered name of ``policy``'s class (exact class; or of ``policy`` itself, a class), else
+    ``default``."""
+    kind = policy if isinstance(policy, type) else type(policy)
+    return next((n for n, cls in POLICIES.items() if kind is cls), default)
 
 
 def make_batch_policy(name: str, global_batch: int, world_size: int, max_batch: int | None = None):

@@ -11,11 +11,12 @@ METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "w
                "per_worker_batch", "accum_steps", "global_batch", "lr", "gns", "predicted_goodput",
                "generation")
 
-#: Kinds of events (``ElasticJob.events()``).
+#: Kinds of events (``ElasticJob.events()``). ``resize``: a resize done (``from_size``, ``to_size``,
+#: ``latency_s``); ``pause``: the job paused; ``resumed``: a resume from pause done (``world_size``,
+#: ``latency_s``); ``resume``: a generation's workers loaded the state it formed from (every generation).
 EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "adapt", "checkpoint",
-               "checkpoint_corrupt",
-               "resume", "pause", "fault", "restart", "finished", "stop", "error", "abort", "retry",
-               "no_checkpoint", "failed", "error_explained")
+               "checkpoint_corrupt", "resume", "pause", "resumed", "fault", "restart", "finished", "stop",
+               "error", "abort", "retry", "no_checkpoint", "failed", "error_explained")
 
 
 class StepTime(NamedTuple):

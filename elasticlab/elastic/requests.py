@@ -34,7 +34,7 @@ class Request:
     t_request: float  # time.perf_counter() when asked (a resize's latency runs from here)
     n: int | None = None  # resize / resume: the world size asked for
     batch: BatchConfig | None = None  # resize / set_batch: the batch asked for (None: keep or decide)
-    from_size: int | None = None  # resize / resume: the world size it started from
+    from_size: int | None = None  # resize: the world size it started from
     generation: int | None = None  # resize / resume: the generation formed for it
     step: int | None = None  # set_batch: the last step when it was taken
     min_step: int = 0  # checkpoint: the first step a checkpoint may have to satisfy it

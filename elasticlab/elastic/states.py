@@ -115,6 +115,13 @@ def wait_terminal(state_of, timeout: float | None = None, poll_s: float = 0.05) 
     return True
 
 
+class OnNoCheckpoint(StrEnum):
+    """What a job does when no loadable checkpoint is left (``on_no_checkpoint``; see :class:`JobState`)."""
+
+    RESTART = "restart"  # every rank restarts from the task's initial state; the steps lost are counted
+    FAIL = "fail"  # the job fails
+
+
 class DrainReason(StrEnum):
     """Why a generation leaves its group (state DRAINING), and so what follows once it has left."""
 

@@ -4,7 +4,8 @@ Each job is one of the Pollux artifact's applications (:mod:`elasticlab.sim.trac
 throughput model and gradient statistics, so its speedup at g GPUs is Pollux Eq. (8) (best batch per g).
 The DP (:func:`elasticlab.alloc.dp_allocate`, Saxena et al. 2020) maximises Pollux's fitness, the power
 mean of the speedups with fairness power p (Pollux Eq. (9)); the baselines are the scheduling policies of
-:mod:`elasticlab.alloc.policies` asked for one round on the same jobs. Sliders set the capacity and p.
+:mod:`elasticlab.alloc.policies` marked ``baseline``, asked for one round on the same jobs. Sliders set
+the capacity and p.
 """
 from __future__ import annotations
 
@@ -15,8 +16,29 @@ import numpy as np
 
 from elasticlab.widgets._common import LiveFigure, Panel, color, html_table, subplots_figure
 
-DEFAULT_JOBS = ("cifar10", "imagenet", "bert", "deepspeech2", "yolov3", "ncf")
-BASELINES = ("gpu-elastic", "optimus", "tiresias", "fifo")
+
+def default_jobs() -> tuple[str, ...]:
+    """The jobs shown by default: one per application of the Pollux artifact
+    (:data:`elasticlab.sim.traces.APPLICATIONS`)."""
+    from elasticlab.sim.traces import APPLICATIONS
+
+    return tuple(APPLICATIONS)
+
+
+def baseline_policies() -> tuple[str, ...]:
+    """The policies compared with the DP: those of :data:`elasticlab.alloc.policies.POLICIES` marked
+    ``baseline``, in the registry's order."""
+    from elasticlab.alloc.policies import POLICIES
+
+    return tuple(name for name, cls in POLICIES.items() if cls.baseline)
+
+
+def __getattr__(name):  # ``DEFAULT_JOBS`` and ``BASELINES``, read from the registries when asked
+    if name == "DEFAULT_JOBS":
+        return default_jobs()
+    if name == "BASELINES":
+        return baseline_policies()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fitness_utility(speedup: np.ndarray, p: float) -> np.ndarray:
@@ -33,13 +55,15 @@ def fitness_utility(speedup: np.ndarray, p: float) -> np.ndarray:
         return np.where(s > 0, -np.power(np.where(s > 0, s, 1.0), p), -np.inf)
 
 
-def job_table(apps=DEFAULT_JOBS, workload: str = "workload-6"):
+def job_table(apps=None, workload: str = "workload-6"):
     """One row per job (name, time, application, num_replicas, batch_size): each application's requested
-    GPUs and batch are those of its first job in the artifact's ``workload``."""
+    GPUs and batch are those of its first job in the artifact's ``workload``. ``apps``: application names
+    (default :func:`default_jobs`)."""
     import pandas as pd
 
     from elasticlab.sim import load_workload
 
+    apps = default_jobs() if apps is None else apps
     wl = load_workload(workload)
     rows = []
     for i, app in enumerate(apps):
@@ -65,8 +89,9 @@ def make_jobs(table, policy="pollux"):
     return jobs
 
 
-def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, baselines=BASELINES) -> dict:
-    """Allocations {method: {job name: GPUs}} and their totals, for the DP and each baseline policy.
+def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, baselines=None) -> dict:
+    """Allocations {method: {job name: GPUs}} and their totals, for the DP and each baseline policy
+    (``baselines``: policy names, default :func:`baseline_policies`).
 
     ``table``: jobs as from :func:`job_table`. Totals per method: ``goodput`` (sum of predicted goodputs,
     in base-batch steps/s, each job at its best batch for its GPUs), ``throughput`` (the same at
@@ -94,7 +119,7 @@ def allocate(table, capacity: int, p: float = -1.0, gpus_per_node: int = 4, base
     out = {"dp": dict(zip(names, dp_allocate(fitness_utility(speed, p), capacity).tolist()))}
     # exactly `capacity` GPUs: whole nodes and, when capacity is not a multiple of the node size, a part
     cluster = Cluster.of_capacity(capacity, gpus_per_node)
-    for name in baselines:
+    for name in baseline_policies() if baselines is None else baselines:
         try:
             pol = get_policy(name)
             counts = pol.allocate(make_jobs(table, pol), 0.0, cluster)
@@ -123,8 +148,9 @@ class AllocationExplorer(Panel):
     (slider up to ``max_capacity``). ``p``: Pollux's fairness power (slider from -3 to 1).
     """
 
-    def __init__(self, jobs=DEFAULT_JOBS, capacity: int = 16, p: float = -1.0, gpus_per_node: int = 4,
-                 max_capacity: int = 64, baselines=BASELINES):
+    def __init__(self, jobs=None, capacity: int = 16, p: float = -1.0, gpus_per_node: int = 4,
+                 max_capacity: int = 64, baselines=None):
+        jobs = default_jobs() if jobs is None else jobs
         if int(max_capacity) < len(jobs):
             raise ValueError(f"max_capacity {max_capacity!r} is below the number of jobs {len(jobs)}")
         if not len(jobs) <= int(capacity) <= int(max_capacity):
@@ -132,7 +158,7 @@ class AllocationExplorer(Panel):
         self.table = job_table(jobs)
         self.jobs = make_jobs(self.table)
         self.gpus_per_node = int(gpus_per_node)
-        self.baselines = tuple(baselines)
+        self.baselines = baseline_policies() if baselines is None else tuple(baselines)
         self.capacity = W.IntSlider(value=int(capacity), min=len(self.jobs), max=int(max_capacity),
                                     description="GPUs", continuous_update=False)
         self.capacity.add_class("elasticlab-capacity")

@@ -15,6 +15,7 @@ import time
 
 import ipywidgets as W
 
+from elasticlab.elastic.states import TERMINAL, JobState, WorkerState
 from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, subplots_figure, write_json_atomic
 
 #: The charts: (metric key, title, y-axis label, step-shaped line?, tick format). Whole-number series
@@ -26,8 +27,11 @@ CHARTS = (("loss", "Loss", "loss", False, ".3~g"), ("samples_per_s", "Throughput
           ("lr", "Learning rate", "LR", True, ".3~g"), ("world_size", "World size", "workers", True, "d"))
 #: Events that change the job's shape and are drawn as vertical lines.
 MARKED = ("generation",)
-_LOGGED = ("start", "generation", "resize", "set_batch", "checkpoint_corrupt", "resume", "pause", "fault",
-           "restart", "finished", "stop", "error")
+#: Events written to the log (kinds of :data:`elasticlab.elastic.records.EVENT_KINDS`).
+LOGGED = ("start", "generation", "resize", "set_batch", "checkpoint_corrupt", "resume", "pause", "resumed",
+          "fault", "restart", "finished", "stop", "error")
+#: States in which the pause button pauses the job.
+_PAUSABLE = (JobState.STARTING, JobState.SPAWNING, JobState.RUNNING, JobState.DRAINING)
 
 
 def y_range(values, whole: bool = False) -> list[float] | None:
@@ -119,13 +123,15 @@ class JobPanel(PolledPanel):
         self.pause_button = W.Button(description="pause", icon="pause", layout=W.Layout(width="100px"))
         self.stop_button = W.Button(description="stop", icon="stop", button_style="danger",
                                     layout=W.Layout(width="90px"))
-        from elasticlab.elastic.policies import batch_policy_name
+        from elasticlab.elastic.policies import FixedGlobalBatch, batch_policy_name
 
-        pol_name = batch_policy_name(getattr(job, "policy", None), "fixed_global")
+        # a job without a policy keeps its global batch: FixedGlobalBatch, with its LR rule
+        pol_name = batch_policy_name(getattr(job, "policy", None), batch_policy_name(FixedGlobalBatch))
         self.policy = W.Dropdown(options=batch_policies(), value=pol_name, description="batch",
                                  layout=W.Layout(width="230px"))
-        rule, rules = getattr(job, "options", {}).get("lr_rule", "constant"), lr_rules()
-        self.lr_rule = W.Dropdown(options=rules, value=rule if rule in rules else "constant",
+        default_rule = FixedGlobalBatch.lr_rule
+        rule, rules = getattr(job, "options", {}).get("lr_rule", default_rule), lr_rules()
+        self.lr_rule = W.Dropdown(options=rules, value=rule if rule in rules else default_rule,
                                   description="LR rule", layout=W.Layout(width="230px"))
         self.status_label = W.HTML(value="")
         self.status_label.add_class("elasticlab-job-status")
@@ -169,7 +175,7 @@ class JobPanel(PolledPanel):
     # ---- actions -------------------------------------------------------------------------------
     def start(self):
         """Start the job (if new)."""
-        if self.job.status()["state"] == "new":
+        if self.job.status()["state"] == JobState.NEW:
             self.job.start()
         self.refresh()
         return self
@@ -185,9 +191,9 @@ class JobPanel(PolledPanel):
 
     def toggle_pause(self):
         state = self.job.status()["state"]
-        if state == "paused":
+        if state == JobState.PAUSED:
             self._last_request = self.job.resume(self.workers.value)
-        elif state in ("running", "starting", "spawning", "draining"):
+        elif state in _PAUSABLE:
             self._last_request = self.job.pause()
         return self._last_request
 
@@ -229,13 +235,15 @@ class JobPanel(PolledPanel):
             self._append_log(f"<span style='color:#c00'>resize failed: {html.escape(str(e))}</span>")
 
     def _on_policy(self, change):
+        from elasticlab.elastic.policies import GoodputAdaptive
+
         st = self.job.status()
         batch = st.get("global_batch") or getattr(getattr(self.job, "policy", None), "global_batch", None) \
             or getattr(self.job, "entry_kwargs", {}).get("base_batch", 32)
         n = max(1, st.get("world_size") or self.workers.value)
         pol = make_policy(change["new"], batch, n)
         self.job.policy = pol  # the controller sizes every later generation (resize, restart) with it
-        if st["state"] == "new":
+        if st["state"] == JobState.NEW:
             self.lr_rule.value = getattr(pol, "lr_rule", self.lr_rule.value)
             self._append_log(f"batch policy → {html.escape(repr(pol))} (used from the start)")
             return
@@ -250,12 +258,12 @@ class JobPanel(PolledPanel):
         self._append_log(f"batch policy → {html.escape(repr(pol))}: global batch {st.get('global_batch')} "
                          f"now; from the next resize, by workers {html.escape(sizes)}"
                          + (" (adapted to the measured noise scale while it runs)"
-                            if change["new"] == "goodput" else "")
+                            if isinstance(pol, GoodputAdaptive) else "")
                          + (f"; the LR rule stays {html.escape(str(rule))} (the workers carry it)" if rule
                             else ""))
 
     def _on_lr_rule(self, change):
-        if self.job.status()["state"] != "new":
+        if self.job.status()["state"] != JobState.NEW:
             self._append_log("the LR rule is fixed once the job runs (workers carry it)")
             return
         self.job.options["lr_rule"] = change["new"]
@@ -264,7 +272,7 @@ class JobPanel(PolledPanel):
     def _spawn_note(self, n: int) -> str:
         """Why growing past the warm worker processes is slower: the new ones must start first."""
         workers = self.job.status().get("workers") or {}
-        alive = sum(1 for w in workers.values() if w.get("state") != "dead")
+        alive = sum(1 for w in workers.values() if w.get("state") != WorkerState.DEAD)
         if not workers or n <= alive:
             return ""
         k = n - alive
@@ -282,12 +290,7 @@ class JobPanel(PolledPanel):
     @staticmethod
     def _describe(ev: dict) -> str:
         k = ev["kind"]
-        if k == "resize" and not ev.get("from_size"):
-            # the controller completes a resume (from paused, 0 workers) as a resize request
-            ev = {"kind": "resumed from pause", "world_size": ev.get("to_size"),
-                  **{a: v for a, v in ev.items() if a in ("step", "latency_s")}}
-            k = "resumed from pause"
-        elif k == "resume":  # a generation's workers loaded the state it formed from
+        if k == "resume":  # a generation's workers loaded the state it formed from
             k = "restored" if ev.get("step") else "initialised"
         skip = {"kind", "time", "t", "path", "port", "entrypoint", "workers", "checkpoint"}
         fields = ", ".join(f"{a}={v:.3g}" if isinstance(v, float) else f"{a}={v}"
@@ -308,7 +311,7 @@ class JobPanel(PolledPanel):
                 self._t0 = ev["time"]
             if ev["kind"] in MARKED:
                 self._marks.append((ev["time"] - self._t0, f"{ev.get('world_size', '?')}w"))
-            if ev["kind"] in _LOGGED:
+            if ev["kind"] in LOGGED:
                 self._append_log(self._describe(ev))
         if new:
             if self._t0 is None:
@@ -361,14 +364,15 @@ class JobPanel(PolledPanel):
 
     def _show_status(self, st: dict) -> None:
         state = st["state"]
-        self.pause_button.description = "resume" if state == "paused" else "pause"
-        self.pause_button.icon = "play" if state == "paused" else "pause"
-        terminal = state in ("finished", "stopped", "failed")
-        self.start_button.disabled = state != "new"
-        self.pause_button.disabled = terminal or state == "new"
+        paused, new = state == JobState.PAUSED, state == JobState.NEW
+        self.pause_button.description = "resume" if paused else "pause"
+        self.pause_button.icon = "play" if paused else "pause"
+        terminal = state in TERMINAL
+        self.start_button.disabled = not new
+        self.pause_button.disabled = terminal or new
         self.stop_button.disabled = terminal
         self.workers.disabled = terminal
-        self.lr_rule.disabled = state != "new"
+        self.lr_rule.disabled = not new
         gb = st.get("global_batch")
         parts = [f"state=<b data-state='{state}'>{state}</b>",
                  f"world_size=<b data-world-size='{st['world_size']}'>{st['world_size']}</b>",

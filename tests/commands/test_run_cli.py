@@ -61,3 +61,17 @@ def test_run_command_warns_about_schedule_steps_it_never_reached(tmp_path, capsy
     assert rc == 0 and res["steps"] == 8 and res["schedule_not_reached"] == ["40:1"]
     assert "40:1 never took effect" in cap.err
     assert "training" in cap.err and "step" in cap.err  # the progress bar
+
+
+def test_run_and_demo_read_the_job_registries(capsys):
+    """Issue 15: --on-no-checkpoint offers the job's OnNoCheckpoint values, and the events the commands print
+    are kinds of the job's list (records.EVENT_KINDS)."""
+    from elasticlab.commands import demo, run
+    from elasticlab.elastic.records import EVENT_KINDS
+    from elasticlab.elastic.states import OnNoCheckpoint
+
+    assert set(run.PRINTED_EVENTS) <= set(EVENT_KINDS) and set(demo.SHOWN_EVENTS) <= set(EVENT_KINDS)
+    with pytest.raises(SystemExit):
+        main(["run", DIGITS, "--on-no-checkpoint", "retry"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'retry'" in err and all(repr(p.value) in err for p in OnNoCheckpoint), err

@@ -168,7 +168,9 @@ def test_job_constructor_rejects_bad_settings(tmp_path):
              ({"schedule": "4:1,x"}, "bad schedule entry 'x'"),
              ({"schedule": {5: 9}, "slots": 4}, "9 exceeds"),
              ({"epochs": 0}, "epochs must be >= 1, got 0"), ({"device": "tpu"}, "'tpu'"),
-             ({"start_method": "fork"}, "'fork'"), ({"warm": 9, "slots": 4}, "warm=9")]
+             ({"start_method": "fork"}, "'fork'"), ({"warm": 9, "slots": 4}, "warm=9"),
+             ({"on_no_checkpoint": "retry"},
+              r"on_no_checkpoint must be one of \['restart', 'fail'\], got 'retry'")]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=msg):
             ElasticJob(digits, checkpoint_dir=str(tmp_path), **kwargs)
@@ -229,6 +231,21 @@ def test_job_states_transitions_and_terminal_states_are_shared():
     assert all(isinstance(s, LiveState) for s in CLUSTER_TERMINAL)  # one enum for the cluster's job states
     assert {s for s in LiveState if s in CLUSTER_TERMINAL} == {LiveState(s) for s in TERMINAL} | {"dropped"}
     assert LiveState.QUEUED not in CLUSTER_TERMINAL and str(LiveState.DROPPED) == "dropped"
+
+
+def test_on_no_checkpoint_policies_live_in_one_enum(tmp_path):
+    """The job's policies for "no loadable checkpoint left" are :class:`OnNoCheckpoint` (issue 15): the job
+    takes each of its values (plain strings too) and passes the plain value on to its workers."""
+    from elasticlab.elastic import ElasticJob
+    from elasticlab.elastic.states import OnNoCheckpoint
+
+    assert [p.value for p in OnNoCheckpoint] == ["restart", "fail"]
+    digits = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "digits.py")
+    for value in (*OnNoCheckpoint, "fail"):
+        job = ElasticJob(digits, checkpoint_dir=str(tmp_path), on_no_checkpoint=value)
+        opt = job.options["on_no_checkpoint"]
+        assert opt == value and type(opt) is str
+        job.stop()
 
 
 def test_job_status_is_a_record_read_like_a_dict(tmp_path):

@@ -117,8 +117,13 @@ def test_corrupt_checkpoint_falls_back_to_previous(run):
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])   # truncated on disk
     previous = ckdir.steps()[-2]
     n_ev = len(job.events())
-    job.resume(2).result(timeout=90)
+    resumed = job.resume(2).result(timeout=90)
     ev = job.events(n_ev)
+    # a resume from pause is its own event kind, no resize from 0 workers (issue 15)
+    assert not [e for e in ev if e["kind"] == "resize"], ev
+    (done,) = [e for e in ev if e["kind"] == "resumed"]
+    assert done["world_size"] == 2 and done["step"] == resumed["step"] > previous
+    assert done["latency_s"] == resumed["latency_s"] > 0
     corrupt = [e for e in ev if e["kind"] == "checkpoint_corrupt"]
     assert corrupt and corrupt[0]["path"] == str(newest) and "checksum" in corrupt[0]["reason"]
     gen = next(e for e in ev if e["kind"] == "generation")

@@ -133,9 +133,9 @@ def test_job_panel_lr_rule_and_policy_choices():
 
 
 def test_job_panel_policy_now_resume_and_warm_note():
-    """Issue 20 item 5: a policy change says what it changes (the batch at each size); a resume is logged as
-    one (the controller reports it as a resize from 0); growing past the warm processes says why it is slow;
-    the axes start at 0 with whole-number ticks for the batch and the world size."""
+    """Issue 20 item 5: a policy change says what it changes (the batch at each size); a resume from pause is
+    logged as one (its own event kind, "resumed", since issue 15); growing past the warm processes says why it
+    is slow; the axes start at 0 with whole-number ticks for the batch and the world size."""
     from elasticlab.widgets import JobPanel
 
     job = FakeJob()
@@ -154,10 +154,9 @@ def test_job_panel_policy_now_resume_and_warm_note():
     assert "must start" not in panel.log.value
     panel.workers.value = 4
     assert "1 more worker process beyond the 3 warm ones must start" in panel.log.value
-    job._e.append({"kind": "resize", "time": time.time(), "from_size": 0, "to_size": 4, "step": 9,
-                   "latency_s": 0.5})
+    job._e.append({"kind": "resumed", "time": time.time(), "world_size": 4, "step": 9, "latency_s": 0.5})
     panel.refresh()
-    assert "<b>resumed from pause</b> world_size=4, step=9, latency_s=0.5" in panel.log.value
+    assert "<b>resumed</b> world_size=4, step=9, latency_s=0.5" in panel.log.value
     job._e.append({"kind": "resume", "time": time.time(), "generation": 3, "step": 9, "world_size": 4})
     panel.refresh()
     assert "<b>restored</b> generation=3, step=9, world_size=4" in panel.log.value
@@ -166,6 +165,31 @@ def test_job_panel_policy_now_resume_and_warm_note():
     assert lay["yaxis5"]["range"] == pytest.approx([0, 0.1 * 1.15]) and lay["yaxis5"]["tickformat"] == ".3~g"
     assert lay["yaxis4"]["range"] == [0, 74] and lay["yaxis4"]["tickformat"] == "d"
     assert lay["yaxis6"]["dtick"] == 1
+
+
+def test_job_panel_reads_event_kinds_states_and_defaults_from_the_job_registries():
+    """Issue 15: the events the panel logs or marks are kinds of the job's list (records.EVENT_KINDS), its
+    buttons follow the job's states (JobState), and a job without a batch policy shows FixedGlobalBatch's
+    registered name and LR rule."""
+    from elasticlab.elastic.policies import FixedGlobalBatch, batch_policy_name
+    from elasticlab.elastic.records import EVENT_KINDS
+    from elasticlab.elastic.states import TERMINAL, JobState
+    from elasticlab.widgets import JobPanel
+    from elasticlab.widgets.job_panel import LOGGED, MARKED
+
+    assert set(LOGGED) <= set(EVENT_KINDS) and set(MARKED) <= set(EVENT_KINDS) and "resumed" in LOGGED
+    job = FakeJob()
+    job.options = {}
+    panel = JobPanel(job, autostart_poll=False)
+    assert panel.policy.value == batch_policy_name(FixedGlobalBatch) == "fixed_global"
+    assert panel.lr_rule.value == FixedGlobalBatch.lr_rule == "constant"
+    for state in JobState:
+        job._state = state.value
+        panel.refresh()
+        assert panel.start_button.disabled == (state != JobState.NEW), state
+        assert panel.pause_button.disabled == (state in TERMINAL or state == JobState.NEW), state
+        assert panel.pause_button.description == ("resume" if state == JobState.PAUSED else "pause"), state
+        assert panel.stop_button.disabled == (state in TERMINAL), state
 
 
 def test_job_panel_writes_status_file_and_downsamples(tmp_path):
@@ -290,6 +314,19 @@ def test_allocation_dp_beats_baselines_on_fitness():
         allocate(table, capacity=2, p=-1.0)
     with pytest.raises(ValueError, match="capacity"):
         allocate(table, capacity=0, p=1.0)
+
+
+def test_allocation_defaults_come_from_the_registries():
+    """Issue 15: the explorer's baselines are the allocation policies marked ``baseline`` (the four it listed
+    itself before) and its default jobs are the artifact's applications; none is listed in the widget."""
+    from elasticlab.alloc.policies import POLICIES
+    from elasticlab.sim.traces import APPLICATIONS
+    from elasticlab.widgets import allocation
+
+    assert allocation.baseline_policies() == tuple(n for n, cls in POLICIES.items() if cls.baseline)
+    assert set(allocation.BASELINES) == {"gpu-elastic", "optimus", "tiresias", "fifo"}
+    assert allocation.DEFAULT_JOBS == tuple(APPLICATIONS) and len(APPLICATIONS) == 6
+    assert list(allocation.job_table().application) == list(APPLICATIONS)
 
 
 def test_allocation_explorer_sliders_recompute():

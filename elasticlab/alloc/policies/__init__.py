@@ -7,7 +7,8 @@ returns GPU counts {job name: GPUs}; ``elasticlab.alloc.placement.place`` then m
 with its own ``name`` defined in a module of this package is registered when the package is imported
 (adding a policy is adding one module here); a policy defined elsewhere joins with :func:`register_policy`.
 Each class carries what the simulator, the live cluster, the CLI and the widgets read: ``name``,
-``batch_mode`` and ``live`` (offered on the live cluster).
+``batch_mode``, ``live`` (offered on the live cluster) and ``baseline`` (compared with the DP in the
+AllocationExplorer).
 """
 from __future__ import annotations
 

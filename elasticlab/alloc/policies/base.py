@@ -127,7 +127,9 @@ def _checked(allocate):
 class Policy:
     """Base class. ``batch_mode`` says how its jobs pick their batch (see ``SimJob``); ``gang`` policies
     need a job's whole count placed or nothing; ``one_distributed_per_node`` is Pollux's interference
-    avoidance; ``live`` policies are offered on the live cluster (:mod:`elasticlab.cluster`).
+    avoidance; ``live`` policies are offered on the live cluster (:mod:`elasticlab.cluster`);
+    ``baseline`` policies are the ones the AllocationExplorer (:mod:`elasticlab.widgets.allocation`) draws
+    next to its exact DP.
 
     Every subclass's ``allocate`` is checked on return (:func:`check_allocation`): a policy that hands out
     more GPUs than ``cluster.total_gpus`` is a ValueError, never an over-full cluster."""
@@ -141,6 +143,7 @@ class Policy:
     name = "base"
     batch_mode = "fixed"
     live = False
+    baseline = False
     gang = False
     one_distributed_per_node = False
 

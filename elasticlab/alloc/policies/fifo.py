@@ -23,3 +23,4 @@ class FifoPolicy(Policy):
 
     def placement_order(self, jobs):
         return [j.name for j in sorted(jobs, key=lambda j: (j.submission_time, j.name))]
+    baseline = True

@@ -36,3 +36,4 @@ class ThroughputDPPolicy(Policy):
 class GpuElasticPolicy(ThroughputDPPolicy):
     name = "gpu-elastic"
     batch_mode = "fixed"
+    baseline = True

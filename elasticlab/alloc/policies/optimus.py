@@ -58,3 +58,4 @@ class OptimusPolicy(Policy):
             free -= 1
             push(n)
         return out
+    baseline = True

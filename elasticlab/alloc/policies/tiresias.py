@@ -58,3 +58,4 @@ class TiresiasPolicy(Policy):
 
     def placement_order(self, jobs):
         return list(self.queues[0]) + list(self.queues[1])
+    baseline = True
