@@ -274,6 +274,22 @@ def test_job_status_is_a_record_read_like_a_dict(tmp_path):
     assert set(ts) == set(JobStatus.__dataclass_fields__) | {"agents"}
 
 
+def test_torchrun_job_reports_a_resume_from_pause_as_the_elastic_job_does(tmp_path):
+    """Both job handles report a resume from pause as "resumed" (issue 15), a resize as "resize"."""
+    from elasticlab.cluster.torchrun import TorchrunJob
+    from elasticlab.elastic.records import EVENT_KINDS
+
+    tr = TorchrunJob("examples/digits.py:make_task", workers=1, max_workers=2, checkpoint_dir=str(tmp_path))
+    for n, from_size, step in ((2, 1, 5), (2, 0, 9)):
+        fut = tr._future(n, from_size)
+        tr._on_step({"world_size": n, "step": step})
+        assert fut.result(timeout=1)["step"] == step
+    resize, resumed = tr.events()
+    assert (resize["kind"], resize["from_size"], resize["to_size"]) == ("resize", 1, 2)
+    assert (resumed["kind"], resumed["world_size"], resumed["step"]) == ("resumed", 2, 9)
+    assert resumed["kind"] in EVENT_KINDS
+
+
 def test_messages_are_typed_records_that_pickle():
     """The job and its workers exchange the records of messages.py; a control carries its step vector."""
     import pickle

@@ -200,7 +200,10 @@ class TorchrunJob:
             with self._lock:
                 self._pending = None
             lat = time.perf_counter() - p[3]
-            self._events.emit("resize", from_size=p[2], to_size=p[1], step=rec["step"], latency_s=lat)
+            if p[2] == 0:  # a resume from pause: the elastic job's event kind "resumed"
+                self._events.emit("resumed", world_size=p[1], step=rec["step"], latency_s=lat)
+            else:
+                self._events.emit("resize", from_size=p[2], to_size=p[1], step=rec["step"], latency_s=lat)
             p[0].set_result({"world_size": p[1], "step": rec["step"], "latency_s": lat})
 
     def _watcher(self) -> None:
