@@ -28,6 +28,9 @@ KNOWN_GAPS: dict[str, str] = {
     "P3-T9": "criterion (c), the bias identity within bound (3.3), fails as written for ReLU+bias at "
              "depth 4, width 8: gradient descent oscillates there (the loss rises on 1671 of 8000 steps), "
              "which breaks the bound's premise; the target is left as written (theory/03 §3.3, Measured)",
+    "P5-T6": "the GNS-guided schedule needs more examples than the best fixed batch (quick: 2440 vs 1920 at "
+             "B = 8, x1.27), as McCandlish's E = E_min(1 + B/B_crit) predicts for a schedule that only grows "
+             "the batch: examples rise with the batch, so the smallest fixed batch of the sweep wins",
 }
 
 
