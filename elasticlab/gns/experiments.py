@@ -202,7 +202,7 @@ def steps_examples_tradeoff(batches=tuple(2**k for k in range(11)), n_lrs: int =
 
 
 # ------------------------------------------------------------------------------------------------ P5-T5
-def _char_corpus(modules=("argparse", "inspect")) -> str:
+def char_corpus(modules=("argparse", "inspect")) -> str:
     """Plain text that ships with Python: the source of a few standard-library modules."""
     import importlib
     import inspect
@@ -262,7 +262,7 @@ def layernorm_gns_proxy(steps: int = 300, batch: int = 32, context: int = 64, d:
 
     from elasticlab.gns import GNSEstimator, PerSampleGradNorms
 
-    text = _char_corpus()
+    text = char_corpus()
     chars = sorted(set(text))
     data = torch.from_numpy(np.searchsorted(np.array(chars), np.array(list(text))))
     torch.manual_seed(seed)

@@ -40,9 +40,9 @@ def _data():
     """(train tokens, validation inputs, validation targets, vocabulary size) of the P5-T5 corpus."""
     import torch
 
-    from elasticlab.gns.experiments import _char_corpus
+    from elasticlab.gns.experiments import char_corpus
 
-    text = _char_corpus()
+    text = char_corpus()
     chars = sorted(set(text))
     data = torch.from_numpy(np.searchsorted(np.array(chars), np.array(list(text))))
     n = int(0.9 * len(data))
