@@ -222,8 +222,11 @@ class RayJob(RayGenerations):
             return
         if p["kind"] in ("resize", "resume") and p.get("sent") == "formed" and rec["world_size"] == p["got"]:
             lat = time.perf_counter() - p["t0"]
-            self._events.emit(p["kind"], from_size=p.get("from_size"), to_size=p["got"], step=rec["step"],
-                              latency_s=lat)
+            if p["kind"] == "resume":       # a resume from pause: the elastic job's event kind "resumed"
+                self._events.emit("resumed", world_size=p["got"], step=rec["step"], latency_s=lat)
+            else:
+                self._events.emit("resize", from_size=p.get("from_size"), to_size=p["got"], step=rec["step"],
+                                  latency_s=lat)
             self._resolve({"world_size": p["got"], "step": rec["step"], "latency_s": lat})
         elif p["kind"] == "set_batch" and (rec["global_batch"], rec["accum_steps"]) == p["batch"]:
             self._events.emit("set_batch", global_batch=p["batch"][0], accum_steps=p["batch"][1])
