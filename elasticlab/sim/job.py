@@ -133,7 +133,7 @@ class SimJob:
         except TypeError:  # statistics set to an unhashable object: no memo
             return compute()
         if hit is None:
-            if len(self._memo) > 512:  # a job's inputs drift over its epochs: keep the recent ones
+            if len(self._memo) > 32:  # inputs drift over epochs; curves span the cluster: keep a few
                 self._memo.clear()
             hit = compute()
             if isinstance(hit, np.ndarray):
