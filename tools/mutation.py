@@ -9,6 +9,10 @@ are never 0, for instance).
 
     python tools/mutation.py [--target estimator,dp,sampler] [--max 40] [--timeout 120] [--keep DIR]
 
+The unmutated copy's tests run first and must pass (else every mutant would count as killed). numba caches
+a compiled kernel keyed on its own file's stamp only, so a kernel that calls into the mutated module (dp's
+greedy calls heap's) would keep the unmutated code: every module that imports the target is touched.
+
 Last line: ``RESULT {json}`` with per-target counts and the survivors.
 """
 from __future__ import annotations
@@ -17,10 +21,12 @@ import argparse
 import ast
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +39,11 @@ TARGETS = {
                 ["tests/elastic/test_sampler.py", "tests/elastic/test_components.py"]),
     "checkpoint": ("elasticlab/elastic/checkpoint.py",
                    ["tests/elastic/test_checkpoint.py", "tests/elastic/test_components.py"]),
+    "hull": ("elasticlab/alloc/hull.py", ["tests/alloc/test_dp_nonconcave.py", "tests/alloc/test_dp.py"]),
+    "heap": ("elasticlab/alloc/heap.py", ["tests/alloc/test_dp.py", "tests/alloc/test_dp_nonconcave.py"]),
+    "efficiency": ("elasticlab/goodput/efficiency.py", ["tests/goodput/test_pollux_model.py"]),
+    "goodput": ("elasticlab/goodput/function.py",
+                ["tests/goodput/test_pollux_model.py", "tests/goodput/test_agent.py"]),
 }
 
 _SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
@@ -86,10 +97,27 @@ def _docstring_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
+def _importers(work: Path, rel: str) -> list[Path]:
+    """Modules of the copy that import the module at ``rel`` (their numba caches must not outlive it)."""
+    dotted = rel[:-3].replace("/", ".")
+    return [p for p in (work / "elasticlab").rglob("*.py") if p != work / rel and dotted in p.read_text()]
+
+
+def _pytest(work: Path, tests: list[str], timeout: int):
+    try:
+        return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=work, capture_output=True, text=True, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return "timeout"
+
+
 def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
     rel, tests = TARGETS[name]
     path = work / rel
     original = path.read_text()
+    importers = _importers(work, rel)
+    if _pytest(work, tests, timeout) != 0:
+        raise SystemExit(f"{name}: the tests {tests} fail on the unmutated copy; no mutant verdict possible")
     tree = ast.parse(original)
     skip = _docstring_lines(tree)
     sites = [s for s in _sites(tree) if s[2] not in skip]
@@ -99,12 +127,10 @@ def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
     try:
         for idx, what, line in chosen:
             path.write_text(ast.unparse(mutate(tree, idx)))
-            try:
-                r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                    *tests], cwd=work, capture_output=True, text=True, timeout=timeout)
-                status = r.returncode
-            except subprocess.TimeoutExpired:
-                status = "timeout"                   # a mutant that hangs the tests counts as killed
+            now = time.time()
+            for p in importers:
+                os.utime(p, (now, now))
+            status = _pytest(work, tests, timeout)   # a mutant that hangs the tests ("timeout") is killed
             if status == 0:
                 survived.append({"line": line, "mutation": what,
                                  "source": original.splitlines()[line - 1].strip()})
@@ -115,6 +141,9 @@ def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
             print(f"  {name}:{line:<4d} {what:32s} {'SURVIVED' if status == 0 else 'killed'}", flush=True)
     finally:
         path.write_text(original)
+        now = time.time()
+        for p in importers:
+            os.utime(p, (now, now))
     return {"module": rel, "sites": len(sites), "mutants": len(chosen), "killed": killed,
             "survived": survived, "errors": errors}
 
