@@ -9,9 +9,10 @@ are never 0, for instance).
 
     python tools/mutation.py [--target estimator,dp,sampler] [--max 40] [--timeout 120] [--keep DIR]
 
-The unmutated copy's tests run first and must pass (else every mutant would count as killed). numba caches
-a compiled kernel keyed on its own file's stamp only, so a kernel that calls into the mutated module (dp's
-greedy calls heap's) would keep the unmutated code: every module that imports the target is touched.
+The unmutated copy's tests run first and must pass (else every mutant would count as killed). Where the
+target or a module importing it uses numba, each test run gets a fresh ``NUMBA_CACHE_DIR``: numba's on-disk
+cache kept serving a kernel compiled against an earlier version of a module it calls (dp's greedy calls
+heap's), even with the caller's file touched, so every heap mutant "survived".
 
 Last line: ``RESULT {json}`` with per-target counts and the survivors.
 """
@@ -26,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,25 +98,28 @@ def _docstring_lines(tree: ast.AST) -> set[int]:
 
 
 def _importers(work: Path, rel: str) -> list[Path]:
-    """Modules of the copy that import the module at ``rel`` (their numba caches must not outlive it)."""
+    """Modules of the copy that import the module at ``rel``."""
     dotted = rel[:-3].replace("/", ".")
     return [p for p in (work / "elasticlab").rglob("*.py") if p != work / rel and dotted in p.read_text()]
 
 
-def _pytest(work: Path, tests: list[str], timeout: int):
-    try:
-        return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                              cwd=work, capture_output=True, text=True, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        return "timeout"
+def _pytest(work: Path, tests: list[str], timeout: int, fresh_jit: bool):
+    with tempfile.TemporaryDirectory(prefix="numba-", dir=work) as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache} if fresh_jit else None
+        try:
+            return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                   *tests], cwd=work, capture_output=True, text=True, timeout=timeout,
+                                  env=env).returncode
+        except subprocess.TimeoutExpired:
+            return "timeout"
 
 
 def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
     rel, tests = TARGETS[name]
     path = work / rel
     original = path.read_text()
-    importers = _importers(work, rel)
-    if _pytest(work, tests, timeout) != 0:
+    fresh_jit = any("numba" in p.read_text() for p in [path, *_importers(work, rel)])
+    if _pytest(work, tests, timeout, fresh_jit) != 0:
         raise SystemExit(f"{name}: the tests {tests} fail on the unmutated copy; no mutant verdict possible")
     tree = ast.parse(original)
     skip = _docstring_lines(tree)
@@ -127,10 +130,7 @@ def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
     try:
         for idx, what, line in chosen:
             path.write_text(ast.unparse(mutate(tree, idx)))
-            now = time.time()
-            for p in importers:
-                os.utime(p, (now, now))
-            status = _pytest(work, tests, timeout)   # a mutant that hangs the tests ("timeout") is killed
+            status = _pytest(work, tests, timeout, fresh_jit)  # "timeout": a hanging mutant counts as killed
             if status == 0:
                 survived.append({"line": line, "mutation": what,
                                  "source": original.splitlines()[line - 1].strip()})
@@ -141,9 +141,6 @@ def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
             print(f"  {name}:{line:<4d} {what:32s} {'SURVIVED' if status == 0 else 'killed'}", flush=True)
     finally:
         path.write_text(original)
-        now = time.time()
-        for p in importers:
-            os.utime(p, (now, now))
     return {"module": rel, "sites": len(sites), "mutants": len(chosen), "killed": killed,
             "survived": survived, "errors": errors}
 
