@@ -277,6 +277,27 @@ def test_noise_scale_duck_typing():
         noise_scale(object())
 
 
+class _Stats:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+def test_noise_scale_half_pairs_and_nan():
+    """A pair of statistics is read only when both halves are there (mutation run: ``and`` -> ``or``), and
+    NaN in either half of ``(sqr, var)`` is an error, not a NaN phi (``or`` -> ``and``)."""
+    # grad_sq without trace_cov falls through to sqr/var: phi = M0 * var / sqr = 8 * 0.5 / 2
+    assert noise_scale(_Stats(grad_sq=4.0, sqr=2.0, var=0.5), 8) == pytest.approx(2.0)
+    assert noise_scale(_Stats(trace_cov=4.0, sqr=2.0, var=0.5), 8) == pytest.approx(2.0)
+    for half in (_Stats(grad_sq=4.0), _Stats(sqr=2.0), _Stats(var=0.5)):
+        with pytest.raises(TypeError, match="cannot read a gradient noise scale"):
+            noise_scale(half, 8)
+    for pair in ((math.nan, 1.0), (1.0, math.nan)):
+        with pytest.raises(ValueError, match="NaN"):
+            noise_scale(pair, 8)
+        with pytest.raises(ValueError, match="NaN"):
+            noise_scale(_Stats(sqr=pair[0], var=pair[1]), 8)
+
+
 def test_bad_inputs_raise_clear_errors():
     fn = GoodputFunction(TRUE, 10.0, 128)
     with pytest.raises(ValueError, match="greater than its maximum"):
