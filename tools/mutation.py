@@ -12,7 +12,9 @@ are never 0, for instance).
 The unmutated copy's tests run first and must pass (else every mutant would count as killed). Where the
 target or a module importing it uses numba, each test run gets a fresh ``NUMBA_CACHE_DIR``: numba's on-disk
 cache kept serving a kernel compiled against an earlier version of a module it calls (dp's greedy calls
-heap's), even with the caller's file touched, so every heap mutant "survived".
+heap's), even with the caller's file touched, so every heap mutant "survived". Hypothesis runs under a
+profile without shrinking (a verdict needs a failure, not the smallest one) and without deadlines (a slow
+example on a loaded machine is not a kill).
 
 Last line: ``RESULT {json}`` with per-target counts and the survivors.
 """
@@ -103,12 +105,19 @@ def _importers(work: Path, rel: str) -> list[Path]:
     return [p for p in (work / "elasticlab").rglob("*.py") if p != work / rel and dotted in p.read_text()]
 
 
+_PROFILE = """from hypothesis import Phase, settings
+
+settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate], deadline=None)
+"""
+
+
 def _pytest(work: Path, tests: list[str], timeout: int, fresh_jit: bool):
     with tempfile.TemporaryDirectory(prefix="numba-", dir=work) as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache} if fresh_jit else None
         try:
-            return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                   *tests], cwd=work, capture_output=True, text=True, timeout=timeout,
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                   "-p", "_mutation_profile", "--hypothesis-profile=mutation", *tests]
+            return subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout,
                                   env=env).returncode
         except subprocess.TimeoutExpired:
             return "timeout"
@@ -160,6 +169,7 @@ def main(argv=None) -> int:
             subprocess.run(["tar", "-x", "-C", str(work)], input=tar, check=True)
             for so in (ROOT / "elasticlab").glob("_C*.so"):
                 shutil.copy2(so, work / "elasticlab" / so.name)
+        (work / "_mutation_profile.py").write_text(_PROFILE)
         result = {}
         for name in [t for t in args.target.split(",") if t]:
             if name not in TARGETS:
