@@ -291,6 +291,10 @@ def test_noise_scale_half_pairs_and_nan():
     for half in (_Stats(grad_sq=4.0), _Stats(sqr=2.0), _Stats(var=0.5)):
         with pytest.raises(TypeError, match="cannot read a gradient noise scale"):
             noise_scale(half, 8)
+    # a 0-d array is a number (``ndim == 0`` -> ``!= 0`` sent it to the attribute readers)
+    assert noise_scale(np.array(37.0)) == 37.0
+    with pytest.raises(ValueError, match="-1"):
+        noise_scale(np.array(-1.0))
     # no signal and no noise (or noise clipped to 0): phi = 0, not inf or 1 (``num > 0`` -> ``>=``)
     assert noise_scale((0.0, 0.0), 8) == 0.0
     assert noise_scale((-1.0, -0.5), 8) == 0.0
