@@ -99,6 +99,10 @@ def test_pollux_pair_and_layers():
     g2, s = per_example_estimates(5.0, 2, 1.0)
     assert est.pollux_params() == pytest.approx((max(g2, 0.0), max(s / 8, 1e-6)))
     assert est.layer_stats()["ln"] == pytest.approx(per_example_estimates(2.0, 2, 0.5))
+    # the default M0 is 1: var is tr(Sigma) itself (mutation run: a default of 2 halved it)
+    plain = GNSEstimator(beta=0.5)
+    plain.update(torch.tensor([4.0, 6.0]), 1.0)
+    assert plain.init_batch_size == 1 and plain.var == pytest.approx(max(s, 1e-6))
 
 
 def test_state_dict_roundtrip_with_weights_only():
