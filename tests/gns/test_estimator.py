@@ -130,6 +130,9 @@ def test_bad_input_errors_name_the_value():
         est.update_two_batch(1.0, 1.0, 8, 8)
     with pytest.raises(ValueError, match="missing"):
         est.load_state_dict({"beta": 0.9})
+    for bad in (torch.tensor([1.0, 2.0]), torch.ones(3)):  # a vector where a scalar norm belongs
+        with pytest.raises(ValueError, match=r"scalar squared norm, got a tensor of shape \(\d,\)"):
+            est.update(torch.tensor([4.0, 6.0]), bad)
     assert math.isnan(GNSEstimator().b_simple)
 
 
