@@ -227,6 +227,13 @@ def test_speedup_table_matches_speedup():
     table2 = other.speedup_table(16, 4, **kw)
     np.testing.assert_allclose(table2[nodes, gpus], other.speedup(nodes, gpus, **kw))
     assert not np.allclose(table, table2)
+    # a small M0 on many GPUs: the per-GPU minimum (default 1) sets the smallest candidate, and the table
+    # must use the same default as optimize (mutation run: the grid's own default drifted to 2)
+    small = GoodputFunction(TRUE, 0.0, 16)  # no noise: the smallest batch is best
+    table3 = small.speedup_table(4, 8, max_batch=1024)
+    nodes, gpus = np.nonzero(table3)
+    np.testing.assert_allclose(table3[nodes, gpus], small.speedup(nodes, gpus, max_batch=1024))
+    assert small.optimize(4, 32, max_batch=1024)[1:] == (1, 0)
 
 
 # ------------------------------------------------------------------------------------ P4-T4
@@ -332,6 +339,9 @@ def test_bad_inputs_raise_clear_errors():
         GoodputFunction(TRUE, 1.0, 0)
     with pytest.raises(ValueError, match="min_per_gpu_batch"):
         fn.optimize(1, 2, max_batch=512, min_per_gpu_batch=64, max_per_gpu_batch=32)
+    for nodes, gpus in ((-1, 2), (1, -2), ([1, -1], [2, 2])):
+        with pytest.raises(ValueError, match="nodes and gpus must be >= 0"):
+            fn.optimize(nodes, gpus, max_batch=512)
 
 
 def test_fit_on_the_artifact_traces():
