@@ -155,6 +155,7 @@ class SimulationDashboard(Panel):
             compare_policies(wl, pols, self.cluster.value.strip(),
                              limit=self.limit.value or None, on_result=self._on_result)
         except Exception as e:
+            self.draw()         # the charts and table of this run (none, or those done), not the last's
             self.message.value = f"<span style='color:#c00'>simulation failed: {html.escape(str(e))}</span>"
             if threading.current_thread() is threading.main_thread():
                 raise

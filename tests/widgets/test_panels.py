@@ -357,6 +357,12 @@ def test_simulation_dashboard_runs_policies():
     spec = _plotly_spec(d.chart)
     cdf = spec["data"][0]
     assert len(_arr(cdf["x"])) == 6 and _arr(cdf["y"])[-1] == pytest.approx(1.0)
+    # a failed run leaves no chart or table of the previous one up (issue 20, notebook 03)
+    d.cluster.value = "0x4"
+    with pytest.raises(ValueError):
+        d.run()
+    assert "simulation failed" in d.message.value
+    assert not _plotly_spec(d.chart)["data"] and "tiresias" not in d.table.value
     with pytest.raises(ValueError, match="unknown policies"):
         SimulationDashboard(policies=("nope",))
     with pytest.raises(ValueError, match="cluster"):
