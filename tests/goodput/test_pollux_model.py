@@ -339,6 +339,11 @@ def test_bad_inputs_raise_clear_errors():
         GoodputFunction(TRUE, 1.0, 0)
     with pytest.raises(ValueError, match="min_per_gpu_batch"):
         fn.optimize(1, 2, max_batch=512, min_per_gpu_batch=64, max_per_gpu_batch=32)
+    # an infeasible base allocation (2 nodes, 1 GPU) is an error, not a division by zero
+    with pytest.raises(ValueError, match=r"no feasible configuration on the base allocation \(2, 1\)"):
+        fn.speedup(2, 8, base=(2, 1), max_batch=512)
+    with pytest.raises(ValueError, match=r"no feasible configuration on the base allocation \(2, 1\)"):
+        fn.speedup_table(2, 4, base=(2, 1), max_batch=512)
     for nodes, gpus in ((-1, 2), (1, -2), ([1, -1], [2, 2])):
         with pytest.raises(ValueError, match="nodes and gpus must be >= 0"):
             fn.optimize(nodes, gpus, max_batch=512)
