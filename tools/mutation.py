@@ -7,7 +7,8 @@ it with ``-x``: a failing test kills the mutant, a clean pass lets it survive. S
 their line, for a person to judge (equivalent mutants exist: ``x <= 0`` and ``x < 0`` agree on integers that
 are never 0, for instance).
 
-    python tools/mutation.py [--target estimator,dp,sampler] [--max 40] [--timeout 120] [--keep DIR]
+    python tools/mutation.py [--target estimator,dp,sampler] [--max 40] [--timeout 120] [--lines 84,87]
+                             [--keep DIR]
 
 The unmutated copy's tests run first and must pass (else every mutant would count as killed). Where the
 target or a module importing it uses numba, each test run gets a fresh ``NUMBA_CACHE_DIR``: numba's on-disk
@@ -123,7 +124,7 @@ def _pytest(work: Path, tests: list[str], timeout: int, fresh_jit: bool):
             return "timeout"
 
 
-def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
+def run_target(name: str, work: Path, max_mutants: int, timeout: int, lines=None) -> dict:
     rel, tests = TARGETS[name]
     path = work / rel
     original = path.read_text()
@@ -135,6 +136,8 @@ def run_target(name: str, work: Path, max_mutants: int, timeout: int) -> dict:
     sites = [s for s in _sites(tree) if s[2] not in skip]
     step = max(1, len(sites) // max_mutants) if max_mutants else 1
     chosen = sites[::step][:max_mutants] if max_mutants else sites
+    if lines:                                    # a rerun of the survivors: the same selection, fewer lines
+        chosen = [c for c in chosen if c[2] in lines]
     killed, survived, errors = 0, [], 0
     try:
         for idx, what, line in chosen:
@@ -159,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=",".join(TARGETS))
     ap.add_argument("--max", type=int, default=40, help="mutants per target, spread over the file (0: all)")
     ap.add_argument("--timeout", type=int, default=180, help="seconds per mutant's test run")
+    ap.add_argument("--lines", default="", help="only the selected mutants on these lines, e.g. 84,87")
     ap.add_argument("--keep", help="use (and keep) this directory for the copy instead of a temporary one")
     args = ap.parse_args(argv)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="elasticlab-mutation-"))
@@ -175,7 +179,8 @@ def main(argv=None) -> int:
             if name not in TARGETS:
                 raise SystemExit(f"unknown target {name!r}; expected one of {sorted(TARGETS)}")
             print(f"{name}: {TARGETS[name][0]}", flush=True)
-            result[name] = run_target(name, work, args.max, args.timeout)
+            result[name] = run_target(name, work, args.max, args.timeout,
+                                      {int(x) for x in args.lines.split(",") if x})
             r = result[name]
             print(f"{name}: {r['mutants']} mutants of {r['sites']} sites, {r['killed']} killed, "
                   f"{len(r['survived'])} survived, {r['errors']} errors", flush=True)
