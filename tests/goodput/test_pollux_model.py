@@ -194,6 +194,19 @@ def test_optimize_respects_limits_and_matches_evaluate():
                 assert fn.evaluate(2, 8, bb, acc) <= g[3] * 1.02
 
 
+def test_candidate_grid_ends():
+    """The grid runs from the smallest feasible batch, max(M0, min_per_gpu_batch * K), to max_batch, never
+    beyond (mutation run: ``min_b * K`` -> ``min_b / K`` and a grid exponent past 1 survived)."""
+    no_noise = GoodputFunction(TRUE, 0.0, 128)  # the smallest batch is best
+    assert no_noise.optimize(1, 8, max_batch=4096, min_per_gpu_batch=64, num_candidates=2)[1:] == (64, 0)
+    pure_noise = GoodputFunction(TRUE, 1e12, 128)  # the largest batch is best
+    _, b, s = pure_noise.optimize(1, 8, max_batch=4096)
+    assert 8 * b * (s + 1) == 4096
+    # max_accum=0 is a valid limit (no accumulation), not an error
+    _, b, s = pure_noise.optimize(1, 8, max_batch=4096, max_per_gpu_batch=256, max_accum=0)
+    assert s == 0 and 200 < b <= 256  # the largest grid point that fits the cap without accumulation
+
+
 def test_infeasible_allocations_get_zero():
     fn = GoodputFunction(TRUE, 100.0, 128)
     g, b, s = fn.optimize([0, 2, 1, 16], [0, 1, 4, 64], max_batch=512, min_per_gpu_batch=32)
