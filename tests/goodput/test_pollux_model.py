@@ -205,6 +205,8 @@ def test_candidate_grid_ends():
     # max_accum=0 is a valid limit (no accumulation), not an error
     _, b, s = pure_noise.optimize(1, 8, max_batch=4096, max_per_gpu_batch=256, max_accum=0)
     assert s == 0 and 200 < b <= 256  # the largest grid point that fits the cap without accumulation
+    # max_batch = M0 is allowed (no batch-size adaptation), not "below the initial batch"
+    assert pure_noise.optimize(1, 1, max_batch=128)[1:] == (128, 0)
 
 
 def test_infeasible_allocations_get_zero():
