@@ -196,7 +196,7 @@ def test_optimize_respects_limits_and_matches_evaluate():
 
 def test_candidate_grid_ends():
     """The grid runs from the smallest feasible batch, max(M0, min_per_gpu_batch * K), to max_batch, never
-    beyond (mutation run: ``min_b * K`` -> ``min_b / K`` and a grid exponent past 1 survived)."""
+    beyond (mutation run: ``min_b * K`` -> ``min_b / K`` survived)."""
     no_noise = GoodputFunction(TRUE, 0.0, 128)  # the smallest batch is best
     assert no_noise.optimize(1, 8, max_batch=4096, min_per_gpu_batch=64, num_candidates=2)[1:] == (64, 0)
     pure_noise = GoodputFunction(TRUE, 1e12, 128)  # the largest batch is best
@@ -205,6 +205,9 @@ def test_candidate_grid_ends():
     # max_accum=0 is a valid limit (no accumulation), not an error
     _, b, s = pure_noise.optimize(1, 8, max_batch=4096, max_per_gpu_batch=256, max_accum=0)
     assert s == 0 and 200 < b <= 256  # the largest grid point that fits the cap without accumulation
+    # the base allocation's nodes and GPUs are both read: base (1, 2) is not (2, 2)
+    assert pure_noise.speedup(1, 2, base=(1, 2), max_batch=4096) == pytest.approx(1.0)
+    assert pure_noise.speedup_table(1, 4, base=(1, 2), max_batch=4096)[1, 2] == pytest.approx(1.0)
     # max_batch = M0 is allowed (no batch-size adaptation), not "below the initial batch"
     assert pure_noise.optimize(1, 1, max_batch=128)[1:] == (128, 0)
 
