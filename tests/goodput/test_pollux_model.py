@@ -208,6 +208,9 @@ def test_candidate_grid_ends():
     # the base allocation's nodes and GPUs are both read: base (1, 2) is not (2, 2)
     assert pure_noise.speedup(1, 2, base=(1, 2), max_batch=4096) == pytest.approx(1.0)
     assert pure_noise.speedup_table(1, 4, base=(1, 2), max_batch=4096)[1, 2] == pytest.approx(1.0)
+    # without accumulation one GPU keeps M0 (Pollux's GNS needs two micro-batches); more GPUs grow freely
+    assert pure_noise.optimize(1, 1, max_batch=4096, accumulation=False)[1:] == (128, 0)
+    assert pure_noise.optimize(1, 4, max_batch=4096, accumulation=False)[1:] == (1024, 0)
     # max_batch = M0 is allowed (no batch-size adaptation), not "below the initial batch"
     assert pure_noise.optimize(1, 1, max_batch=128)[1:] == (128, 0)
 
