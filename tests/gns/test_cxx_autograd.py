@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 from elasticlab.gns import PerSampleGradNorms, kernels
+from elasticlab.gns.reference import func_param_sq_norms
 
 pytestmark = pytest.mark.skipif("linear_norms" not in kernels._OPERATORS,
                                 reason="elasticlab._C without the C++ autograd functions")
@@ -66,13 +66,9 @@ def test_cxx_matches_python_and_torch_func(shape, bias):
     for k in g_py:
         torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
     # torch.func: per-example gradients of Σ_t out_b²
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, xb):
-        return functional_call(model, p, (xb.unsqueeze(0),)).pow(2).sum()
-    pe = vmap(grad(loss), in_dims=(None, 0))(params, x)
-    for k, v in pe.items():
-        torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+    ref = func_param_sq_norms(model, lambda out, _: out.pow(2).sum(), x, torch.zeros(x.shape[0]))
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-12)
 
 
 class GNNet(nn.Module):
@@ -102,13 +98,9 @@ def test_group_norm_cxx_matches_python_and_torch_func(shape, channels_last):
         torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
     for k in g_py:
         torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, xb):
-        return functional_call(model, p, (xb.unsqueeze(0),)).pow(2).sum()
-    pe = vmap(grad(loss), in_dims=(None, 0))(params, x)
-    for k, v in pe.items():
-        torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+    ref = func_param_sq_norms(model, lambda out, _: out.pow(2).sum(), x, torch.zeros(x.shape[0]))
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-12)
 
 
 def test_group_norm_cxx_under_bf16_autocast_matches_python():
@@ -162,13 +154,9 @@ def test_conv_cxx_matches_python_and_torch_func(monkeypatch, nd, bias, form, chu
         torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
     for k in g_py:
         torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, xb):
-        return functional_call(model, p, (xb.unsqueeze(0),)).pow(2).sum()
-    pe = vmap(grad(loss), in_dims=(None, 0))(params, x)
-    for k, v in pe.items():
-        torch.testing.assert_close(got[k], v.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+    ref = func_param_sq_norms(model, lambda out, _: out.pow(2).sum(), x, torch.zeros(x.shape[0]))
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-12)
 
 
 def test_cxx_under_bf16_autocast_matches_python():
