@@ -82,6 +82,7 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
 # torch.compile always takes those).
 USE_CXX_AUTOGRAD = True
 _CXX_READY: dict[str, bool] = {}                   # device type -> the kernels the C++ backwards call exist
+_CXX_OPS: dict[str, object] = {}                  # name -> torch.ops.elasticlab.<name>, looked up once
 _CXX_NEEDS = ("row_sq_norms", "seq_linear_gram_norms", "seq_linear_outer_norms", "layernorm_per_example")
 
 
@@ -97,7 +98,12 @@ def cxx_autograd(name: str, x: torch.Tensor):
     ok = _CXX_READY.get(dev)
     if ok is None:
         ok = _CXX_READY[dev] = all(_ext.has_kernel(k, dev) for k in _CXX_NEEDS)
-    return getattr(torch.ops.elasticlab, name) if ok else None
+    if not ok:
+        return None
+    op = _CXX_OPS.get(name)
+    if op is None:
+        op = _CXX_OPS[name] = getattr(torch.ops.elasticlab, name)
+    return op
 
 
 # ---------------------------------------------------------------------------------------------- reference
