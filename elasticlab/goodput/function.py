@@ -70,6 +70,8 @@ class GoodputFunction:
 
     def _batch_range(self, max_batch, batch_range):
         m0 = self.init_batch
+        if batch_range is not None and np.shape(batch_range) != (2,):
+            raise ValueError(f"batch_range must be a pair (min, max) of global batches, got {batch_range!r}")
         if batch_range is None:
             if max_batch is not None and max_batch < m0:
                 raise ValueError(f"max_batch {max_batch} is below the initial batch size {m0}")

@@ -340,6 +340,15 @@ def test_bad_inputs_raise_clear_errors():
         fn.optimize(1, 1, batch_range=(1024, 256))
     with pytest.raises(ValueError, match="below the initial batch"):
         fn.optimize(1, 1, max_batch=64)
+    # max_batch and batch_range together: agreeing maxima are one request, disagreeing ones a clear error
+    both = fn.optimize([1, 2], [2, 8], max_batch=1024, batch_range=(256, 1024))
+    alone = fn.optimize([1, 2], [2, 8], batch_range=(256, 1024))
+    for a, b in zip(both, alone):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"pair .* got \(1024,\)"):
+        fn.optimize(1, 2, batch_range=(1024,))
+    with pytest.raises(ValueError, match="max_batch=2048 disagrees"):
+        fn.optimize(1, 2, max_batch=2048, batch_range=(256, 1024))
     with pytest.raises(ValueError, match="phi"):
         efficiency(-1.0, 128, 256)
     with pytest.raises(ValueError, match="phi"):
