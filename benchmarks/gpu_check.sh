@@ -12,9 +12,14 @@
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log; with .before/
 #            built, the same profile of the earlier tree in fp32 is appended to it
+#   ray      the Ray backend on the GPU (issue 17): tests/cluster/test_on_ray_gpu.py -m gpu, a RayJob with
+#            resource="GPU" training on cuda:0 with NCCL, paused and resumed (RAY_S, 150 s) -> ray.log. Needs
+#            Ray carried in .whl/ray/ (its wheel is over the 64 MiB a call carries, so: the wheel unpacked
+#            without ray/jars and the dashboard's web client, as ray-stripped.tar.xz, ~30 MB, plus its
+#            dependencies' wheels, made by benchmarks/ray_for_gpu.sh). Alone, without building: STAGES="env ray".
 # Stage limits: TEST_S, OPS_S, BENCH_S (BENCH_MAX_S: no new workload after it), PROFILE_S; extra arguments:
 # OPS_ARGS, BENCH_ARGS, PROFILE_ARGS.
-# $OUT receives seven files: those six and summary.txt, which is printed at the end. A rerun on the same machine
+# $OUT receives eight files: those seven and summary.txt, which is printed at the end. A rerun on the same machine
 # can skip stages (STAGES="bench profile": the built extension stays in the tree). The repository is not
 # pip-installed there: its root goes first on PYTHONPATH. Wheels in .whl/ (Opacus: pure Python, fetched with
 # pip download on a machine with an index) are installed to /tmp/site, which goes last on PYTHONPATH so that
@@ -23,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-gpu_out}
-STAGES=" ${STAGES:-env build test ops bench profile} "
+STAGES=" ${STAGES:-env build test ops bench profile ray} "
 STAGES=${STAGES//,/ }
 DEADLINE_S=${DEADLINE_S:-530}
 START=$(date +%s)
@@ -132,6 +137,27 @@ if want profile; then
     else
       say "before: build failed ($(tail -2 /tmp/before_build.log | tr '\n' ' '))"
     fi
+  fi
+fi
+
+if want ray; then
+  if [ -f .whl/ray/ray-stripped.tar.xz ]; then
+    rm -rf /tmp/ray-site && mkdir -p /tmp/ray-site
+    # only the dependencies the machine lacks: /tmp/ray-site goes on PYTHONPATH, ahead of site-packages
+    need=()
+    for w in .whl/ray/*.whl; do
+      n=$(basename "$w"); $PY -m pip show -q "${n%%-*}" > /dev/null 2>&1 || need+=("$w")
+    done
+    say "ray: unpacking Ray and ${#need[@]} dependencies the machine lacks: $(basename -a "${need[@]}" 2>/dev/null \
+      | cut -d- -f1 | tr '\n' ' ')"
+    tar -xJf .whl/ray/ray-stripped.tar.xz -C /tmp/ray-site && { ((${#need[@]} == 0)) || $PY -m pip install \
+      -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ray-site "${need[@]}"; } \
+      > /tmp/ray_site.log 2>&1 || say "ray: unpacking .whl/ray FAILED ($(tail -1 /tmp/ray_site.log))"
+    run_stage "ray (test_on_ray_gpu.py -m gpu)" "${RAY_S:-150}" ray.log env PYTHONPATH="$PYTHONPATH:/tmp/ray-site" \
+      $PY -m pytest -m gpu -v -p no:cacheprovider tests/cluster/test_on_ray_gpu.py
+    { grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/ray.log" | cut -c1-200 | head -8; tail -1 "$OUT/ray.log"; } | note
+  else
+    say "== ray: SKIPPED (no .whl/ray/ray-stripped.tar.xz: run benchmarks/ray_for_gpu.sh here first)"
   fi
 fi
 

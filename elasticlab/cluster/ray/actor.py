@@ -62,11 +62,13 @@ class RayWorker:
         self.mailbox = Mailbox()
 
     def where(self) -> dict:
-        """The node this actor runs on: Ray's node id, the node's address, the process id."""
+        """The node this actor runs on: Ray's node id, the node's address, the process id, the device it
+        trains on and the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``)."""
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "device": str(self.trainer.device),
+                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def run(self, join) -> int:
         """Train as ``join.rank`` of generation ``join.generation`` until it ends; returns the generation."""

@@ -28,6 +28,12 @@ def _check(**values) -> None:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
+def _slots(resource: str, slots: int) -> dict:
+    """Ray's node arguments for ``slots`` of ``resource``: GPUs have their own keyword (Ray refuses "GPU" in
+    ``resources``), any other name is a custom resource."""
+    return {"num_gpus": slots} if resource == "GPU" else {"resources": {resource: slots}}
+
+
 def local_cluster(nodes: int = 3, slots: int = 2, *, resource: str = "slot", num_cpus: int = 0,
                   attempts: int = 5, connect: bool = True):
     """Start ``nodes`` Ray nodes with ``slots`` of ``resource`` each and ``num_cpus`` CPUs (the jobs' actors
@@ -37,7 +43,7 @@ def local_cluster(nodes: int = 3, slots: int = 2, *, resource: str = "slot", num
     import ray
     from ray.cluster_utils import Cluster
 
-    args = {"num_cpus": num_cpus, "resources": {resource: slots}}
+    args = {"num_cpus": num_cpus, **_slots(resource, slots)}
     cluster = None
     for k in range(attempts):  # the head node (GCS and the first raylet)
         before = _children()
@@ -71,7 +77,7 @@ def add_node(cluster, slots: int = 2, *, resource: str = "slot", num_cpus: int =
         before = _children()
         try:
             with _agent_ports_given():
-                node = cluster.add_node(num_cpus=num_cpus, resources={resource: slots}, **_ports())
+                node = cluster.add_node(num_cpus=num_cpus, **_slots(resource, slots), **_ports())
             cluster.wait_for_nodes()
             return node
         except Exception as e:
