@@ -120,3 +120,33 @@ def test_empty_and_narrow_tables():
     # a table narrower than capacity+1: counts beyond its width are infeasible
     u = np.array([[0.0, 1.0], [0.0, 1.0]])
     assert list(dp_allocate(u, 10)) == [1, 1]
+
+
+def test_is_concave_row_reads_the_first_count():
+    """A row is judged from count 0: a start-up dip at 0 -> 1 or a hole after count 0 makes it not concave."""
+    assert is_concave_row([0.0, 1.0, 1.5, 1.75])
+    assert not is_concave_row([0.0, 0.0, 5.0, 6.0])          # gains 0, 5, 1: increasing at the start
+    assert not is_concave_row([0.0, -np.inf, 1.0, 1.5])      # feasible counts not contiguous
+    assert is_concave_row([-np.inf, 0.0, 1.0, 1.5])          # infeasible at 0, concave after
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_plus_dp_combine_is_exact_on_mixed_tables(seed):
+    """The plain path with the greedy on (what method="auto" runs when the hull-bound path finds that pruning
+    does not pay): concave rows merged greedily, the others by DP, the two joined in one max-plus step. Called
+    directly, on tables mixing both kinds of row at a capacity that makes them compete, it equals the
+    pure-Python DP."""
+    from elasticlab.alloc.dp import _solve, _validate
+
+    rng = np.random.default_rng(seed)
+    J, K = int(rng.integers(2, 7)), int(rng.integers(3, 13))
+    u = rng.normal(0, 1, (J, K + 1)) + rng.uniform(0, 2) * np.arange(K + 1)   # arbitrary rows
+    conc = rng.random(J) < 0.5
+    conc[0], conc[-1] = True, False                                             # at least one of each
+    gains = -np.sort(-rng.uniform(-0.5, 2.0, (J, K)), axis=1)
+    u[conc] = np.concatenate([rng.uniform(0, 1, (J, 1)), gains], axis=1).cumsum(axis=1)[conc]
+    uu, cap, lo, hi, scale = _validate(u, K, None, None)
+    status, alloc = _solve(uu, lo, hi, cap, True, 1e-12 * scale)
+    assert status == 0 and alloc.sum() <= K
+    ref = allocation_value(u, dp_allocate_reference(u, K))
+    assert allocation_value(u, alloc) == pytest.approx(ref, rel=1e-12, abs=1e-12)
