@@ -132,7 +132,8 @@ class JobController(Generations, FaultHandling):
                 req.future.set_result(msg.step)
         elif isinstance(msg, M.Resumed):
             self._events.emit("resume", generation=msg.generation, step=msg.step, probe_loss=msg.probe_loss,
-                              checkpoint=msg.checkpoint, world_size=len(self._active), formed_s=msg.formed_s)
+                              checkpoint=msg.checkpoint, world_size=len(self._active), formed_s=msg.formed_s,
+                              backend=msg.backend)
         elif isinstance(msg, M.Scheduled):  # rank 0 leaves at a scheduled step; re-form at the scheduled size
             if self._state == S.RUNNING and msg.generation == self._gen:
                 self._target = msg.world_size

@@ -96,6 +96,7 @@ class Resumed(NamedTuple):
     probe_loss: float
     checkpoint: str | None
     formed_s: float | None = None  # store connect + process group + DDP, on rank 0
+    backend: str | None = None  # the process group's: "gloo" on CPU, "nccl" on GPUs
 
 
 class Scheduled(NamedTuple):

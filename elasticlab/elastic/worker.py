@@ -161,7 +161,8 @@ def run_generation(tr: Trainer, conn, j: M.Join) -> None:
         tr.set_batch(BatchConfig(*j.batch))
     _fault_point(opts, "loaded", gen, rank)
     if rank == 0:
-        conn.send(M.Resumed(gen, tr.step, tr.probe_loss(), j.checkpoint, formed_s))
+        conn.send(M.Resumed(gen, tr.step, tr.probe_loss(), j.checkpoint, formed_s,
+                            str(dist.get_backend()) if dist.is_initialized() else None))
         if not j.checkpoint:  # a step-0 checkpoint, so that every later one can resume
             path = _save(ckdir, tr)
             conn.send(M.Checkpointed(gen, tr.step, str(path), None, "initial"))

@@ -89,6 +89,7 @@ def test_gpu_resource_path_on_logical_gpus(tmp_path):
     assert sorted(w["visible_gpus"] for w in before) == ["0", "1"], before
     assert len(after) == 1 and after[0]["visible_gpus"] in ("0", "1")
     assert not {w["pid"] for w in before} & {w["pid"] for w in after}, "a coupled resize starts new actors"
+    assert {e.get("backend") for e in job.events() if e["kind"] == "resume"} == {"gloo"}  # no CUDA here
     rep = _exactly_once(job, "comm_bound")
     assert rep["ok"] and rep["world_sizes"] == [2, 1], rep
 
@@ -109,5 +110,6 @@ def test_gpu_job_on_ray_trains_on_cuda_with_nccl_and_resumes_on_a_new_actor(tmp_
     assert before[0]["visible_gpus"] is not None and before[0]["pid"] != after[0]["pid"]
     kinds = [e["kind"] for e in job.events()]
     assert "resumed" in kinds, kinds
+    assert {e.get("backend") for e in job.events() if e["kind"] == "resume"} == {"nccl"}
     rep = _exactly_once(job, "comm_bound")
     assert rep["ok"], rep

@@ -99,7 +99,8 @@ class RayGenerations:
             self._events.emit("checkpoint", step=m.step, path=m.path, reason=m.reason,
                               generation=m.generation)
         elif isinstance(m, M.Resumed):
-            self._events.emit("resume", generation=m.generation, step=m.step, checkpoint=m.checkpoint)
+            self._events.emit("resume", generation=m.generation, step=m.step, checkpoint=m.checkpoint,
+                              backend=m.backend)
         elif isinstance(m, M.Finished):
             self._ended = self._ended or "finished"
         elif isinstance(m, M.Left):
