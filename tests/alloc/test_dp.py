@@ -150,3 +150,18 @@ def test_greedy_plus_dp_combine_is_exact_on_mixed_tables(seed):
     assert status == 0 and alloc.sum() <= K
     ref = allocation_value(u, dp_allocate_reference(u, K))
     assert allocation_value(u, alloc) == pytest.approx(ref, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_method_dp_is_the_plain_recurrence_tie_for_tie(seed):
+    """method="dp" runs the plain DP for every row, the recurrence of dp_allocate_reference with the same
+    tie-break (smallest count, then smallest total): on integer tables full of ties (concave rows of equal
+    gains included) it returns the reference's very allocation, not just one of equal value."""
+    rng = np.random.default_rng(seed)
+    J, K = int(rng.integers(2, 5)), int(rng.integers(2, 9))
+    gains = -np.sort(-rng.integers(0, 3, (J, K)), axis=1)                   # concave, ties everywhere
+    u = np.concatenate([np.zeros((J, 1)), gains], axis=1).cumsum(axis=1).astype(float)
+    assert all(is_concave_row(r) for r in u)
+    assert np.array_equal(dp_allocate(u, K, method="dp"), dp_allocate_reference(u, K))
+    u2 = np.array([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])                       # (2, 0), (1, 1), (0, 2) tie
+    assert list(dp_allocate(u2, 2, method="dp")) == list(dp_allocate_reference(u2, 2)) == [2, 0]
