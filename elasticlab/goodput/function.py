@@ -100,11 +100,23 @@ class GoodputFunction:
         ``max_batch_size`` (= ``max_batch``) and ``atomic_bsz_range`` (= ``(min_per_gpu_batch,
         max_per_gpu_batch)``) are accepted too.
         """
-        cands = self._candidates(nodes, gpus, max_batch=max_batch, batch_range=batch_range,
-                                 max_per_gpu_batch=max_per_gpu_batch, min_per_gpu_batch=min_per_gpu_batch,
-                                 max_accum=max_accum, accumulation=accumulation,
-                                 num_candidates=num_candidates, force_accum_single_gpu=force_accum_single_gpu,
-                                 max_batch_size=max_batch_size, atomic_bsz_range=atomic_bsz_range)
+        kw = dict(max_batch=max_batch, batch_range=batch_range, max_per_gpu_batch=max_per_gpu_batch,
+                  min_per_gpu_batch=min_per_gpu_batch, max_accum=max_accum, accumulation=accumulation,
+                  num_candidates=num_candidates, force_accum_single_gpu=force_accum_single_gpu,
+                  max_batch_size=max_batch_size, atomic_bsz_range=atomic_bsz_range)
+        # the candidate grid does not depend on theta_sys or phi: cached across calls (a simulated job asks
+        # for the same allocations again and again with new gradient statistics)
+        key = _optimize_key(self.init_batch, nodes, gpus, kw)
+        cands = _CANDIDATE_CACHE.get(key) if key is not None else None
+        if cands is None:
+            cands = self._candidates(nodes, gpus, **kw)
+            if key is not None:
+                if len(_CANDIDATE_CACHE) > 4096:
+                    _CANDIDATE_CACHE.clear()
+                cands = cands._replace(nodes=cands.nodes.copy())  # it may view the caller's array
+                for a in cands[1:]:
+                    a.setflags(write=False)
+                _CANDIDATE_CACHE[key] = cands
         return self._pick(cands)
 
     def _candidates(self, nodes, gpus, *, max_batch=None, batch_range=None, max_per_gpu_batch=None,
@@ -215,6 +227,19 @@ class _Candidates(NamedTuple):
 
 _GRID_CACHE: dict = {}
 _CANDIDATE_CACHE: dict = {}
+
+
+def _optimize_key(init_batch, nodes, gpus, kw):
+    """The cache key of :meth:`GoodputFunction.optimize`'s candidate grid: every input it depends on, or
+    None where one is not hashable (no caching then; the grid is built, and checked, as usual)."""
+    try:
+        n, k = np.asarray(nodes, dtype=float), np.asarray(gpus, dtype=float)
+        key = ("optimize", init_batch, n.shape, n.tobytes(), k.shape, k.tobytes(),
+               tuple((name, v if np.isscalar(v) or v is None else tuple(v)) for name, v in kw.items()))
+        hash(key)
+    except (TypeError, ValueError):
+        return None
+    return key
 
 
 def _allocation_grid(max_nodes, gpus_per_node):
