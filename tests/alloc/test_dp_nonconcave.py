@@ -75,3 +75,17 @@ def test_bound_path_prunes_node_boundary_tables():
     assert status == 0
     b = dp_allocate(u, 512, method="dp")
     assert allocation_value(u, alloc) == pytest.approx(allocation_value(u, b), rel=1e-12)
+
+
+def test_bound_path_keeps_the_optimum_when_the_bounds_meet_at_zero():
+    """UB = LB = 0 (every job best left at 0 GPUs; more GPUs only cost, non-concavely): the reduced cost of
+    each job's optimal count is exactly the gap, so the gap's tolerance must widen it. The pruned DP fixes
+    every job at 0 and solves the table itself (status 0), with no fallback to the plain DP."""
+    from elasticlab.alloc.dp import _solve_bound, _validate
+
+    u = np.tile([0.0, -1.0, -1.0, -0.5], (6, 1))
+    assert not is_concave_row(u[0])
+    uu, cap, lo, hi, scale = _validate(u, 8, None, None)
+    status, alloc = _solve_bound(uu, lo, hi, min(cap, int(hi.sum())), 1e-12 * scale, 10**6)
+    assert status == 0 and list(alloc) == [0] * 6
+    assert list(dp_allocate(u, 8)) == [0] * 6
