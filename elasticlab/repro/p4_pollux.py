@@ -230,6 +230,10 @@ def p4_t2(quick: bool) -> Outcome:
     "K in {1, 2, 4, 8, 16}; "
     "M*(phi ~ 0, K = 1) = M0",
     needs=("elasticlab.goodput",),
+    gap="at large phi (1e5) M* on 1 GPU exceeds M* on 2 GPUs: Pollux forces an accumulation step on one GPU "
+    "(its GNS needs two micro-batches), and there goodput is nearly flat in M, so the argmax drifts up; "
+    "the claim's 'grows with the number of GPUs' holds from 2 GPUs on. We believe the target should "
+    "exempt K = 1 under forced accumulation, but it is judged as written",
 )
 def p4_t3(quick: bool) -> Outcome:
     r = batch_choice()

@@ -106,7 +106,9 @@ class Reproduction:
     the machine is quiet (the test suite checks that it runs, the report shows the verdict).
     ``reread``: why a pass of this claim is only a pass as re-read -- the criterion it checks is a reading
     of the written target, or its setup differs from papers.md or was chosen after seeing results; the
-    report then says "reproduced only as re-read" with this reason, never plain "reproduced"."""
+    report then says "reproduced only as re-read" with this reason, never plain "reproduced".
+    ``gap``: why the claim, judged as written, is known not to reproduce here (and whether the target itself
+    is in doubt); shown next to a "not reproduced" verdict, never used to change it."""
 
     id: str
     paper: str
@@ -117,6 +119,7 @@ class Reproduction:
     slow: bool = False
     timed: bool = False
     reread: str | None = None
+    gap: str | None = None
 
     def run(self, quick: bool = False) -> Outcome:
         out = self.fn(bool(quick))
@@ -142,6 +145,7 @@ class Result:
     figure: Any = field(default=None, repr=False)
     timed: bool = False
     reread: str | None = None
+    gap: str | None = None
 
     @property
     def status(self) -> str:
@@ -159,6 +163,7 @@ class Result:
             "passed": bool(self.passed),
             "status": self.status,
             "reread": self.reread,
+            "gap": self.gap if self.status == "not_reproduced" else None,
             "summary": self.summary,
             "seconds": round(float(self.seconds), 3),
             "quick": self.quick,
@@ -195,12 +200,13 @@ def reproduction(
     slow: bool = False,
     timed: bool = False,
     reread: str | None = None,
+    gap: str | None = None,
 ):
     """Decorator registering ``fn(quick) -> Outcome`` as the reproduction of one claim.
 
     ``paper`` defaults to the citation of the id's prefix in :data:`PAPERS`; ``needs`` names the
-    modules the experiment imports (listed by ``elasticlab reproduce --list``); ``slow``, ``timed`` and
-    ``reread``: see :class:`Reproduction`."""
+    modules the experiment imports (listed by ``elasticlab reproduce --list``); ``slow``, ``timed``,
+    ``reread`` and ``gap``: see :class:`Reproduction`."""
 
     def wrap(fn):
         prefix = id.split("-", 1)[0]
@@ -215,6 +221,7 @@ def reproduction(
                 slow=slow,
                 timed=timed,
                 reread=reread,
+                gap=gap,
             )
         )
         return fn
@@ -305,6 +312,7 @@ def run_one(rep: Reproduction, quick: bool = False) -> Result:
         figure=out.figure,
         timed=rep.timed,
         reread=rep.reread,
+        gap=rep.gap,
     )
 
 

@@ -123,6 +123,8 @@ def summary_table(results, width: int = 70, skipped=()) -> str:
         rows += [indent + line for line in lines[1:]]
         if status == "reread":
             rows += [indent + line for line in textwrap.wrap(f"re-read: {d.get('reread')}", width)]
+        if status == "not_reproduced" and d.get("gap"):
+            rows += [indent + line for line in textwrap.wrap(f"why: {d['gap']}", width)]
     rows.append(counts_line(results))
     for s in _skipped(skipped):
         head = f"left out: {s['id']:8s} "
@@ -167,6 +169,8 @@ def render_html(
         st = r.status
         row_cls, txt_cls = css[st]
         why = f"<div class='why'>re-read: {esc(r.reread)}</div>" if st == "reread" else ""
+        if st == "not_reproduced" and r.gap:
+            why = f"<div class='why'>why: {esc(r.gap)}</div>"
         parts.append(
             f"<tr class='{row_cls}' data-id='{esc(r.id)}' data-status='{st}'>"
             f"<td><a href='#claim-{esc(r.id)}'>{esc(r.id)}</a></td><td>{esc(r.paper)}</td>"
@@ -195,6 +199,8 @@ def render_html(
         )
         if r.status == "reread":
             parts.append(f"<div><b>Re-read:</b> {esc(r.reread)}</div>")
+        if r.status == "not_reproduced" and r.gap:
+            parts.append(f"<div><b>Why not reproduced:</b> {esc(r.gap)}</div>")
         if r.error:
             parts.append(f"<pre>{esc(r.error)}</pre>")
         if r.figure is not None:

@@ -109,3 +109,25 @@ def test_registered_rereads_and_quick_left_out():
     quick = {r.id for r in repro.select(None, quick=True)}
     left = {r.id for r in repro.all_reproductions()} - quick
     assert {"P4-T6", "SIM-T1", "SIM-T2", "SIM-T3"} <= left
+
+
+def test_a_known_gap_is_shown_beside_a_failure_and_never_changes_the_verdict(claims):
+    """``gap`` (why a claim is known not to reproduce, issue 21) is a field of its own: shown with "not
+    reproduced" in the table, the page and results.json, dropped when the claim passes after all, and a claim
+    registered with a gap is still judged by its outcome alone."""
+    gap = "the product is ill-conditioned at the ends of the batch range"
+    failing = Reproduction("QQ-T5", "paper", "claim five", "target five",
+                           lambda q: Outcome({"v": 5}, False, "off by 260%"), gap=gap)
+    passing = Reproduction("QQ-T6", "paper", "claim six", "target six",
+                           lambda q: Outcome({"v": 6}, True, "fine"), gap=gap)
+    res = repro.run_all([failing, passing], quick=True, progress=False)
+    assert [r.status for r in res] == ["not_reproduced", "reproduced"]
+    recs = [r.to_json() for r in res]
+    assert recs[0]["gap"] == gap and recs[1]["gap"] is None
+    text = summary_table(res, width=60)
+    assert "why: the product is ill-conditioned" in text and text.count("why:") == 1
+    page = render_html(res, quick=True)
+    assert page.count(f"why: {gap}") == 1 and f"<b>Why not reproduced:</b> {gap}" in page
+    # the failures registered today all say why
+    for cid in ("P3-T9", "P4-T3", "P5-T3", "P5-T6"):
+        assert repro.get(cid).gap, cid
