@@ -154,6 +154,7 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
                     one_distributed_per_node=pol.one_distributed_per_node, elastic=not pol.gang,
                     order=pol.placement_order(active), node_sizes=node_sizes)
         sched.append(time.process_time() - t0)
+        used = 0  # the GPUs held after this round (each job's count is cached: no sum over the nodes)
         for j in active:
             old = placements.get(j.name, ())
             p = new.get(j.name, ())
@@ -161,8 +162,8 @@ def simulate(workload, policy="pollux", cluster: Cluster | str = "16x4", interva
                 j.reallocate(p)
             j._cont_sum += len(active)
             j._cont_n += 1
+            used += j.gpus
         placements = new
-        used = sum(sum(p) for p in new.values())
         util_rows.append((t, used, used / cluster.total_gpus, len(active)))
         if bar is not None and len(sched) % 200 == 0:
             bar.set_postfix_str(f"t={t / 3600:.0f} h, {len(active)} running", refresh=False)

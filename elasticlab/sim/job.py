@@ -77,7 +77,7 @@ class SimJob:
     def placement(self, value):
         self._placement = tuple(value)
         self._gpus = int(sum(self._placement))  # cached: read several times per step on 1000s of nodes
-        self._nodes = int(sum(1 for x in self._placement if x))
+        self._nodes = len(self._placement) - self._placement.count(0)
 
     @property
     def gpus(self) -> int:
@@ -127,7 +127,10 @@ class SimJob:
     def _memoized(self, kind, args, compute):
         """``compute()`` once per distinct (kind, args, agent inputs); read-only arrays are shared."""
         a = self.agent
-        key = (kind, args, a.grad_stats, a.max_profiled, id(a.model), self.target_batch)
+        # the agent reads max_profiled only through its sign ("has run": > 0; linear curves at 0), so a job
+        # that grows keeps its memo
+        mp = a.max_profiled
+        key = (kind, args, a.grad_stats, (mp > 0) - (mp < 0), id(a.model), self.target_batch)
         try:
             hit = self._memo.get(key)
         except TypeError:  # statistics set to an unhashable object: no memo
@@ -205,7 +208,7 @@ class SimJob:
 
     # ---- dynamics
     def reallocate(self, placement: tuple):
-        placement = tuple(int(x) for x in placement)
+        placement = tuple(map(int, placement))
         if sum(placement) > 0:
             self.placement = placement
             self.update_batch()
