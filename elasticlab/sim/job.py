@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elasticlab.goodput.agent import MODES, BatchLimits, GoodputAgent
+from elasticlab.goodput.agent import MODES, BatchChoice, BatchLimits, GoodputAgent
 from elasticlab.sim.traces import Application
 
 __all__ = ["SimJob", "BATCH_MODES"]
@@ -66,6 +66,8 @@ class SimJob:
         self._step_val = None
         self._stats_key = None
         self._stats_val = None
+        self._tables: dict = {}
+        self._table_top = 1
 
     # ---- state
     @property
@@ -124,13 +126,14 @@ class SimJob:
     def max_profiled_replicas(self, value: int):
         self.agent.max_profiled = int(value)
 
-    def _memoized(self, kind, args, compute):
+    def _memoized(self, kind, args, compute, mode=None):
         """``compute()`` once per distinct (kind, args, agent inputs); read-only arrays are shared."""
         a = self.agent
         # the agent reads max_profiled only through its sign ("has run": > 0; linear curves at 0), so a job
-        # that grows keeps its memo
+        # that grows keeps its memo; throughput mode ignores the gradient statistics (phi = inf)
         mp = a.max_profiled
-        key = (kind, args, a.grad_stats, (mp > 0) - (mp < 0), id(a.model), self.target_batch)
+        stats = None if mode == "throughput" else a.grad_stats
+        key = (kind, args, stats, (mp > 0) - (mp < 0), id(a.model), self.target_batch)
         try:
             hit = self._memo.get(key)
         except TypeError:  # statistics set to an unhashable object: no memo
@@ -151,8 +154,7 @@ class SimJob:
         computed once per distinct input."""
         mode = mode or self.batch_mode
         return self._memoized("goodput", (max_gpus, gpus_per_node, mode, upto),
-                              lambda: self.agent.goodput_curve(max_gpus, gpus_per_node, mode, upto,
-                                                               fixed_batch=self.target_batch))
+                              lambda: self._goodput_curve(max_gpus, gpus_per_node, mode, upto), mode)
 
     def speedup_curve(self, max_gpus: int, gpus_per_node: int, mode: str | None = None,
                       upto: int | None = None) -> np.ndarray:
@@ -160,8 +162,76 @@ class SimJob:
         read-only, computed once per distinct input."""
         mode = mode or self.batch_mode
         return self._memoized("speedup", (max_gpus, gpus_per_node, mode, upto),
-                              lambda: self.agent.speedup_curve(max_gpus, gpus_per_node, mode, upto,
-                                                               fixed_batch=self.target_batch))
+                              lambda: self._speedup_curve(max_gpus, gpus_per_node, mode, upto), mode)
+
+    # ---- the agent's choices, read from one table per input (issue 19)
+    #: Serve batch choices and curves of the batch-adaptive modes from :meth:`_table` (False: ask the agent
+    #: each time; the same numbers, tests/sim/test_engine_scale.py).
+    use_tables = True
+
+    def _tabled(self, mode) -> bool:
+        a = self.agent
+        return self.use_tables and mode in ("goodput", "throughput") and a.model is not None \
+            and a.max_profiled > 0
+
+    def _table(self, mode, top):
+        """The agent's ``optimize`` (goodput, per-GPU batch, accumulation steps) at g = 1..T >= ``top`` GPUs
+        on one node (row 0) and on several (row 1), in one vectorised call: everything the agent's batch
+        choice and curves read from it (the throughput model sees the nodes only as "more than one", and
+        the optimisation is elementwise, so a row entry is bit for bit the scalar call's). One per input:
+        the gradient statistics change whenever the batch does, and each then serves the job's next batch
+        choice, the scheduler's curve and the batch of the new allocation."""
+        a = self.agent
+        key = (mode, None if mode == "throughput" else a.grad_stats, id(a.model))
+        try:
+            hit = self._tables.get(key)
+        except TypeError:  # unhashable statistics: computed, not kept
+            key, hit = None, None
+        if hit is None or hit[0] < top:
+            T = self._table_top = max(int(top), self._table_top)
+            gg = np.arange(1, T + 1, dtype=float)
+            nodes = np.repeat([1.0, 2.0], T)
+            good, b, s = a.optimize(nodes, np.concatenate([gg, gg]), mode)
+            hit = (T, good.reshape(2, T), b.reshape(2, T), s.reshape(2, T))
+            if key is not None:
+                if len(self._tables) > 8:
+                    self._tables.clear()
+                self._tables[key] = hit
+        return hit
+
+    def _goodput_curve(self, max_gpus, gpus_per_node, mode, upto):
+        """:meth:`GoodputAgent.goodput_curve`, read from :meth:`_table` where it applies."""
+        a = self.agent
+        if not self._tabled(mode):
+            return a.goodput_curve(max_gpus, gpus_per_node, mode, upto, fixed_batch=self.target_batch)
+        out = np.zeros(max_gpus + 1)
+        top = max_gpus if upto is None else max(min(int(upto), max_gpus), 0)
+        if top < 1:
+            return out
+        _, good, _, _ = self._table(mode, top)
+        one = np.arange(1, top + 1) <= gpus_per_node  # ceil(g / gpus_per_node) == 1: packed on one node
+        out[1:top + 1] = np.where(one, good[0, :top], good[1, :top])
+        return np.nan_to_num(out / float(a.limits.init), nan=0.0, posinf=0.0)
+
+    def _speedup_curve(self, max_gpus, gpus_per_node, mode, upto):
+        """:meth:`GoodputAgent.speedup_curve` over :meth:`_goodput_curve`."""
+        if self._tabled(mode):
+            good = self._goodput_curve(max_gpus, gpus_per_node, mode, upto)
+            if good[1] > 0:
+                return good / good[1]
+        return self.agent.speedup_curve(max_gpus, gpus_per_node, mode, upto, fixed_batch=self.target_batch)
+
+    def _best_batch(self, gpus, nodes, mode) -> BatchChoice:
+        """:meth:`GoodputAgent.best_batch` (no current batch), read from :meth:`_table` where it applies."""
+        a = self.agent
+        if self._tabled(mode):
+            _, good, b, s = self._table(mode, gpus)
+            row = 0 if nodes <= 1 else 1
+            g, b, s = float(good[row, gpus - 1]), int(b[row, gpus - 1]), int(s[row, gpus - 1])
+            if b > 0 and g > 0:  # the agent's choice; else its fallback below
+                b = max(min(b, a.max_batch(mode) // (gpus * (s + 1))), 1)
+                return BatchChoice(b, s, g, gpus * b * (s + 1))
+        return a.best_batch(gpus, nodes, mode, fixed_batch=self.target_batch)
 
     def remaining_progress(self) -> float:
         """Scale-invariant progress (M0-steps) left: known from the user's declared number of epochs."""
@@ -202,8 +272,7 @@ class SimJob:
             self.atomic_bsz, self.accum_steps = 0, 0
             return
         nodes, mode = self.nodes, self.batch_mode
-        choice = self._memoized("batch", (r, nodes, mode), lambda: self.agent.best_batch(
-            r, nodes, mode, fixed_batch=self.target_batch))
+        choice = self._memoized("batch", (r, nodes, mode), lambda: self._best_batch(r, nodes, mode), mode)
         self.atomic_bsz, self.accum_steps = choice.per_gpu, choice.accum
 
     # ---- dynamics

@@ -31,7 +31,7 @@ def test_memoised_curves_and_batches_change_nothing(policy, monkeypatch):
     a = simulate("workload-6", policy, limit=14, progress=False).jobs
     calls = []
 
-    def no_memo(self, kind, args, compute):
+    def no_memo(self, kind, args, compute, mode=None):
         calls.append(kind)
         return compute()
 
@@ -82,3 +82,54 @@ def test_finished_jobs_are_not_kept(monkeypatch):
     jobs = res.jobs
     assert {"start_time", "queue_delay"} <= set(jobs.columns)
     assert (jobs.queue_delay >= 0).all() and (jobs.start_time <= jobs.completion_time).all()
+
+
+@pytest.mark.parametrize("policy", ["goodput", "saxena"])
+def test_batch_and_curve_tables_change_nothing(policy, monkeypatch):
+    """Batch choices and curves read from one vectorised table per input (SimJob._table) are the agent's own:
+    the same per-job results when every one is asked of the agent."""
+    built = []
+    orig = SimJob._table
+
+    def spy(self, mode, top):
+        built.append(top)
+        return orig(self, mode, top)
+
+    monkeypatch.setattr(SimJob, "_table", spy)
+    a = simulate("workload-6", policy, limit=14, progress=False).jobs
+    assert built  # the tables were on the path
+    monkeypatch.setattr(SimJob, "use_tables", False)
+    built.clear()
+    b = simulate("workload-6", policy, limit=14, progress=False).jobs
+    assert not built
+    pd.testing.assert_frame_equal(a, b)
+
+
+@pytest.mark.parametrize("app_name", ["imagenet", "cifar10", "bert"])
+def test_tables_equal_the_agent_bit_for_bit(app_name):
+    """Every batch choice and curve entry from the table equals the agent's scalar answer exactly, on one node
+    and on several, for the goodput and throughput modes, across epochs, batches and node sizes."""
+    from elasticlab.sim import load_application
+
+    app = load_application(app_name)
+    job = SimJob("j", app, 0.0, 1, app.init_batch_size, "goodput")
+    agent = job.agent
+    agent.max_profiled = 8
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        agent.grad_stats = app.grad_stats(rng.uniform(app.init_batch_size, app.max_batch_size),
+                                          int(rng.integers(app.max_epochs)))
+        job._tables.clear()
+        for mode in ("goodput", "throughput"):
+            for r in range(1, 25):
+                for nodes in {1, 2, min(r, 3)}:
+                    if nodes > r:
+                        continue
+                    want = agent.best_batch(r, nodes, mode)
+                    assert job._best_batch(r, nodes, mode) == want, (mode, r, nodes)
+            for gpn in (4, 8):
+                for upto in (1, 5, 24):
+                    np.testing.assert_array_equal(job._goodput_curve(64, gpn, mode, upto),
+                                                  agent.goodput_curve(64, gpn, mode, upto))
+                    np.testing.assert_array_equal(job._speedup_curve(64, gpn, mode, upto),
+                                                  agent.speedup_curve(64, gpn, mode, upto))
