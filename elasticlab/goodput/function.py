@@ -235,7 +235,7 @@ def _optimize_key(init_batch, nodes, gpus, kw):
     try:
         n, k = np.asarray(nodes, dtype=float), np.asarray(gpus, dtype=float)
         key = ("optimize", init_batch, n.shape, n.tobytes(), k.shape, k.tobytes(),
-               tuple((name, v if np.isscalar(v) or v is None else tuple(v)) for name, v in kw.items()))
+               tuple(tuple(v) if isinstance(v, (list, tuple, np.ndarray)) else v for v in kw.values()))
         hash(key)
     except (TypeError, ValueError):
         return None
