@@ -129,5 +129,5 @@ def test_a_known_gap_is_shown_beside_a_failure_and_never_changes_the_verdict(cla
     page = render_html(res, quick=True)
     assert page.count(f"why: {gap}") == 1 and f"<b>Why not reproduced:</b> {gap}" in page
     # the failures registered today all say why
-    for cid in ("P3-T9", "P4-T3", "P5-T3", "P5-T6"):
+    for cid in ("P2-T3", "P3-T9", "P4-T3", "P5-T3", "P5-T6"):
         assert repro.get(cid).gap, cid
