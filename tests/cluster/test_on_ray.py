@@ -14,6 +14,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from polling import until  # noqa: E402
+
 from elasticlab.cluster import JobSpec  # noqa: E402
 from elasticlab.cluster.experiments import examples_path  # noqa: E402
 from elasticlab.cluster.ray import RayCluster, RayJob  # noqa: E402
@@ -61,15 +63,6 @@ def test_bad_arguments_are_named():
         local_cluster(0)
 
 
-def _until(cond, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_path):
@@ -87,18 +80,18 @@ def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_pat
         while job.status()["step"] < 3:
             assert time.monotonic() < end and job.state not in ("failed", "stopped"), job.status()
             time.sleep(0.2)
-        assert _until(lambda: ray.available_resources().get("slot", 0) == 0)  # both slots in the bundles
+        assert until(lambda: ray.available_resources().get("slot", 0) == 0)  # both slots in the bundles
         first = set(job._workers)
         assert job.resize(1).result(timeout=150)["world_size"] == 1
         assert not first & set(job._workers), "a coupled resize starts new actors in the new bundles"
-        assert _until(lambda: len(session_processes(session, name="RayWorker")) == 1)  # none kept warm
-        assert _until(lambda: ray.available_resources().get("slot", 0) == 1)
+        assert until(lambda: len(session_processes(session, name="RayWorker")) == 1)  # none kept warm
+        assert until(lambda: ray.available_resources().get("slot", 0) == 1)
         assert job.wait(timeout=150) and job.state == "finished", job.status()
         starts = [e for e in job.events() if e["kind"] == "actors_start"]
         assert [len(e["workers"]) for e in starts] == [2, 1], starts
         job.stop()
-        assert _until(lambda: not session_processes(session, name="RayWorker"))
-        assert _until(lambda: ray.available_resources().get("slot", 0) == 2)
+        assert until(lambda: not session_processes(session, name="RayWorker"))
+        assert until(lambda: ray.available_resources().get("slot", 0) == 2)
     finally:
         shutdown(cluster)
     assert not session_processes(session)

@@ -15,6 +15,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from polling import until  # noqa: E402
+
 from elasticlab.cluster.experiments import examples_path  # noqa: E402
 from elasticlab.cluster.ray import RayJob  # noqa: E402
 from elasticlab.cluster.ray.local import local_cluster, session_dir, session_processes, shutdown  # noqa: E402
@@ -22,15 +24,6 @@ from elasticlab.elastic import check_exactly_once  # noqa: E402
 from elasticlab.elastic.task import build  # noqa: E402
 
 EX = examples_path()
-
-
-def _until(cond, timeout: float = 60.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def _where(job) -> list[dict]:
@@ -62,14 +55,14 @@ def _run(tmp_path, *, gpus: int, workers: int, device: str | None, change):
         while job.status()["step"] < 6:
             assert time.monotonic() < end and job.state not in ("failed", "stopped"), job.status()
             time.sleep(0.2)
-        assert _until(lambda: ray.available_resources().get("GPU", 0) == gpus - workers)
+        assert until(lambda: ray.available_resources().get("GPU", 0) == gpus - workers, 60.0)
         before = _where(job)
         change(job)
         after = _where(job)
         assert job.wait(timeout=150) and job.state == "finished", job.status()
         job.stop()
-        assert _until(lambda: not session_processes(session, name="RayWorker"))
-        assert _until(lambda: ray.available_resources().get("GPU", 0) == gpus)  # every GPU given back
+        assert until(lambda: not session_processes(session, name="RayWorker"), 60.0)
+        assert until(lambda: ray.available_resources().get("GPU", 0) == gpus, 60.0)  # every GPU given back
         return job, before, after
     finally:
         if job is not None:
@@ -102,7 +95,7 @@ def test_gpu_job_on_ray_trains_on_cuda_with_nccl_and_resumes_on_a_new_actor(tmp_
     exactly once."""
     def pause_resume(job):
         job.pause().result(timeout=120)
-        assert _until(lambda: ray.available_resources().get("GPU", 0) == 1), "a paused job holds no GPU"
+        assert until(lambda: ray.available_resources().get("GPU", 0) == 1, 60.0), "a paused job holds no GPU"
         job.resume().result(timeout=150)
 
     job, before, after = _run(tmp_path, gpus=1, workers=1, device="cuda", change=pause_resume)
