@@ -416,3 +416,17 @@ def test_goodput_outside_its_domain_does_not_warn():
     assert math.isnan(got[0]) and math.isnan(got[3])          # 0 samples/s × E(0) = 0·inf; 0/0 samples/s
     assert got[2] == pytest.approx(16 / 0.8 * (1 - 12 / 16))
     assert math.isnan(float(fn.evaluate(1, 0, 8))) and math.isnan(float(gp.goodput(model, 0.0, 4, 1, 1, 0)))
+
+
+def test_goodput_default_is_no_accumulation_and_speedup_table_checks_both_sizes():
+    """goodput() without accum_steps is one micro-batch per step (s = 0, M = K b): the same value as s = 0
+    given, not that of s = 1 (M = 2 K b). speedup_table refuses max_nodes < 1 and gpus_per_node < 1 each
+    on its own, naming both values."""
+    default = float(gp.goodput(TRUE, 10.0, 128, 1, 2, 64))
+    assert default == float(gp.goodput(TRUE, 10.0, 128, 1, 2, 64, 0))
+    assert default != pytest.approx(float(gp.goodput(TRUE, 10.0, 128, 1, 2, 64, 1)), rel=1e-3)
+    fn = GoodputFunction(TRUE, 10.0, 128)
+    for args in ((0, 4), (1, 0), (0, 0)):
+        with pytest.raises(ValueError, match=rf"need max_nodes >= 1 and gpus_per_node >= 1, got {args[0]}, "
+                                             rf"{args[1]}"):
+            fn.speedup_table(*args, max_batch=512)
