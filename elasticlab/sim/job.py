@@ -67,7 +67,7 @@ class SimJob:
         self._stats_key = None
         self._stats_val = None
         self._tables: dict = {}
-        self._table_top = 1
+        self._gpn = None  # GPUs per node of the scheduler's last curve (the tables' node size)
 
     # ---- state
     @property
@@ -174,29 +174,34 @@ class SimJob:
         return self.use_tables and mode in ("goodput", "throughput") and a.model is not None \
             and a.max_profiled > 0
 
-    def _table(self, mode, top):
-        """The agent's ``optimize`` (goodput, per-GPU batch, accumulation steps) at g = 1..T >= ``top`` GPUs
-        on one node (row 0) and on several (row 1), in one vectorised call: everything the agent's batch
-        choice and curves read from it (the throughput model sees the nodes only as "more than one", and
-        the optimisation is elementwise, so a row entry is bit for bit the scalar call's). One per input:
-        the gradient statistics change whenever the batch does, and each then serves the job's next batch
-        choice, the scheduler's curve and the batch of the new allocation."""
+    def _table(self, mode, top, gpus_per_node, build=True):
+        """The agent's ``optimize`` (goodput, per-GPU batch, accumulation steps) in one vectorised call, at
+        g = 1..``top`` GPUs packed on ceil(g / ``gpus_per_node``) nodes and at g = 2..``gpus_per_node``
+        spread over several nodes: what the agent's curve reads, and its batch choice for any placement of
+        up to ``top`` GPUs (the throughput model sees nodes only as "more than one", and the optimisation is
+        elementwise, so an entry is bit for bit the scalar call's). Kept per input (the gradient statistics
+        change whenever the batch does): the scheduler's curve builds it and the new allocation's batch
+        choice reads it. ``build=False``: None unless one covering ``top`` is kept."""
         a = self.agent
-        key = (mode, None if mode == "throughput" else a.grad_stats, id(a.model))
+        key = (mode, None if mode == "throughput" else a.grad_stats, id(a.model), gpus_per_node)
         try:
             hit = self._tables.get(key)
         except TypeError:  # unhashable statistics: computed, not kept
             key, hit = None, None
-        if hit is None or hit[0] < top:
-            T = self._table_top = max(int(top), self._table_top)
-            gg = np.arange(1, T + 1, dtype=float)
-            nodes = np.repeat([1.0, 2.0], T)
-            good, b, s = a.optimize(nodes, np.concatenate([gg, gg]), mode)
-            hit = (T, good.reshape(2, T), b.reshape(2, T), s.reshape(2, T))
-            if key is not None:
-                if len(self._tables) > 8:
-                    self._tables.clear()
-                self._tables[key] = hit
+        if hit is not None and hit[0] >= top:
+            return hit
+        if not build:
+            return None
+        T, gpn = int(top), int(gpus_per_node)
+        gg = np.arange(1, T + 1, dtype=float)
+        spread = np.arange(2, min(gpn, T) + 1, dtype=float)
+        nodes = np.concatenate([np.where(gg <= gpn, 1.0, 2.0), np.full(len(spread), 2.0)])
+        good, b, s = a.optimize(nodes, np.concatenate([gg, spread]), mode)
+        hit = (T, gpn, good, b, s)
+        if key is not None:
+            if len(self._tables) > 8:
+                self._tables.clear()
+            self._tables[key] = hit
         return hit
 
     def _goodput_curve(self, max_gpus, gpus_per_node, mode, upto):
@@ -208,9 +213,9 @@ class SimJob:
         top = max_gpus if upto is None else max(min(int(upto), max_gpus), 0)
         if top < 1:
             return out
-        _, good, _, _ = self._table(mode, top)
-        one = np.arange(1, top + 1) <= gpus_per_node  # ceil(g / gpus_per_node) == 1: packed on one node
-        out[1:top + 1] = np.where(one, good[0, :top], good[1, :top])
+        self._gpn = gpus_per_node
+        good = self._table(mode, top, gpus_per_node)[2]
+        out[1:top + 1] = good[:top]
         return np.nan_to_num(out / float(a.limits.init), nan=0.0, posinf=0.0)
 
     def _speedup_curve(self, max_gpus, gpus_per_node, mode, upto):
@@ -222,15 +227,21 @@ class SimJob:
         return self.agent.speedup_curve(max_gpus, gpus_per_node, mode, upto, fixed_batch=self.target_batch)
 
     def _best_batch(self, gpus, nodes, mode) -> BatchChoice:
-        """:meth:`GoodputAgent.best_batch` (no current batch), read from :meth:`_table` where it applies."""
+        """:meth:`GoodputAgent.best_batch` (no current batch), read from the kept :meth:`_table` of the
+        current input where there is one (the scheduler's curve built it); else the agent's."""
         a = self.agent
-        if self._tabled(mode):
-            _, good, b, s = self._table(mode, gpus)
-            row = 0 if nodes <= 1 else 1
-            g, b, s = float(good[row, gpus - 1]), int(b[row, gpus - 1]), int(s[row, gpus - 1])
-            if b > 0 and g > 0:  # the agent's choice; else its fallback below
-                b = max(min(b, a.max_batch(mode) // (gpus * (s + 1))), 1)
-                return BatchChoice(b, s, g, gpus * b * (s + 1))
+        t = self._table(mode, gpus, self._gpn, build=False) if self._gpn and self._tabled(mode) else None
+        if t is not None:
+            T, gpn, good, b, s = t
+            if gpus > gpn:  # several nodes: the packed entry
+                i = gpus - 1 if nodes > 1 else None
+            else:
+                i = gpus - 1 if nodes <= 1 else T + gpus - 2
+            if i is not None:
+                g, b, s = float(good[i]), int(b[i]), int(s[i])
+                if b > 0 and g > 0:  # the agent's choice; else its fallback below
+                    b = max(min(b, a.max_batch(mode) // (gpus * (s + 1))), 1)
+                    return BatchChoice(b, s, g, gpus * b * (s + 1))
         return a.best_batch(gpus, nodes, mode, fixed_batch=self.target_batch)
 
     def remaining_progress(self) -> float:

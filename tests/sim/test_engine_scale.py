@@ -91,9 +91,9 @@ def test_batch_and_curve_tables_change_nothing(policy, monkeypatch):
     built = []
     orig = SimJob._table
 
-    def spy(self, mode, top):
-        built.append(top)
-        return orig(self, mode, top)
+    def spy(self, *args, **kw):
+        built.append(args)
+        return orig(self, *args, **kw)
 
     monkeypatch.setattr(SimJob, "_table", spy)
     a = simulate("workload-6", policy, limit=14, progress=False).jobs
@@ -107,8 +107,9 @@ def test_batch_and_curve_tables_change_nothing(policy, monkeypatch):
 
 @pytest.mark.parametrize("app_name", ["imagenet", "cifar10", "bert"])
 def test_tables_equal_the_agent_bit_for_bit(app_name):
-    """Every batch choice and curve entry from the table equals the agent's scalar answer exactly, on one node
-    and on several, for the goodput and throughput modes, across epochs, batches and node sizes."""
+    """Every curve entry and every batch choice read from a table equals the agent's scalar answer exactly,
+    packed and spread over nodes, for the goodput and throughput modes, across epochs, batches and node
+    sizes; a count beyond the table is asked of the agent."""
     from elasticlab.sim import load_application
 
     app = load_application(app_name)
@@ -116,20 +117,30 @@ def test_tables_equal_the_agent_bit_for_bit(app_name):
     agent = job.agent
     agent.max_profiled = 8
     rng = np.random.default_rng(0)
-    for _ in range(4):
+    served = []
+    orig = job._table
+
+    def spy(*a, **kw):
+        t = orig(*a, **kw)
+        served.append(t is not None)
+        return t
+
+    job._table = spy
+    for _ in range(3):
         agent.grad_stats = app.grad_stats(rng.uniform(app.init_batch_size, app.max_batch_size),
                                           int(rng.integers(app.max_epochs)))
-        job._tables.clear()
         for mode in ("goodput", "throughput"):
-            for r in range(1, 25):
-                for nodes in {1, 2, min(r, 3)}:
-                    if nodes > r:
-                        continue
-                    want = agent.best_batch(r, nodes, mode)
-                    assert job._best_batch(r, nodes, mode) == want, (mode, r, nodes)
             for gpn in (4, 8):
                 for upto in (1, 5, 24):
                     np.testing.assert_array_equal(job._goodput_curve(64, gpn, mode, upto),
                                                   agent.goodput_curve(64, gpn, mode, upto))
                     np.testing.assert_array_equal(job._speedup_curve(64, gpn, mode, upto),
                                                   agent.speedup_curve(64, gpn, mode, upto))
+                job._goodput_curve(64, gpn, mode, 24)
+                for r in range(1, 31):  # 25..30: beyond the table
+                    for nodes in {1, 2, min(r, 3), -(-r // gpn)}:
+                        if nodes > r or (nodes == 1 and r > gpn):
+                            continue
+                        want = agent.best_batch(r, nodes, mode)
+                        assert job._best_batch(r, nodes, mode) == want, (mode, gpn, r, nodes)
+    assert any(served) and not all(served)  # tables were read, and missing ones fell back to the agent
