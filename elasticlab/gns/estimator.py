@@ -10,6 +10,8 @@ ratio of the EMAs, never an EMA of ratios. Pollux's pair is (sqr, var) = (â€–Gâ€
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -37,6 +39,17 @@ def _as_float(x) -> float:
         return float(x.detach().double())
     return float(x)
 
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../elasticlab
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from its caller, of the first frame outside the elasticlab package:
+    the user's line, however many of the package's own calls (update, monitor, callbacks) lie between."""
+    level, frame = 2, sys._getframe(2)  # level 1: the function calling warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
 
 class _Ema:
     __slots__ = ("g2", "s", "n")
@@ -96,7 +109,7 @@ class GNSEstimator:
             warnings.warn(f"GNSEstimator: skipped an update{where} with {what} (squared norms must be finite "
                           "and >= 0; NaN/Inf come from overflowed half-precision steps); such updates are "
                           "counted in `skipped` / `layer_skipped`, and this warning is shown once",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=_user_stacklevel())
         return False
 
     def _valid(self, layer: str | None, **sq_norms: float) -> bool:

@@ -181,6 +181,7 @@ def test_negative_squared_norms_are_skipped_counted_and_warned_once():
         assert est.update(torch.tensor([1.0, 2.0]), 0.5, layers={"l": (torch.tensor([-1e-9, 2.0]), 0.5)})
     ours = [w for w in caught if "GNSEstimator" in str(w.message)]
     assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    assert ours[0].filename == __file__, ours[0].filename  # attributed to the caller's line, not the package
     assert "-0.5" in str(ours[0].message)
     assert est.skipped == 6 and est.layer_skipped == {"l": 1}
     assert est.num_updates == 2 and "l" not in est.layer_stats()
