@@ -51,6 +51,7 @@ def _user_stacklevel() -> int:
         level, frame = level + 1, frame.f_back
     return level
 
+
 class _Ema:
     __slots__ = ("g2", "s", "n")
 
