@@ -21,11 +21,23 @@ def goodput(model: ThroughputModel, phi, init_batch, nodes, gpus, per_gpu_batch,
     broadcast over all arguments; no input checks (defined for M >= M0, phi >= 0). Outside that domain
     (zero GPUs, a zero batch) the value is what IEEE arithmetic gives (0, inf or nan; callers mask those
     entries) and numpy's divide-by-zero / invalid-value warnings are silenced."""
+    thr, batch = _throughput_parts(model, nodes, gpus, per_gpu_batch, accum_steps)
+    return _times_efficiency(thr, batch, phi, init_batch)
+
+
+def _throughput_parts(model: ThroughputModel, nodes, gpus, per_gpu_batch, accum_steps):
+    """``(THROUGHPUT, M)`` of the configurations: the half of :func:`goodput` that phi does not enter."""
     gpus = np.asarray(gpus, dtype=float)
     b = np.asarray(per_gpu_batch, dtype=float)
     s = np.asarray(accum_steps, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return model.throughput(nodes, gpus, b, s) * _efficiency(phi, init_batch, global_batch(gpus, b, s))
+        return model.throughput(nodes, gpus, b, s), global_batch(gpus, b, s)
+
+
+def _times_efficiency(throughput, batch, phi, init_batch):
+    """GOODPUT = THROUGHPUT x EFFICIENCY(M) (Pollux Eq. (1)): the one place the product is written."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return throughput * _efficiency(phi, init_batch, batch)
 
 
 class GoodputFunction:
@@ -114,7 +126,7 @@ class GoodputFunction:
                 if len(_CANDIDATE_CACHE) > 4096:
                     _CANDIDATE_CACHE.clear()
                 cands = cands._replace(nodes=cands.nodes.copy())  # it may view the caller's array
-                for a in cands[1:]:
+                for a in (cands.nodes, cands.gpus, cands.per_gpu, cands.steps, cands.ok):
                     a.setflags(write=False)
                 _CANDIDATE_CACHE[key] = cands
         return self._pick(cands)
@@ -165,11 +177,19 @@ class GoodputFunction:
             if force_accum_single_gpu:
                 per_gpu = np.where(k_safe == 1, self.init_batch, per_gpu)
         ok = valid & (per_gpu >= min_b) & (per_gpu <= max_b)
-        return _Candidates(shape, n, k_safe, per_gpu, steps, ok)
+        return _Candidates(shape, n, k_safe, per_gpu, steps, ok, {})
 
     def _pick(self, c):
         """Goodput of every candidate (GOODPUT = THROUGHPUT x EFFICIENCY), then the best per allocation."""
-        good = goodput(self.model, self.phi, self.init_batch, c.nodes, c.gpus, c.per_gpu, c.steps)
+        parts = c.by_model.get(self.model)  # THROUGHPUT and M of a cached grid do not depend on phi
+        if parts is None:
+            if len(c.by_model) >= 4:
+                c.by_model.clear()
+            parts = _throughput_parts(self.model, c.nodes, c.gpus, c.per_gpu, c.steps)
+            for a in parts:
+                a.setflags(write=False)
+            c.by_model[self.model] = parts
+        good = _times_efficiency(*parts, self.phi, self.init_batch)
         good[~c.ok] = -np.inf
         best = np.argmax(good, axis=1)
         rows = np.arange(len(best))
@@ -223,6 +243,7 @@ class _Candidates(NamedTuple):
     per_gpu: np.ndarray  # (A, C)
     steps: np.ndarray  # (A, C)
     ok: np.ndarray  # (A, C) feasible
+    by_model: dict  # ThroughputModel -> (THROUGHPUT, M) over the grid: the part of goodput phi does not enter
 
 
 _GRID_CACHE: dict = {}

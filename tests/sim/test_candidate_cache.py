@@ -62,3 +62,24 @@ def test_other_keywords_are_other_grids_and_bad_input_still_raises():
             f.optimize(-1, 4, **KW)
         with pytest.raises(ValueError, match="batch_range must be a pair"):
             f.optimize(1, 4, batch_range=[[64, 128]])
+
+
+def test_throughput_memo_per_model_serves_other_models_and_phis_exactly():
+    """A cached grid also keeps THROUGHPUT and M per throughput model (phi does not enter them): other
+    models and other statistics on that grid give what a fresh grid gives, bit for bit, and the kept
+    arrays cannot be written through."""
+    fn._CANDIDATE_CACHE.clear()
+    nodes, gpus = np.array([1.0, 2.0, 2.0]), np.array([2.0, 4.0, 8.0])
+    other = ThroughputModel(0.02, 0.004, 0.03, 0.002, 0.08, 0.01, 2.0)
+    calls = [(m, s) for m in (MODEL, other, MODEL) for s in ((1.0, 0.5), (1.0, 80.0))]
+    for m, stats in calls:
+        f = GoodputFunction(m, stats, 64)
+        got, want = f.optimize(nodes, gpus, **KW), fresh(f, nodes, gpus, **KW)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    (cands,) = [c for c in fn._CANDIDATE_CACHE.values() if c.shape == (3,)]
+    assert set(cands.by_model) == {MODEL, other}
+    thr, batch = cands.by_model[MODEL]
+    with pytest.raises(ValueError):
+        thr[0, 0] = 0.0
+    np.testing.assert_array_equal(thr, MODEL.throughput(cands.nodes, cands.gpus, cands.per_gpu, cands.steps))
