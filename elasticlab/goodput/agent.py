@@ -132,12 +132,9 @@ class GoodputAgent:
         if gpus < 1:
             raise ValueError(f"best_batch needs gpus >= 1, got {gpus!r}")
         if mode in ("goodput", "throughput") and self.model is not None and self.max_profiled > 0:
-            good, b, s = self.optimize(nodes, gpus, mode)
-            b, s, good = int(b), int(s), float(good)
-            if b > 0 and good > 0:
-                count = gpus * (s + 1)
-                b = max(min(b, self.max_batch(mode) // count), 1)
-                choice = BatchChoice(b, s, good, gpus * b * (s + 1))
+            choice = self.choice_of(gpus, mode, *self.optimize(nodes, gpus, mode))
+            if choice is not None:
+                b, s = choice.per_gpu, choice.accum
                 if current is not None:
                     fn = self.function(mode)
                     new = float(fn.evaluate(nodes, gpus, b, s))
@@ -149,6 +146,15 @@ class GoodputAgent:
         batch = self._fixed_batch(mode, gpus, fixed_batch)
         b, s = self.split(batch, gpus)
         return BatchChoice(int(b), int(s), 0.0, int(batch))
+
+    def choice_of(self, gpus: int, mode: str, good, b, s) -> BatchChoice | None:
+        """:meth:`optimize`'s ``(goodput, b, s)`` for ``gpus`` GPUs as a :class:`BatchChoice`, ``b`` held to
+        :meth:`max_batch`; None where it found no feasible batch (the caller falls back)."""
+        b, s, good = int(b), int(s), float(good)
+        if b <= 0 or good <= 0:
+            return None
+        b = max(min(b, self.max_batch(mode) // (gpus * (s + 1))), 1)
+        return BatchChoice(b, s, good, gpus * b * (s + 1))
 
     def _fixed_batch(self, mode: str, gpus: int, fixed: int | None = None) -> int:
         if mode == "fixed" and fixed is not None:

@@ -237,11 +237,9 @@ class SimJob:
                 i = gpus - 1 if nodes > 1 else None
             else:
                 i = gpus - 1 if nodes <= 1 else T + gpus - 2
-            if i is not None:
-                g, b, s = float(good[i]), int(b[i]), int(s[i])
-                if b > 0 and g > 0:  # the agent's choice; else its fallback below
-                    b = max(min(b, a.max_batch(mode) // (gpus * (s + 1))), 1)
-                    return BatchChoice(b, s, g, gpus * b * (s + 1))
+            choice = None if i is None else a.choice_of(gpus, mode, good[i], b[i], s[i])
+            if choice is not None:  # the agent's choice; else its fallback below
+                return choice
         return a.best_batch(gpus, nodes, mode, fixed_batch=self.target_batch)
 
     def remaining_progress(self) -> float:
