@@ -16,14 +16,22 @@ namespace elasticlab {
 namespace cuda {
 
 namespace {
-constexpr int kThreads = 256, kR = 4;
+constexpr int kThreads = kFoldWarps * 32;
 
-template <typename g_t, typename acc_t, int V>
+template <typename g_t, typename acc_t, int V, int R>
 void launch_fold(const at::Tensor& G, at::Tensor& partial, acc_t* grad, bool accumulate, int64_t c, int64_t n,
-                 int64_t blocks) {
-  fold_products_kernel<g_t, acc_t, V, kR><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const g_t*>(G.data_ptr()), c, n, partial.data_ptr<acc_t>(), grad, accumulate);
+                 dim3 grid, int64_t group) {
+  fold_products_kernel<g_t, acc_t, V, R><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const g_t*>(G.data_ptr()), c, n, group, partial.data_ptr<acc_t>(), grad, accumulate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Four vectors per thread for large products, one for small ones (more blocks along n).
+template <typename g_t, typename acc_t, int V>
+void launch_fold_r(const at::Tensor& G, at::Tensor& partial, acc_t* grad, bool accumulate, int64_t c, int64_t n,
+                   dim3 grid, int64_t group, int R) {
+  if (R == 4) launch_fold<g_t, acc_t, V, 4>(G, partial, grad, accumulate, c, n, grid, group);
+  else launch_fold<g_t, acc_t, V, 1>(G, partial, grad, accumulate, c, n, grid, group);
 }
 }  // namespace
 
@@ -34,34 +42,54 @@ void fold_products(const at::Tensor& G, at::Tensor norms, at::Tensor grad, bool 
   const int vec = G.scalar_type() == at::kDouble ? 2 : (G.element_size() == 2 ? 8 : 4);
   const int V = (n % vec == 0) ? vec : 1;
   const int64_t nv = n / V;
-  const int64_t blocks = std::max<int64_t>(1, (nv + kThreads * kR - 1) / (kThreads * kR));
-  TORCH_CHECK(blocks <= 0x7fffffff, "fold_products: product too large (", n, " elements)");
-  auto partial = at::empty({c, blocks}, norms.options());
+  // Enough blocks to fill the GPU (about four per SM): along n first, then over groups of examples. A group
+  // has at least 4 examples (so the groups' gradient rows cost at most half the products' traffic), at most
+  // kFoldMaxGroup.
+  const int64_t target = 4 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int R = (nv + kThreads * 4 - 1) / (kThreads * 4) >= target / 2 ? 4 : 1;
+  const int64_t bx = std::max<int64_t>(1, (nv + kThreads * R - 1) / (kThreads * R));
+  TORCH_CHECK(bx <= 0x7fffffff, "fold_products: product too large (", n, " elements)");
+  int64_t groups = std::min<int64_t>(std::max<int64_t>(1, (target + bx - 1) / bx), (c + 3) / 4);
+  groups = std::max<int64_t>(groups, (c + kFoldMaxGroup - 1) / kFoldMaxGroup);
+  const int64_t group = (c + groups - 1) / groups;
+  groups = (c + group - 1) / group;
+  TORCH_CHECK(groups <= 65535, "fold_products: too many examples in one chunk (", c, ")");
+  const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(groups));
+  auto partial = at::empty({c, bx}, norms.options());
   const bool with_grad = grad.defined() && grad.numel() > 0;
+  // One group writes straight into grad; several write their rows into a scratch summed below.
+  at::Tensor rows = (with_grad && groups > 1) ? at::empty({groups, n}, norms.options()) : at::Tensor();
+  at::Tensor target_t = rows.defined() ? rows : grad;
+  const bool acc_in_kernel = accumulate && !rows.defined();
   if (acc == at::kDouble) {
-    double* pg = with_grad ? grad.data_ptr<double>() : nullptr;
-    if (V == 2) launch_fold<double, double, 2>(G, partial, pg, accumulate, c, n, blocks);
-    else launch_fold<double, double, 1>(G, partial, pg, accumulate, c, n, blocks);
+    double* pg = with_grad ? target_t.data_ptr<double>() : nullptr;
+    if (V == 2) launch_fold_r<double, double, 2>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
+    else launch_fold_r<double, double, 1>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
   } else {
-    float* pg = with_grad ? grad.data_ptr<float>() : nullptr;
+    float* pg = with_grad ? target_t.data_ptr<float>() : nullptr;
     switch (G.scalar_type()) {
       case at::kFloat:
-        if (V == 4) launch_fold<float, float, 4>(G, partial, pg, accumulate, c, n, blocks);
-        else launch_fold<float, float, 1>(G, partial, pg, accumulate, c, n, blocks);
+        if (V == 4) launch_fold_r<float, float, 4>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
+        else launch_fold_r<float, float, 1>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
         break;
       case at::kBFloat16:
-        if (V == 8) launch_fold<c10::BFloat16, float, 8>(G, partial, pg, accumulate, c, n, blocks);
-        else launch_fold<c10::BFloat16, float, 1>(G, partial, pg, accumulate, c, n, blocks);
+        if (V == 8) launch_fold_r<c10::BFloat16, float, 8>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
+        else launch_fold_r<c10::BFloat16, float, 1>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
         break;
       case at::kHalf:
-        if (V == 8) launch_fold<c10::Half, float, 8>(G, partial, pg, accumulate, c, n, blocks);
-        else launch_fold<c10::Half, float, 1>(G, partial, pg, accumulate, c, n, blocks);
+        if (V == 8) launch_fold_r<c10::Half, float, 8>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
+        else launch_fold_r<c10::Half, float, 1>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
         break;
       default:
         TORCH_CHECK(false, "fold_products: unsupported dtype ", G.scalar_type());
     }
   }
   at::sum_out(norms, partial, {1});
+  if (rows.defined()) {
+    at::Tensor flat = grad.view({n});
+    if (accumulate) flat.add_(rows.sum(0));
+    else at::sum_out(flat, rows, {0});
+  }
 }
 
 }  // namespace cuda

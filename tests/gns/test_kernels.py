@@ -130,6 +130,24 @@ def test_cuda_kernels_match_cpu_reference_float32():
     _cuda_vs_cpu(torch.float32, 2e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 3, 5, 7), (600, 2, 16, 8), (70, 4, 1400, 1400)])
+def test_cuda_fold_over_example_groups(shape, dtype):
+    """The fold's 2-D grid: many examples with small products (groups of examples, each summing its rows of
+    the gradient into a scratch), unvectorised widths (5x7), and products chunked across GEMMs (1400x1400
+    float32 per example: three chunks, each folded by two groups, the later ones accumulating)."""
+    a, d = seq(*shape, dtype=torch.float32)
+    a, d = a.to(dtype), d.to(dtype)
+    want, want_grad = kernels.seq_linear_outer_norms_ref(a.double(), d.double(), with_grad=True)
+    n, g = kernels.seq_linear_outer_norms(a.cuda(), d.cuda(), with_grad=True, use_kernel=True)
+    tol = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(n.cpu().double(), want, rtol=tol, atol=0)
+    torch.testing.assert_close(g.cpu().double(), want_grad, rtol=tol, atol=tol * want_grad.abs().max())
+    n_only, _ = kernels.seq_linear_outer_norms(a.cuda(), d.cuda(), with_grad=False, use_kernel=True)
+    torch.testing.assert_close(n_only, n, rtol=0, atol=0)
+
+
 class _ConvSeq(nn.Module):
     """Every fused family on one model: Conv2d, GroupNorm, Linear (2-D and sequence), LayerNorm, Embedding."""
 
