@@ -84,6 +84,7 @@ class GoodputAgent:
         self.grad_stats = grad_stats
         self.split = split or limits.split
         self.max_profiled = 0
+        self._fn = (None, None, None, None)  # (model, limits, statistics, GoodputFunction): see function()
 
     # ---- inputs ---------------------------------------------------------------------------------------
     def observe(self, gpus: int) -> None:
@@ -111,7 +112,19 @@ class GoodputAgent:
         if self.model is None:
             return None
         stats = math.inf if mode == "throughput" else self.grad_stats
-        return GoodputFunction(self.model, 0.0 if stats is None else stats, self.limits.init)
+        stats = 0.0 if stats is None else stats
+        # kept for the same inputs (the simulator asks several times per input, and building one checks
+        # them): only plain statistics (a float, a pair of floats) are compared; an estimator may change
+        plain = type(stats) is float or (type(stats) is tuple and len(stats) == 2 and type(stats[0]) is float
+                                         and type(stats[1]) is float)
+        if plain:
+            model, limits, kept, fn = self._fn
+            if model is self.model and limits is self.limits and type(kept) is type(stats) and kept == stats:
+                return fn
+        fn = GoodputFunction(self.model, stats, self.limits.init)
+        if plain:
+            self._fn = (self.model, self.limits, stats, fn)
+        return fn
 
     # ---- the agent's choice ---------------------------------------------------------------------------
     def optimize(self, nodes, gpus, mode: str = "goodput"):

@@ -36,9 +36,15 @@ def _efficiency(phi, m0, m):
     """E(M) without input checks, for callers that checked once (the goodput's candidate grid). Outside
     the domain (M = 0 with phi = 0: an allocation of zero GPUs) it gives inf or nan, as IEEE division
     does, without numpy's divide-by-zero warnings."""
-    # written as 1 - (M - M0) / (phi + M) so that phi = inf gives exactly 1
     with np.errstate(divide="ignore", invalid="ignore"):
-        return 1.0 - (m - m0) / (phi + m)
+        return _efficiency_formula(phi, m0, m)
+
+
+def _efficiency_formula(phi, m0, m):
+    """``E(M) = (phi + M0) / (phi + M)`` as arithmetic only, for numpy arrays and for the numba kernel of
+    :mod:`elasticlab.goodput._best` alike (the same IEEE operations in the same order)."""
+    # written as 1 - (M - M0) / (phi + M) so that phi = inf gives exactly 1
+    return 1.0 - (m - m0) / (phi + m)
 
 
 def gain(phi, m0, m):

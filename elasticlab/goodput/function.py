@@ -180,27 +180,22 @@ class GoodputFunction:
         return _Candidates(shape, n, k_safe, per_gpu, steps, ok, {})
 
     def _pick(self, c):
-        """Goodput of every candidate (GOODPUT = THROUGHPUT x EFFICIENCY), then the best per allocation."""
+        """Goodput of every candidate (GOODPUT = THROUGHPUT x EFFICIENCY), then the best per allocation: one
+        compiled call (:func:`elasticlab.goodput._best.best_candidates`; :func:`_best_numpy` is its numpy
+        reference, the same numbers)."""
         parts = c.by_model.get(self.model)  # THROUGHPUT and M of a cached grid do not depend on phi
         if parts is None:
             if len(c.by_model) >= 4:
                 c.by_model.clear()
             parts = _throughput_parts(self.model, c.nodes, c.gpus, c.per_gpu, c.steps)
+            parts = tuple(np.broadcast_to(a, c.per_gpu.shape) for a in parts)
             for a in parts:
                 a.setflags(write=False)
             c.by_model[self.model] = parts
-        good = _times_efficiency(*parts, self.phi, self.init_batch)
-        good[~c.ok] = -np.inf
-        best = np.argmax(good, axis=1)
-        rows = np.arange(len(best))
-        g, b, s = good[rows, best], c.per_gpu[rows, best], c.steps[rows, best]
-        feasible = np.isfinite(g)
-        g = np.where(feasible, g, 0.0).reshape(c.shape)
-        b = np.where(feasible, b, 0).astype(np.int64).reshape(c.shape)
-        s = np.where(feasible, s, 0).astype(np.int64).reshape(c.shape)
+        g, b, s = _best_kernel()(parts[0], parts[1], c.per_gpu, c.steps, c.ok, self.phi, self.init_batch)
         if not c.shape:
-            return float(g), int(b), int(s)
-        return g, b, s
+            return float(g[0]), int(b[0]), int(s[0])
+        return g.reshape(c.shape), b.reshape(c.shape), s.reshape(c.shape)
 
     def speedup(self, nodes, gpus, *, base=(1, 1), **optimize_kw):
         """Pollux SPEEDUP: best goodput on (nodes, gpus) over best goodput on ``base`` = (nodes, gpus)."""
@@ -225,6 +220,8 @@ class GoodputFunction:
         cands = _CANDIDATE_CACHE.get(key)
         if cands is None:
             cands = self._candidates(np.append(un, base[0]), np.append(uk, base[1]), **optimize_kw)
+            for a in (cands.nodes, cands.gpus, cands.per_gpu, cands.steps, cands.ok):
+                a.setflags(write=False)
             if len(_CANDIDATE_CACHE) > 256:
                 _CANDIDATE_CACHE.clear()
             _CANDIDATE_CACHE[key] = cands
@@ -244,6 +241,31 @@ class _Candidates(NamedTuple):
     steps: np.ndarray  # (A, C)
     ok: np.ndarray  # (A, C) feasible
     by_model: dict  # ThroughputModel -> (THROUGHPUT, M) over the grid: the part of goodput phi does not enter
+
+
+def _best_numpy(throughput, batch, per_gpu, steps, ok, phi, init_batch):
+    """The numpy form of :func:`elasticlab.goodput._best.best_candidates` (its reference in the tests):
+    GOODPUT of each feasible candidate (-inf elsewhere), np.argmax per row, (0, 0, 0) where not finite."""
+    good = _times_efficiency(throughput, batch, phi, init_batch)
+    good[~ok] = -np.inf
+    best = np.argmax(good, axis=1)
+    rows = np.arange(len(best))
+    g, b, s = good[rows, best], per_gpu[rows, best], steps[rows, best]
+    feasible = np.isfinite(g)
+    return (np.where(feasible, g, 0.0), np.where(feasible, b, 0).astype(np.int64),
+            np.where(feasible, s, 0).astype(np.int64))
+
+
+_KERNEL = []
+
+
+def _best_kernel():
+    """:func:`elasticlab.goodput._best.best_candidates`, imported on first use (numba is slow to import)."""
+    if not _KERNEL:
+        from elasticlab.goodput._best import best_candidates
+
+        _KERNEL.append(best_candidates)
+    return _KERNEL[0]
 
 
 _GRID_CACHE: dict = {}
