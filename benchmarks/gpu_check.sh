@@ -11,7 +11,7 @@
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log; with .before/
-#            built, the same profile of the earlier tree in fp32 is appended to it
+#            built, the same profile of the earlier tree (same PROFILE_ARGS, else fp32) is appended to it
 #   ray      the Ray backend on the GPU (issue 17): tests/cluster/test_on_ray_gpu.py -m gpu, a RayJob with
 #            resource="GPU" training on cuda:0 with NCCL, paused and resumed (RAY_S, 150 s) -> ray.log. Needs
 #            Ray carried in .whl/ray/ (its wheel is over the 64 MiB a call carries, so: the wheel unpacked
@@ -127,12 +127,12 @@ if want profile; then
   if [ -f .before/setup.py ]; then
     wait
     if ls .before/elasticlab/_C*.so > /dev/null 2>&1; then
-      echo "==== BEFORE (.before/, fp32)" >> "$OUT/profile.log"
+      echo "==== BEFORE (.before/, ${PROFILE_ARGS:---precision fp32})" >> "$OUT/profile.log"
       cp "$OUT/profile.log" /tmp/profile_now.log
       run_stage "profile_psgnorm (before)" 60 profile_before.tmp env PYTHONPATH="$PWD/.before:$PYTHONPATH" \
-        $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 --precision fp32
+        $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 ${PROFILE_ARGS:---precision fp32}
       cat /tmp/profile_now.log "$OUT/profile_before.tmp" > "$OUT/profile.log"; rm -f "$OUT/profile_before.tmp"
-      sed -n '/==== BEFORE/,$p' "$OUT/profile.log" | awk '/^G1-fp32 psgn/{n=7} n>0{print; n--}' | cut -c1-140 \
+      sed -n '/==== BEFORE/,$p' "$OUT/profile.log" | awk '/^G[0-9]-[a-z0-9]+ psgn /{n=7} n>0{print; n--}' | cut -c1-140 \
         | sed 's/^/before: /' | note
     else
       say "before: build failed ($(tail -2 /tmp/before_build.log | tr '\n' ' '))"

@@ -37,17 +37,19 @@ def _exactly_once(job, entry: str) -> dict:
     return check_exactly_once(rows, len(build(f"{EX}:{entry}", {})))
 
 
-def _run(tmp_path, *, gpus: int, workers: int, device: str | None, change):
+def _run(tmp_path, *, gpus: int, workers: int, device: str | None, change, max_steps: int = 30):
     """Start a 1-node cluster of ``gpus`` GPUs, run the comm_bound digits job on ``workers`` of them, call
     ``change(job)`` at step 6 (a resize or a pause/resume), let it finish; returns (job, the actors'
-    ``where`` before the change, after it)."""
+    ``where`` before the change, after it). Steps take at least 20 ms: ``max_steps`` leaves the change
+    time to arrive before the job ends."""
     cluster = local_cluster(1, gpus, resource="GPU")
     session = session_dir(cluster)
     job = None
     try:
         assert ray.cluster_resources().get("GPU") == gpus
         job = RayJob(f"{EX}:comm_bound", workers=workers, checkpoint_dir=str(tmp_path / "ck"),
-                     global_batch=32, resource="GPU", name="gpu", epochs=1, max_steps=30, checkpoint_every=5,
+                     global_batch=32, resource="GPU", name="gpu", epochs=1, max_steps=max_steps,
+                     checkpoint_every=5,
                      device=device, record_samples=str(tmp_path / "gpu.jsonl"),
                      entry_kwargs={"step_s": 0.02}).start()
         assert job._gang.coupled, "the GPU resource couples each actor to its bundle's GPU"
@@ -87,18 +89,37 @@ def test_gpu_resource_path_on_logical_gpus(tmp_path):
     assert rep["ok"] and rep["world_sizes"] == [2, 1], rep
 
 
+def _pause_resume(job):
+    """Pause, check that the job stays paused with its GPU free, resume."""
+    step = job.pause().result(timeout=120)
+    assert until(lambda: ray.available_resources().get("GPU", 0) == 1, 60.0), "a paused job holds no GPU"
+    time.sleep(1.0)                                    # a paused job stays paused (no generation re-forms)
+    st = job.status()
+    assert job.state == "paused" and st.world_size == 0 and st.step == step, st
+    assert ray.available_resources().get("GPU", 0) == 1
+    job.resume().result(timeout=150)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pause_and_resume_on_a_logical_gpu(tmp_path):
+    """The pause/resume path of the gpu-marked test below, on a logical GPU (gloo): the paused job gives its
+    GPU back and stays paused until resumed on a new actor; every sample exactly once."""
+    job, before, after = _run(tmp_path, gpus=1, workers=1, device="cpu", change=_pause_resume, max_steps=40)
+    assert before[0]["pid"] != after[0]["pid"]
+    kinds = [e["kind"] for e in job.events()]
+    assert "pause" in kinds and "resumed" in kinds, kinds
+    rep = _exactly_once(job, "comm_bound")
+    assert rep["ok"], rep
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_gpu_job_on_ray_trains_on_cuda_with_nccl_and_resumes_on_a_new_actor(tmp_path):
     """One real GPU: the actor trains on cuda:0 (so its group is NCCL), pauses (checkpoint from CUDA
     tensors, the GPU given back), resumes on a new actor that loads it, and finishes with every sample
     exactly once."""
-    def pause_resume(job):
-        job.pause().result(timeout=120)
-        assert until(lambda: ray.available_resources().get("GPU", 0) == 1, 60.0), "a paused job holds no GPU"
-        job.resume().result(timeout=150)
-
-    job, before, after = _run(tmp_path, gpus=1, workers=1, device="cuda", change=pause_resume)
+    job, before, after = _run(tmp_path, gpus=1, workers=1, device="cuda", change=_pause_resume, max_steps=80)
     assert [w["device"] for w in before] == ["cuda:0"] and [w["device"] for w in after] == ["cuda:0"]
     assert before[0]["visible_gpus"] is not None and before[0]["pid"] != after[0]["pid"]
     kinds = [e["kind"] for e in job.events()]

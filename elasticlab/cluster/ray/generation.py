@@ -127,6 +127,8 @@ class RayGenerations:
         if p is not None and p["kind"] == "pause":  # the slots go back; up to `warm` workers stay idle
             self._gang.release()
             self._gang.trim([])
+            # no generation while paused: the loop waits for resume() instead of re-forming this one
+            self._ranks, self._runs, self._ended = [], {}, None
             with self._lock:
                 self._state = "paused"
             self._events.emit("pause", step=self._last.get("step"))
