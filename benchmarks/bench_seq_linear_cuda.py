@@ -3,9 +3,10 @@
 For layer shapes of the GPU workloads (G1 GPT-2-small, G3 wide block, W2/W3), each method's time as a ratio to
 the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows, in the same dtype), in one run:
 ``triton`` (fused on tensor cores, products in registers), ``cublas`` (batched GEMM + one fold pass; the
-compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs). Every
-method is first checked against float64. It also measures the two ceilings the cost model of
-``elasticlab.gns.kernels.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
+compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
+``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
+allocations). Every method is first checked against float64. It also measures the two ceilings the cost
+model of ``elasticlab.gns.kernels.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
     python benchmarks/bench_seq_linear_cuda.py [--iters 10]
 Last line: ``RESULT {json}``.
@@ -64,13 +65,16 @@ def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
     d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(dt)
     a2, d2 = a.view(-1, Din), d.view(-1, Dout)
     want = kernels.seq_linear_outer_norms(a[:2].double(), d[:2].double(), use_kernel=True)[0]
+    dt_, at_ = d.transpose(1, 2), a
     meth = {"cublas": lambda: torch.ops.elasticlab.seq_linear_outer_norms(a, d, True),
+            "bmm": lambda: (torch.bmm(dt_, at_),),          # cublas's batched GEMM alone (its fold: the rest)
             "gram": lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)}
     if triton_outer.HAS_TRITON and dt != torch.float32:
         meth["triton"] = lambda: triton_outer.outer_norms(a, d, True)
     if name == "G1.head":
         meth.pop("gram")                                  # T×T Grams beside a 50304-wide GEMM: far slower
-    errs = {m: float(((f()[0][:2].double() - want).abs() / want).max()) for m, f in meth.items()}
+    errs = {m: float(((f()[0][:2].double() - want).abs() / want).max())
+            for m, f in meth.items() if m != "bmm"}
     base = timed(lambda: d2.t() @ a2, iters)
     return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs}
 
@@ -114,14 +118,15 @@ def main(argv=None) -> int:
     ceil = ceilings(args.iters)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
     rows = {}
-    print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} {'triton':>8s} {'cublas':>8s} {'gram':>8s}   "
+    cols = ("triton", "cublas", "bmm", "gram")
+    print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} " + " ".join(f"{c:>8s}" for c in cols) + "   "
           "rel.err vs fp64 (triton / cublas / gram)")
     for name, dt in RUNS:
         res = rows[f"{name}:{str(dt).split('.')[-1]}"] = run_layer(name, dt, args.iters)
         torch.cuda.empty_cache()
         r, e = res["ratio"], res["rel_err"]
         print(f"{name:10s} {str(dt).split('.')[-1]:9s} {res['wgrad_ms']:9.3f} "
-              + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in ("triton", "cublas", "gram"))
+              + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in cols)
               + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in ("triton", "cublas", "gram")))
     sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
     print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep}))

@@ -100,9 +100,13 @@ std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor&
   c10::cuda::CUDAGuard guard(a.device());
   const int64_t B = a.size(0), T = a.size(1), Din = a.size(2), Dout = d.size(2);
   const auto acc = acc_type(a.scalar_type());
-  auto norms = at::zeros({B}, a.options().dtype(acc));
-  auto grad = with_grad ? at::zeros({Dout, Din}, a.options().dtype(acc)) : at::empty({0}, a.options().dtype(acc));
-  if (B == 0 || Din == 0 || Dout == 0 || T == 0) return {norms, grad};
+  if (B == 0 || Din == 0 || Dout == 0 || T == 0) {
+    return {at::zeros({B}, a.options().dtype(acc)),
+            with_grad ? at::zeros({Dout, Din}, a.options().dtype(acc)) : at::empty({0}, a.options().dtype(acc))};
+  }
+  // Both written in full by the folds (the first chunk's without accumulating): no memset launches.
+  auto norms = at::empty({B}, a.options().dtype(acc));
+  auto grad = with_grad ? at::empty({Dout, Din}, a.options().dtype(acc)) : at::empty({0}, a.options().dtype(acc));
   // Products in bfloat16 for bfloat16 inputs (same range as float32, half the traffic; the GEMM accumulates
   // in float32 and the fold sums in float32), float32 for float16 inputs (whose range a product may exceed).
   const auto g_type = a.scalar_type() == at::kBFloat16 ? at::kBFloat16 : acc;
