@@ -42,15 +42,16 @@ void fold_products(const at::Tensor& G, at::Tensor norms, at::Tensor grad, bool 
   const int vec = G.scalar_type() == at::kDouble ? 2 : (G.element_size() == 2 ? 8 : 4);
   const int V = (n % vec == 0) ? vec : 1;
   const int64_t nv = n / V;
-  // Enough blocks to fill the GPU (about four per SM): along n first, then over groups of examples. A group
-  // has at least 4 examples (so the groups' gradient rows cost at most half the products' traffic), at most
-  // kFoldMaxGroup.
+  // Enough blocks to fill the GPU (about four per SM): along n when the products are large enough (four
+  // vectors a thread when they are very large), else also over groups of examples. A group has at least 4
+  // examples (its gradient row then costs at most half its products' traffic) and at most kFoldMaxGroup.
   const int64_t target = 4 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  const int R = (nv + kThreads * 4 - 1) / (kThreads * 4) >= target / 2 ? 4 : 1;
+  const int64_t bx1 = std::max<int64_t>(1, (nv + kThreads - 1) / kThreads);
+  const int R = bx1 >= 4 * target ? 4 : 1;
   const int64_t bx = std::max<int64_t>(1, (nv + kThreads * R - 1) / (kThreads * R));
   TORCH_CHECK(bx <= 0x7fffffff, "fold_products: product too large (", n, " elements)");
-  int64_t groups = std::min<int64_t>(std::max<int64_t>(1, (target + bx - 1) / bx), (c + 3) / 4);
-  groups = std::max<int64_t>(groups, (c + kFoldMaxGroup - 1) / kFoldMaxGroup);
+  int64_t groups = bx1 >= target ? 1 : std::min<int64_t>((target + bx - 1) / bx, (c + 3) / 4);
+  groups = std::max<int64_t>(std::max<int64_t>(groups, 1), (c + kFoldMaxGroup - 1) / kFoldMaxGroup);
   const int64_t group = (c + groups - 1) / groups;
   groups = (c + group - 1) / group;
   TORCH_CHECK(groups <= 65535, "fold_products: too many examples in one chunk (", c, ")");
