@@ -22,26 +22,44 @@ _eff = numba.njit(cache=True, error_model="numpy")(_efficiency_formula)
 
 
 @numba.njit(cache=True, error_model="numpy")
+def _best_in_row(i, throughput, batch, ok, phi, m0):
+    """Row i: ``GOODPUT = THROUGHPUT x EFFICIENCY(M)`` of each feasible candidate (-inf elsewhere) and the
+    first maximum (a NaN wins, as in ``np.argmax``): ``(its goodput, its column)``."""
+    top = -np.inf
+    best = 0
+    for j in range(throughput.shape[1]):
+        v = throughput[i, j] * _eff(phi, m0, batch[i, j]) if ok[i, j] else -np.inf
+        if j == 0 or not v <= top:
+            top = v
+            best = j
+            if math.isnan(v):
+                break
+    return top, best
+
+
+@numba.njit(cache=True, error_model="numpy")
 def best_candidates(throughput, batch, per_gpu, steps, ok, phi, m0):
-    """Per row (allocation) of the (A, C) candidate grid: ``GOODPUT = THROUGHPUT x EFFICIENCY(M)`` of each
-    feasible candidate (``ok``; -inf elsewhere), the first maximum, and its ``(goodput, per-GPU batch,
-    accumulation steps)``; ``(0, 0, 0)`` where that maximum is not finite (no feasible candidate)."""
-    rows, cols = throughput.shape
+    """Per row (allocation) of the (A, C) candidate grid: the best feasible candidate's ``(goodput, per-GPU
+    batch, accumulation steps)`` (:func:`_best_in_row`); ``(0, 0, 0)`` where its goodput is not finite (no
+    feasible candidate)."""
+    rows = throughput.shape[0]
     good = np.zeros(rows)
     b = np.zeros(rows, dtype=np.int64)
     s = np.zeros(rows, dtype=np.int64)
     for i in range(rows):
-        top = -np.inf
-        best = 0
-        for j in range(cols):
-            v = throughput[i, j] * _eff(phi, m0, batch[i, j]) if ok[i, j] else -np.inf
-            if j == 0 or not v <= top:  # np.argmax: the first maximum, or the first NaN
-                top = v
-                best = j
-                if math.isnan(v):
-                    break
+        top, best = _best_in_row(i, throughput, batch, ok, phi, m0)
         if math.isfinite(top):
             good[i] = top
             b[i] = np.int64(per_gpu[i, best])
             s[i] = np.int64(steps[i, best])
     return good, b, s
+
+
+@numba.njit(cache=True, error_model="numpy")
+def best_candidate(throughput, batch, per_gpu, steps, ok, phi, m0):
+    """:func:`best_candidates` of a one-row grid as plain numbers ``(goodput, b, s)`` (no arrays to box:
+    the simulator's per-step choice for one allocation)."""
+    top, best = _best_in_row(0, throughput, batch, ok, phi, m0)
+    if math.isfinite(top):
+        return top, np.int64(per_gpu[0, best]), np.int64(steps[0, best])
+    return 0.0, np.int64(0), np.int64(0)

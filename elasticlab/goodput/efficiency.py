@@ -129,6 +129,10 @@ def _nan_stats(stats):
 
 
 def _check_positive(name, value):
+    if type(value) in (int, float):  # a Python number: no array to build (the simulator's agents, per call)
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+        return
     arr = np.asarray(value, dtype=float)
     if np.any(~(arr > 0)):
         raise ValueError(f"{name} must be > 0, got {value}")

@@ -6,6 +6,7 @@ grid behind :meth:`GoodputFunction.optimize` / :meth:`~GoodputFunction.speedup_t
 """
 from __future__ import annotations
 
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -181,7 +182,7 @@ class GoodputFunction:
 
     def _pick(self, c):
         """Goodput of every candidate (GOODPUT = THROUGHPUT x EFFICIENCY), then the best per allocation: one
-        compiled call (:func:`elasticlab.goodput._best.best_candidates`; :func:`_best_numpy` is its numpy
+        compiled call (:mod:`elasticlab.goodput._best`; :func:`_best_numpy` is its numpy
         reference, the same numbers)."""
         parts = c.by_model.get(self.model)  # THROUGHPUT and M of a cached grid do not depend on phi
         if parts is None:
@@ -192,9 +193,10 @@ class GoodputFunction:
             for a in parts:
                 a.setflags(write=False)
             c.by_model[self.model] = parts
-        g, b, s = _best_kernel()(parts[0], parts[1], c.per_gpu, c.steps, c.ok, self.phi, self.init_batch)
-        if not c.shape:
-            return float(g[0]), int(b[0]), int(s[0])
+        if not c.shape:  # scalars in, scalars out
+            g, b, s = _kernels()[1](parts[0], parts[1], c.per_gpu, c.steps, c.ok, self.phi, self.init_batch)
+            return float(g), int(b), int(s)
+        g, b, s = _kernels()[0](parts[0], parts[1], c.per_gpu, c.steps, c.ok, self.phi, self.init_batch)
         return g.reshape(c.shape), b.reshape(c.shape), s.reshape(c.shape)
 
     def speedup(self, nodes, gpus, *, base=(1, 1), **optimize_kw):
@@ -256,16 +258,17 @@ def _best_numpy(throughput, batch, per_gpu, steps, ok, phi, init_batch):
             np.where(feasible, s, 0).astype(np.int64))
 
 
-_KERNEL = []
+_KERNELS = []
 
 
-def _best_kernel():
-    """:func:`elasticlab.goodput._best.best_candidates`, imported on first use (numba is slow to import)."""
-    if not _KERNEL:
-        from elasticlab.goodput._best import best_candidates
+def _kernels():
+    """``(best_candidates, best_candidate)`` of :mod:`elasticlab.goodput._best`, imported on first use
+    (numba is slow to import)."""
+    if not _KERNELS:
+        from elasticlab.goodput._best import best_candidate, best_candidates
 
-        _KERNEL.append(best_candidates)
-    return _KERNEL[0]
+        _KERNELS.extend((best_candidates, best_candidate))
+    return _KERNELS
 
 
 _GRID_CACHE: dict = {}
@@ -274,15 +277,27 @@ _CANDIDATE_CACHE: dict = {}
 
 def _optimize_key(init_batch, nodes, gpus, kw):
     """The cache key of :meth:`GoodputFunction.optimize`'s candidate grid: every input it depends on, or
-    None where one is not hashable (no caching then; the grid is built, and checked, as usual)."""
+    None where one is not hashable (no caching then; the grid is built, and checked, as usual). Python
+    numbers get the key their 0-d arrays get, without building the arrays (the simulator's scalar calls)."""
+    rest = tuple(kw.values())
     try:
-        n, k = np.asarray(nodes, dtype=float), np.asarray(gpus, dtype=float)
-        key = ("optimize", init_batch, n.shape, n.tobytes(), k.shape, k.tobytes(),
-               tuple(tuple(v) if isinstance(v, (list, tuple, np.ndarray)) else v for v in kw.values()))
+        hash(rest)
+    except TypeError:
+        rest = tuple(tuple(v) if isinstance(v, (list, tuple, np.ndarray)) else v for v in kw.values())
+    try:
+        if type(nodes) in _NUMBER and type(gpus) in _NUMBER:
+            key = ("optimize", init_batch, (), _DOUBLE(float(nodes)), (), _DOUBLE(float(gpus)), rest)
+        else:
+            n, k = np.asarray(nodes, dtype=float), np.asarray(gpus, dtype=float)
+            key = ("optimize", init_batch, n.shape, n.tobytes(), k.shape, k.tobytes(), rest)
         hash(key)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return key
+
+
+_NUMBER = (int, float)
+_DOUBLE = struct.Struct("=d").pack  # the bytes of a float64 in native order, as ndarray.tobytes() gives
 
 
 def _allocation_grid(max_nodes, gpus_per_node):

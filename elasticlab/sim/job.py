@@ -216,7 +216,9 @@ class SimJob:
         self._gpn = gpus_per_node
         good = self._table(mode, top, gpus_per_node)[2]
         out[1:top + 1] = good[:top]
-        return np.nan_to_num(out / float(a.limits.init), nan=0.0, posinf=0.0)
+        out /= float(a.limits.init)
+        # the agent's nan_to_num, only where it has something to do (the table's goodputs are finite)
+        return out if np.isfinite(out).all() else np.nan_to_num(out, nan=0.0, posinf=0.0)
 
     def _speedup_curve(self, max_gpus, gpus_per_node, mode, upto):
         """:meth:`GoodputAgent.speedup_curve` over :meth:`_goodput_curve`."""

@@ -77,7 +77,7 @@ def data_dir() -> Path:
 
 def canonical_placement(placement) -> tuple:
     """Non-empty nodes' GPU counts, rotated to the lexicographically smallest rotation (the traces' key)."""
-    p = tuple(int(x) for x in placement if x)
+    p = tuple(map(int, filter(None, placement)))  # (int(x) for x in placement if x), without a Python loop
     if not p:
         return ()
     return min(p[i:] + p[:i] for i in range(len(p)))
@@ -125,6 +125,7 @@ class Application:
         self._nd_values = pts[ys].to_numpy(float)
         self._nd = None
         self._cache: dict = {}
+        self._stats: dict = {}  # (batch, epoch) -> grad_stats
 
     def __repr__(self):
         return (f"Application({self.name!r}, M0={self.init_batch_size}, max_batch={self.max_batch_size}, "
@@ -142,8 +143,16 @@ class Application:
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         """True (sqr, var) at global batch ``batch_size`` during ``epoch``, linear in the batch."""
         e = min(max(int(epoch), 0), self.max_epochs - 1)
-        return (float(np.interp(batch_size, self.batch_sizes, self._sqr[:, e])),
-                float(np.interp(batch_size, self.batch_sizes, self._var[:, e])))
+        key = (batch_size, e) if type(batch_size) in (int, float) else None
+        hit = self._stats.get(key)  # kept: jobs of one model meet the same (batch, epoch) again and again
+        if hit is None:
+            hit = (float(np.interp(batch_size, self.batch_sizes, self._sqr[:, e])),
+                   float(np.interp(batch_size, self.batch_sizes, self._var[:, e])))
+            if key is not None:
+                if len(self._stats) >= 1 << 16:
+                    self._stats.clear()
+                self._stats[key] = hit
+        return hit
 
     def grad_stats_table(self, batch_size: float):
         """(sqr, var) arrays over all epochs at ``batch_size`` (for oracle iteration counts); read-only,

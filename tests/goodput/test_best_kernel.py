@@ -8,7 +8,7 @@ import pytest
 
 from elasticlab.goodput import GoodputFunction, ThroughputModel
 from elasticlab.goodput import function as fn
-from elasticlab.goodput._best import best_candidates
+from elasticlab.goodput._best import best_candidate, best_candidates
 from elasticlab.goodput.agent import BatchLimits, GoodputAgent
 
 MODEL = ThroughputModel(0.05, 0.002, 0.01, 0.001, 0.05, 0.005, 1.5)
@@ -17,6 +17,12 @@ MODEL = ThroughputModel(0.05, 0.002, 0.01, 0.001, 0.05, 0.005, 1.5)
 def both(thr, batch, per_gpu, steps, ok, phi, m0):
     got = best_candidates(thr, batch, per_gpu, steps, ok, phi, m0)
     want = fn._best_numpy(thr.copy(), batch, per_gpu, steps, ok, phi, m0)
+    for i in range(len(thr)):  # the one-row kernel: the same numbers as plain scalars
+        row = (a[i:i + 1] for a in (thr, batch, per_gpu, steps, ok))
+        g, b, s = best_candidate(*row, phi, m0)
+        assert type(g) is float and type(b) is type(s) is int
+        assert np.float64(g).view(np.int64) == want[0][i:i + 1].view(np.int64)[0]
+        assert (b, s) == (want[1][i], want[2][i])
     return got, want
 
 

@@ -16,6 +16,24 @@ def test_canonical_placement_rotations():
     assert canonical_placement((0, 2, 1, 0, 1)) == (1, 1, 2)
     assert canonical_placement((3, 1, 2, 1)) == (1, 2, 1, 3)
     assert canonical_placement(()) == ()
+    # any numbers in: ints out, zeros (0, 0.0, np.int64(0)) dropped, on a 640-node cluster's placement too
+    wide = [0] * 640
+    wide[5], wide[600], wide[601] = np.int64(2), 4.0, 1
+    got = canonical_placement(wide)
+    assert got == (1, 2, 4) and all(type(x) is int for x in got)
+
+
+def test_grad_stats_kept_per_batch_and_epoch_are_the_interpolation():
+    app = load_application("cifar10")
+    rng = np.random.default_rng(3)
+    batches = [128, 128.0, 4096, 9000.5, 50, np.float64(300.5)] + list(range(128, 600, 37))
+    for batch in batches + [float(x) for x in rng.uniform(100, 5000, 40)]:
+        for epoch in (0, 7, 99, 150, -3):
+            e = min(max(epoch, 0), app.max_epochs - 1)
+            want = (float(np.interp(batch, app.batch_sizes, app._sqr[:, e])),
+                    float(np.interp(batch, app.batch_sizes, app._var[:, e])))
+            assert app.grad_stats(batch, epoch) == want and app.grad_stats(batch, epoch) == want
+    assert app.grad_stats(np.array(192.0), 3) == app.grad_stats(192.0, 3)  # a 0-d array: computed, not kept
 
 
 def test_step_time_measured_and_interpolated():
