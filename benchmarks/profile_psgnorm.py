@@ -5,7 +5,10 @@ T=128), runs ``--warmup`` steps of the ``psgn`` method (elasticlab, fused backwa
 ``--steps`` steps with ``torch.profiler`` and prints the top-10 kernels by self CUDA time (total ms over
 the profiled steps, ms a step, % of all kernel time, name cut to 90 characters), and the plain model's
 top-5 for comparison, at each precision. On CPU (``--device cpu``, a smoke test) the same for CPU operators
-by self CPU time. A precision whose step raises is reported as ``error: ...`` and the others go on.
+by self CPU time. On CUDA also the GPU's idle time within the profiled steps (the span from the first
+kernel to the last, less the union of kernels and copies) and its longest gaps, each with the kernel that
+ended it: where the device waited for the host. A precision whose step raises is reported as ``error: ...``
+and the others go on.
 ``--kernels off`` sets ``elasticlab.gns.kernels.USE_KERNELS = False`` (the PyTorch reference paths).
 Last line: ``RESULT {json}``.
 
@@ -51,6 +54,32 @@ def top_events(prof, device, k: int, steps: int) -> dict:
             "top": [{"name": n[:NAME_WIDTH], "ms": t / 1e3, "pct": 100.0 * t / total} for n, t in rows[:k]]}
 
 
+def idle_gaps(intervals, steps: int, k: int = 5) -> dict:
+    """Where the device waits: ``intervals`` are (start, end, name) of its kernels and copies in µs. The busy
+    time is their union; the idle time is what the span from the first start to the last end leaves. Returns
+    {"idle_ms_per_step", "span_ms_per_step", "gaps": the k longest gaps as {"ms", "before", "after"}: the
+    activity that ended the gap and the one that preceded it}."""
+    ivs = sorted(intervals)
+    if not ivs:
+        return {"idle_ms_per_step": 0.0, "span_ms_per_step": 0.0, "gaps": []}
+    gaps, busy_end, prev = [], ivs[0][1], ivs[0][2]
+    for start, end, name in ivs[1:]:
+        if start > busy_end:
+            gaps.append((start - busy_end, name, prev))
+        if end >= busy_end:
+            busy_end, prev = end, name
+    span = busy_end - ivs[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    top = [{"ms": g / 1e3, "before": b[:NAME_WIDTH], "after": a[:NAME_WIDTH]} for g, b, a in gaps[:k]]
+    return {"idle_ms_per_step": sum(g[0] for g in gaps) / 1e3 / steps, "span_ms_per_step": span / 1e3 / steps,
+            "gaps": top}
+
+
+def _device_intervals(prof) -> list[tuple[float, float, str]]:
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if _device_kind(e) == "CUDA"]
+
+
 def profile_method(method: str, prec: str, device, args, k: int) -> dict:
     """Warm up, then profile ``args.steps`` steps of ``method`` on ``args.workload`` at ``prec``."""
     model, x, y = bench.build(args.workload, device, args.quick)
@@ -72,6 +101,8 @@ def profile_method(method: str, prec: str, device, args, k: int) -> dict:
         bench._free_cuda(device)
     out = top_events(prof, device, k, args.steps)
     out["wall_ms_per_step_profiled"] = wall * 1e3
+    if device.type == "cuda":
+        out["idle"] = idle_gaps(_device_intervals(prof), args.steps)
     return out
 
 
@@ -85,6 +116,12 @@ def print_top(label: str, res: dict, device, steps: int) -> None:
     print(f"  {'total ms':>9s} {'ms/step':>8s} {'%':>5s}  name")
     for r in res["top"]:
         print(f"  {r['ms']:9.2f} {r['ms'] / steps:8.2f} {r['pct']:5.1f}  {r['name']}")
+    if "idle" in res:
+        idle = res["idle"]
+        print(f"  GPU idle {idle['idle_ms_per_step']:.2f} ms/step of a {idle['span_ms_per_step']:.2f} ms "
+              "span (first kernel to last); longest gaps:")
+        for g in idle["gaps"]:
+            print(f"  {g['ms']:9.3f} ms before {g['before'][:60]}  (after {g['after'][:50]})")
 
 
 def main(argv=None) -> int:

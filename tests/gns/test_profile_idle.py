@@ -1,0 +1,49 @@
+"""The GPU idle-gap analysis of benchmarks/profile_psgnorm.py, on made-up kernel intervals, and the script's
+CPU smoke run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def prof_mod():
+    sys.path.insert(0, BENCH)                     # the script imports bench_psgnorm from its folder
+    try:
+        path = os.path.join(BENCH, "profile_psgnorm.py")
+        spec = importlib.util.spec_from_file_location("profile_psgnorm", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_idle_is_the_span_less_the_union_of_overlapping_kernels(prof_mod):
+    # µs: a [0,10] with b [5,20] nested-overlapping, c [8,12] inside both, gap 20->30 before d, d [30,31],
+    # gap 31->100 before e, e [100,150]; two steps
+    ivs = [(30, 31, "d"), (0, 10, "a"), (5, 20, "b"), (8, 12, "c"), (100, 150, "e")]
+    r = prof_mod.idle_gaps(ivs, steps=2, k=5)
+    assert r["span_ms_per_step"] == pytest.approx(150 / 1e3 / 2)
+    assert r["idle_ms_per_step"] == pytest.approx((10 + 69) / 1e3 / 2)
+    assert [(g["before"], g["after"]) for g in r["gaps"]] == [("e", "d"), ("d", "b")]
+    assert [g["ms"] for g in r["gaps"]] == pytest.approx([0.069, 0.010])
+    assert prof_mod.idle_gaps([], steps=1)["gaps"] == []
+    assert prof_mod.idle_gaps(ivs, steps=1, k=1)["gaps"] == [{"ms": pytest.approx(0.069), "before": "e",
+                                                              "after": "d"}]
+
+
+def test_cpu_smoke_run_prints_the_tables(prof_mod, capsys):
+    assert prof_mod.main(["--device", "cpu", "--quick", "--precision", "fp32", "--steps", "1",
+                          "--warmup", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1][len("RESULT "):])
+    fp32 = res["precisions"]["fp32"]
+    assert "error" not in fp32["psgn"] and fp32["psgn"]["total_ms_per_step"] > 0
+    assert "idle" not in fp32["psgn"]              # a CPU run has no device timeline
