@@ -10,7 +10,8 @@
 #   test     pytest -m gpu tests/ (150 s; not fatal: the benchmark runs whatever the tests say)
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
-#   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log; with .before/
+#   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log (top kernels, GPU
+#            idle time and its longest gaps); with .before/
 #            built, the same profile of the earlier tree (same PROFILE_ARGS, else fp32) is appended to it
 #   ray      the Ray backend on the GPU (issue 17): tests/cluster/test_on_ray_gpu.py -m gpu, a RayJob with
 #            resource="GPU" training on cuda:0 with NCCL, paused and resumed (RAY_S, 150 s) -> ray.log. Needs
@@ -122,7 +123,8 @@ if want profile; then
   run_stage "profile_psgnorm --device cuda" "${PROFILE_S:-90}" profile.log \
     $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 ${PROFILE_ARGS:-}
   # each table's header, column line and top 4 rows, and the psgn/plain ratio (the full tables: profile.log)
-  awk '/^G[0-9]-/{n=6} n>0{print; n--; next} /psgn\/plain|^device /{print}' "$OUT/profile.log" | cut -c1-140 | note
+  awk '/^G[0-9]-/{n=6} n>0{print; n--; next} /GPU idle/{m=4} m>0{print; m--; next} /psgn\/plain|^device /{print}' \
+    "$OUT/profile.log" | cut -c1-140 | note
   ((RC != 0)) && grep -v "^RESULT" "$OUT/profile.log" | tail -8 | note
   if [ -f .before/setup.py ]; then
     wait
