@@ -12,8 +12,11 @@ namespace elasticlab {
 inline bool is_reduced_float(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 inline at::ScalarType acc_type(at::ScalarType t) { return is_reduced_float(t) ? at::kFloat : t; }
 
-// Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type).
+// Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type). The _out
+// form writes into a given (B,) tensor of acc_type (any stride, e.g. a row of the fused layers' norms buffer).
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
+at::Tensor& row_sq_norms_out_cpu(const at::Tensor& x, at::Tensor& out);
+void check_row_sq_out(const at::Tensor& x, const at::Tensor& out);
 
 // Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),
 // by the Gram form sum_{t,s} (a_t.a_s)(d_t.d_s) (Li et al. 2022 ghost norm). Returns (B,).
@@ -35,6 +38,7 @@ void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
 
 #ifdef ELASTICLAB_WITH_CUDA
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
+at::Tensor& row_sq_norms_out_cuda(const at::Tensor& x, at::Tensor& out);
 at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d);
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
                                                                bool with_grad);

@@ -62,5 +62,19 @@ inline at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {
 // Writes `value` into row `row` of the caller's norms buffer.
 inline void put(const at::Tensor& norms, int64_t row, const at::Tensor& value) { norms.select(0, row).copy_(value); }
 
+// Writes |x_b|^2 into row `row` of the caller's norms buffer: one kernel, no temporary and copy, when the
+// buffer has the rows' accumulation dtype (as the Python rules allocate it), else through a temporary.
+inline void put_row_sq(const at::Tensor& norms, int64_t row, const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::row_sq_norms", "out")
+                       .typed<at::Tensor&(const at::Tensor&, at::Tensor&)>();
+  at::Tensor r = norms.select(0, row);
+  if (r.scalar_type() == acc_type(x.scalar_type()) && r.device() == x.device()) {
+    op.call(x, r);
+  } else {
+    r.copy_(row_sq(x));
+  }
+}
+
 }  // namespace fused
 }  // namespace elasticlab

@@ -97,8 +97,18 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     at::Tensor d3 = g.reshape({B, cout, -1});
     const int64_t L = d3.size(2);
     std::vector<int64_t> kernel(w.sizes().begin() + 2, w.sizes().end());
-    if (need_w && form != kConvGrouped) {
-      const int64_t step = std::max<int64_t>(1, chunk_elems / std::max<int64_t>(K * G * L, 1));
+    const int64_t step = std::max<int64_t>(1, chunk_elems / std::max<int64_t>(K * G * L, 1));
+    if (need_w && form != kConvGrouped && G == 1 && step >= B) {
+      // one group, one chunk (the common case): the kernels' results are the norms and the gradient
+      at::Tensor a = conv_patches(x, kernel, stride, padding, dilation), dt = d3.transpose(1, 2);
+      if (form == kConvGram) {
+        put(norms, 0, gram_norms(a, dt));
+      } else {
+        auto [n, s] = outer_norms(a, dt);
+        put(norms, 0, n);
+        gw = s.view(w.sizes());
+      }
+    } else if (need_w && form != kConvGrouped) {
       at::Tensor per = at::zeros({B}, x.options().dtype(acc));
       at::Tensor gsum = form == kConvOuter ? at::zeros({G, cog, K}, x.options().dtype(acc)) : at::Tensor();
       for (int64_t b0 = 0; b0 < B; b0 += step) {
@@ -145,7 +155,7 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     if (need_b) {
       at::Tensor db = d3.sum({2}, false, acc);
       gb = cast(db.sum({0}), static_cast<at::ScalarType>(dtypes[2]));
-      put(norms, 1, row_sq(db));
+      put_row_sq(norms, 1, db);
     }
     if (gx.defined()) gx = cast(gx, static_cast<at::ScalarType>(dtypes[0]));
     if (gw.defined()) gw = cast(gw, static_cast<at::ScalarType>(dtypes[1]));

@@ -51,17 +51,21 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
     const int64_t B = x.size(0);
     const auto acc = acc_type(g.scalar_type());
     if (x.dim() == 2) {
-      at::Tensor g_sq = (need_w || need_b) ? row_sq(g) : at::Tensor();
+      // ‖g_b‖² straight into the bias row when it is needed (it is the bias norm), else a temporary
+      at::Tensor g_sq;
+      if (need_b) {
+        put_row_sq(norms, 1, g);
+        g_sq = norms.select(0, 1);
+      } else if (need_w) {
+        g_sq = row_sq(g);
+      }
       if (need_w) {
         gw = g.t().mm(x);
         at::Tensor x_sq = ctx->saved_data["x_sq"].toTensor();
         at::Tensor row = norms.select(0, 0);
         at::mul_out(row, x_sq.defined() ? x_sq : row_sq(x), g_sq);
       }
-      if (need_b) {
-        gb = g.sum({0}, false, acc);
-        put(norms, 1, g_sq);
-      }
+      if (need_b) gb = g.sum({0}, false, acc);
     } else {
       at::Tensor a = x.reshape({B, -1, x.size(-1)}), d = g.reshape({B, -1, g.size(-1)});
       if (need_w) {
@@ -77,7 +81,7 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
       if (need_b) {
         at::Tensor db = d.sum({1}, false, acc);
         gb = db.sum(0);
-        put(norms, 1, row_sq(db));
+        put_row_sq(norms, 1, db);
       }
     }
     if (gw.defined()) gw = cast(gw, static_cast<at::ScalarType>(dtypes[1]));

@@ -55,11 +55,11 @@ struct LayerNormNorms : public torch::autograd::Function<LayerNormNorms> {
                                    cast(mean.reshape({B, -1}), acc), cast(rstd.reshape({B, -1}), acc));
       if (need_w) {
         gw = cast(pw.sum(0).view(shape), w.scalar_type());
-        put(norms, 0, row_sq(pw));
+        put_row_sq(norms, 0, pw);
       }
       if (need_b) {
         gb = cast(pb.sum(0).view(shape), b.scalar_type());
-        put(norms, 1, row_sq(pb));
+        put_row_sq(norms, 1, pb);
       }
     }
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
@@ -126,12 +126,12 @@ struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
       if (need_w) {
         at::Tensor pw = (g3 * xhat).sum({-1});
         gw = cast(pw.sum({0}), static_cast<at::ScalarType>(dtypes[1]));
-        put(norms, 0, row_sq(pw));
+        put_row_sq(norms, 0, pw);
       }
       if (need_b) {
         at::Tensor pb = g3.sum({-1});
         gb = cast(pb.sum({0}), static_cast<at::ScalarType>(dtypes[2]));
-        put(norms, 1, row_sq(pb));
+        put_row_sq(norms, 1, pb);
       }
     }
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};

@@ -6,24 +6,53 @@
 
 namespace elasticlab {
 
-at::Tensor row_sq_norms_cpu(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
-  TORCH_CHECK(x_in.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x_in.scalar_type());
-  // Half precision: the SIMD reductions work on float (this path is for CPU tests; GPUs read halves natively).
-  if (is_reduced_float(x_in.scalar_type())) return row_sq_norms_cpu(x_in.to(at::kFloat));
-  const int64_t B = x_in.size(0);
-  auto x = x_in.contiguous().view({B, -1});
-  const int64_t D = x.size(1);
-  auto out = at::empty({B}, x.options());
+namespace {
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
+  TORCH_CHECK(x.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x.scalar_type());
+}
+
+// out[b * stride] = |x_b|^2 for x (B, D) contiguous, float or double (half inputs are upcast first).
+void row_sq_into(const at::Tensor& x, at::Tensor& out) {
+  const int64_t B = x.size(0), D = x.size(1), so = out.stride(0);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_sq_norms_cpu", [&] {
     const scalar_t* px = x.data_ptr<scalar_t>();
     scalar_t* po = out.data_ptr<scalar_t>();
     at::parallel_for(0, B, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        po[b] = static_cast<scalar_t>(cpu::sq_sum(px + b * D, D));
+        po[b * so] = static_cast<scalar_t>(cpu::sq_sum(px + b * D, D));
       }
     });
   });
+}
+
+// Half precision: the SIMD reductions work on float (this path is for CPU tests; GPUs read halves natively).
+at::Tensor rows_of(const at::Tensor& x_in) {
+  const at::Tensor x = is_reduced_float(x_in.scalar_type()) ? x_in.to(at::kFloat) : x_in;
+  return x.contiguous().view({x.size(0), -1});
+}
+}  // namespace
+
+void check_row_sq_out(const at::Tensor& x, const at::Tensor& out) {
+  check_rows(x);
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0), "row_sq_norms: out must be (", x.size(0), ",), got ",
+              out.sizes());
+  TORCH_CHECK(out.scalar_type() == acc_type(x.scalar_type()), "row_sq_norms: out must be ",
+              acc_type(x.scalar_type()), " for ", x.scalar_type(), " rows, got ", out.scalar_type());
+  TORCH_CHECK(out.device() == x.device(), "row_sq_norms: out on ", out.device(), ", rows on ", x.device());
+}
+
+at::Tensor row_sq_norms_cpu(const at::Tensor& x_in) {
+  check_rows(x_in);
+  const at::Tensor x = rows_of(x_in);
+  auto out = at::empty({x.size(0)}, x.options());
+  row_sq_into(x, out);
+  return out;
+}
+
+at::Tensor& row_sq_norms_out_cpu(const at::Tensor& x_in, at::Tensor& out) {
+  check_row_sq_out(x_in, out);
+  row_sq_into(rows_of(x_in), out);
   return out;
 }
 

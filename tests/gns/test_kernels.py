@@ -73,6 +73,33 @@ def test_layernorm_kernel_matches_reference(B, T, D):
         torch.testing.assert_close(g, w)
 
 
+def _row_sq_out_checks(device):
+    x = torch.randn(5, 3, 4, dtype=torch.float64, device=device)
+    buf = torch.full((2, 5), float("nan"), dtype=torch.float64, device=device)
+    got = torch.ops.elasticlab.row_sq_norms.out(x, out=buf[1])           # a row of a (2, B) buffer
+    assert got.data_ptr() == buf[1].data_ptr()
+    torch.testing.assert_close(buf[1], x.pow(2).sum((1, 2)), rtol=1e-12, atol=0)
+    assert buf[0].isnan().all()
+    col = torch.full((5, 2), float("nan"), dtype=torch.float32, device=device)
+    xb = torch.randn(5, 7, device=device).bfloat16()                        # half rows: a float32 out
+    torch.ops.elasticlab.row_sq_norms.out(xb, out=col[:, 1])               # stride 2
+    torch.testing.assert_close(col[:, 1], xb.float().pow(2).sum(1), rtol=1e-6, atol=0)
+    assert col[:, 0].isnan().all()
+    with pytest.raises(RuntimeError, match="out must be Double for Double rows, got Float"):
+        torch.ops.elasticlab.row_sq_norms.out(x, out=torch.empty(5, device=device))
+    with pytest.raises(RuntimeError, match=r"out must be \(5,\)"):
+        torch.ops.elasticlab.row_sq_norms.out(x, out=torch.empty(4, dtype=torch.float64, device=device))
+
+
+def test_row_sq_out_writes_into_a_strided_row():
+    _row_sq_out_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_row_sq_out_writes_into_a_strided_row():
+    _row_sq_out_checks("cuda")
+
+
 def test_kernel_errors_name_the_shapes():
     a, d = seq(2, 3, 4, 5)
     with pytest.raises(RuntimeError, match=r"disagree on \(B,T\)"):
