@@ -163,7 +163,7 @@ def test_cuda_kernels_match_cpu_reference_float32():
 def test_cuda_fold_over_example_groups(shape, dtype):
     """The fold's 2-D grid: many examples with small products (groups of examples, each summing its rows of
     the gradient into a scratch), unvectorised widths (5x7), and products chunked across GEMMs (1400x1400
-    float32 per example: three chunks, each folded by two groups, the later ones accumulating)."""
+    float32 per example: three chunks, the later ones accumulating into the gradient)."""
     a, d = seq(*shape, dtype=torch.float32)
     a, d = a.to(dtype), d.to(dtype)
     want, want_grad = kernels.seq_linear_outer_norms_ref(a.double(), d.double(), with_grad=True)
