@@ -124,12 +124,8 @@ class GoodputFunction:
         if cands is None:
             cands = self._candidates(nodes, gpus, **kw)
             if key is not None:
-                if len(_CANDIDATE_CACHE) > 4096:
-                    _CANDIDATE_CACHE.clear()
                 cands = cands._replace(nodes=cands.nodes.copy())  # it may view the caller's array
-                for a in (cands.nodes, cands.gpus, cands.per_gpu, cands.steps, cands.ok):
-                    a.setflags(write=False)
-                _CANDIDATE_CACHE[key] = cands
+                _keep_candidates(key, cands, 4096)
         return self._pick(cands)
 
     def _candidates(self, nodes, gpus, *, max_batch=None, batch_range=None, max_per_gpu_batch=None,
@@ -222,11 +218,7 @@ class GoodputFunction:
         cands = _CANDIDATE_CACHE.get(key)
         if cands is None:
             cands = self._candidates(np.append(un, base[0]), np.append(uk, base[1]), **optimize_kw)
-            for a in (cands.nodes, cands.gpus, cands.per_gpu, cands.steps, cands.ok):
-                a.setflags(write=False)
-            if len(_CANDIDATE_CACHE) > 256:
-                _CANDIDATE_CACHE.clear()
-            _CANDIDATE_CACHE[key] = cands
+            _keep_candidates(key, cands, 256)
         g, _, _ = self._pick(cands)
         if g[-1] <= 0:
             raise ValueError(f"no feasible configuration on the base allocation {base}")
@@ -273,6 +265,16 @@ def _kernels():
 
 _GRID_CACHE: dict = {}
 _CANDIDATE_CACHE: dict = {}
+
+
+def _keep_candidates(key, cands: _Candidates, limit: int) -> None:
+    """Caches a candidate grid under ``key``, its arrays read-only (the cache is emptied once it holds more
+    than ``limit`` grids)."""
+    for a in (cands.nodes, cands.gpus, cands.per_gpu, cands.steps, cands.ok):
+        a.setflags(write=False)
+    if len(_CANDIDATE_CACHE) > limit:
+        _CANDIDATE_CACHE.clear()
+    _CANDIDATE_CACHE[key] = cands
 
 
 def _optimize_key(init_batch, nodes, gpus, kw):
