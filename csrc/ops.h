@@ -16,7 +16,6 @@ inline at::ScalarType acc_type(at::ScalarType t) { return is_reduced_float(t) ? 
 // form writes into a given (B,) tensor of acc_type (any stride, e.g. a row of the fused layers' norms buffer).
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
 at::Tensor& row_sq_norms_out_cpu(const at::Tensor& x, at::Tensor& out);
-void check_row_sq_out(const at::Tensor& x, const at::Tensor& out);
 
 // Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),
 // by the Gram form sum_{t,s} (a_t.a_s)(d_t.d_s) (Li et al. 2022 ghost norm). Returns (B,).
@@ -33,6 +32,8 @@ std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cpu(const at::Tensor& x
                                                              const at::Tensor& mean, const at::Tensor& rstd);
 
 // Shared argument checks (csrc/cpu/checks.cpp), raising errors that name the bad shapes.
+void check_row_sq_args(const at::Tensor& x);
+void check_row_sq_out(const at::Tensor& x, const at::Tensor& out);
 void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d);
 void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd);
 

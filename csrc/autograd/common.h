@@ -72,7 +72,7 @@ inline void put_row_sq(const at::Tensor& norms, int64_t row, const at::Tensor& x
   if (r.scalar_type() == acc_type(x.scalar_type()) && r.device() == x.device()) {
     op.call(x, r);
   } else {
-    r.copy_(row_sq(x));
+    put(norms, row, row_sq(x));
   }
 }
 

@@ -3,6 +3,20 @@
 
 namespace elasticlab {
 
+void check_row_sq_args(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
+  TORCH_CHECK(x.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x.scalar_type());
+}
+
+void check_row_sq_out(const at::Tensor& x, const at::Tensor& out) {
+  check_row_sq_args(x);
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0), "row_sq_norms: out must be (", x.size(0), ",), got ",
+              out.sizes());
+  TORCH_CHECK(out.scalar_type() == acc_type(x.scalar_type()), "row_sq_norms: out must be ",
+              acc_type(x.scalar_type()), " for ", x.scalar_type(), " rows, got ", out.scalar_type());
+  TORCH_CHECK(out.device() == x.device(), "row_sq_norms: out on ", out.device(), ", rows on ", x.device());
+}
+
 void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d) {
   TORCH_CHECK(a.dim() == 3 && d.dim() == 3, op, ": expected a (B,T,Din) and d (B,T,Dout), got shapes ",
               a.sizes(), " and ", d.sizes());

@@ -7,11 +7,6 @@
 namespace elasticlab {
 
 namespace {
-void check_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
-  TORCH_CHECK(x.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x.scalar_type());
-}
-
 // out[b * stride] = |x_b|^2 for x (B, D) contiguous, float or double (half inputs are upcast first).
 void row_sq_into(const at::Tensor& x, at::Tensor& out) {
   const int64_t B = x.size(0), D = x.size(1), so = out.stride(0);
@@ -33,17 +28,8 @@ at::Tensor rows_of(const at::Tensor& x_in) {
 }
 }  // namespace
 
-void check_row_sq_out(const at::Tensor& x, const at::Tensor& out) {
-  check_rows(x);
-  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0), "row_sq_norms: out must be (", x.size(0), ",), got ",
-              out.sizes());
-  TORCH_CHECK(out.scalar_type() == acc_type(x.scalar_type()), "row_sq_norms: out must be ",
-              acc_type(x.scalar_type()), " for ", x.scalar_type(), " rows, got ", out.scalar_type());
-  TORCH_CHECK(out.device() == x.device(), "row_sq_norms: out on ", out.device(), ", rows on ", x.device());
-}
-
 at::Tensor row_sq_norms_cpu(const at::Tensor& x_in) {
-  check_rows(x_in);
+  check_row_sq_args(x_in);
   const at::Tensor x = rows_of(x_in);
   auto out = at::empty({x.size(0)}, x.options());
   row_sq_into(x, out);

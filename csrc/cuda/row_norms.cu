@@ -30,9 +30,7 @@ __global__ void row_sq_norms_kernel(const scalar_t* __restrict__ x, acc_t* __res
   }
 }
 
-}  // namespace
-
-namespace {
+// out[b * out.stride(0)] = |x_b|^2 (out of acc dtype, checked by the caller).
 void launch_rows(const at::Tensor& x_in, at::Tensor& out) {
   c10::cuda::CUDAGuard guard(x_in.device());
   const int64_t B = x_in.size(0);
@@ -48,11 +46,11 @@ void launch_rows(const at::Tensor& x_in, at::Tensor& out) {
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
 }  // namespace
 
 at::Tensor row_sq_norms_cuda(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() >= 1, "row_sq_norms: expected a tensor with a batch dimension, got a 0-d tensor");
-  TORCH_CHECK(x_in.is_floating_point(), "row_sq_norms: expected a floating tensor, got ", x_in.scalar_type());
+  check_row_sq_args(x_in);
   auto out = at::empty({x_in.size(0)}, x_in.options().dtype(acc_type(x_in.scalar_type())));
   launch_rows(x_in, out);
   return out;
