@@ -71,6 +71,7 @@ def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_pat
     custom ``slot`` resource. NCCL itself (gloo here) and ``num_gpus`` are not exercised: no GPU here."""
     cluster = local_cluster(1, 2)
     session = session_dir(cluster)
+    job = None
     try:
         job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
                      resource="slot", coupled=True, name="coupled", epochs=1, max_steps=20,
@@ -81,6 +82,10 @@ def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_pat
             assert time.monotonic() < end and job.state not in ("failed", "stopped"), job.status()
             time.sleep(0.2)
         assert until(lambda: ray.available_resources().get("slot", 0) == 0)  # both slots in the bundles
+        # the actors train at the driver's priority (local_cluster's worker_niceness=0, not Ray's 15, at
+        # which any other busy process on the machine starves them)
+        actors = session_processes(session, name="RayWorker")
+        assert actors and {p.nice() for p in actors} == {0}
         first = set(job._workers)
         assert job.resize(1).result(timeout=150)["world_size"] == 1
         assert not first & set(job._workers), "a coupled resize starts new actors in the new bundles"
@@ -93,6 +98,8 @@ def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_pat
         assert until(lambda: not session_processes(session, name="RayWorker"))
         assert until(lambda: ray.available_resources().get("slot", 0) == 2)
     finally:
+        if job is not None:  # a failed assertion must not leave its controller in ray.get during shutdown
+            job.stop()
         shutdown(cluster)
     assert not session_processes(session)
 

@@ -35,11 +35,15 @@ def _slots(resource: str, slots: int) -> dict:
 
 
 def local_cluster(nodes: int = 3, slots: int = 2, *, resource: str = "slot", num_cpus: int = 0,
-                  attempts: int = 5, connect: bool = True):
+                  attempts: int = 5, connect: bool = True, worker_niceness: int = 0):
     """Start ``nodes`` Ray nodes with ``slots`` of ``resource`` each and ``num_cpus`` CPUs (the jobs' actors
     ask for none; 0 also spares a prestarted Ray worker per node); ``connect``: ``ray.init`` the driver to
-    it. Returns the ``Cluster`` (``remove_node``, ``shutdown``; its nodes in ``list_all_nodes()``)."""
-    _check(nodes=(nodes, 1), slots=(slots, 1), num_cpus=(num_cpus, 0), attempts=(attempts, 1))
+    it. ``worker_niceness``: the nice value of Ray's worker processes, which here run the jobs' training.
+    Ray's default, 15, lets any other busy process on this one machine starve them; 0 shares the CPU
+    fairly with the driver and the notebook. Returns the ``Cluster`` (``remove_node``, ``shutdown``; its
+    nodes in ``list_all_nodes()``)."""
+    _check(nodes=(nodes, 1), slots=(slots, 1), num_cpus=(num_cpus, 0), attempts=(attempts, 1),
+           worker_niceness=(worker_niceness, 0))
     import ray
     from ray.cluster_utils import Cluster
 
@@ -49,8 +53,9 @@ def local_cluster(nodes: int = 3, slots: int = 2, *, resource: str = "slot", num
         before = _children()
         try:
             with _agent_ports_given():
-                cluster = Cluster(initialize_head=True, head_node_args={**args, **_ports(),
-                                                                        "include_dashboard": False})
+                cluster = Cluster(initialize_head=True, head_node_args={
+                    **args, **_ports(), "include_dashboard": False,
+                    "_system_config": {"worker_niceness": int(worker_niceness)}})
             break
         except Exception as e:  # a raylet that missed its agents' start-up window: start again
             _end_new(before)
