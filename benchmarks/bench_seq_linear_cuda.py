@@ -2,10 +2,12 @@
 
 For layer shapes of the GPU workloads (G1 GPT-2-small, G3 wide block, W2/W3), each method's time as a ratio to
 the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows, in the same dtype), in one run:
-``triton`` (fused on tensor cores, products in registers), ``cublas`` (batched GEMM + one fold pass; the
+``triton`` (fused, products in registers: on tensor cores in bfloat16, exact FMA products in float32),
+``cublas`` (batched GEMM + one fold pass; the
 compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
 ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
-allocations). Every method is first checked against float64. It also measures the two ceilings the cost
+allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
+Every method is first checked against float64. It also measures the two ceilings the cost
 model of ``elasticlab.gns.kernels.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
     python benchmarks/bench_seq_linear_cuda.py [--iters 10]
@@ -69,14 +71,26 @@ def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
     meth = {"cublas": lambda: torch.ops.elasticlab.seq_linear_outer_norms(a, d, True),
             "bmm": lambda: (torch.bmm(dt_, at_),),          # cublas's batched GEMM alone (its fold: the rest)
             "gram": lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)}
-    if triton_outer.HAS_TRITON and dt != torch.float32:
+    if triton_outer.HAS_TRITON:                     # float32: exact products ("ieee"), as the GEMM here
         meth["triton"] = lambda: triton_outer.outer_norms(a, d, True)
     if name == "G1.head":
         meth.pop("gram")                                  # T×T Grams beside a 50304-wide GEMM: far slower
     errs = {m: float(((f()[0][:2].double() - want).abs() / want).max())
             for m, f in meth.items() if m != "bmm"}
     base = timed(lambda: d2.t() @ a2, iters)
-    return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs}
+    return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs,
+            "scratch_mb": {m: _scratch_mb(f) for m, f in meth.items()}}
+
+
+def _scratch_mb(fn) -> float:
+    """Peak memory one call allocates beyond what was live before it (its outputs included), in MB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
 
 
 SWEEP = {"layers": ["G3.up"],
@@ -127,7 +141,8 @@ def main(argv=None) -> int:
         r, e = res["ratio"], res["rel_err"]
         print(f"{name:10s} {str(dt).split('.')[-1]:9s} {res['wgrad_ms']:9.3f} "
               + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in cols)
-              + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in ("triton", "cublas", "gram")))
+              + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in ("triton", "cublas", "gram"))
+              + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols))
     sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
     print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep}))
     return 0

@@ -8,8 +8,10 @@ work beyond the weight-gradient GEMM is a square-and-sum per tile and example (t
 alone are too few to fill the GPU the examples are split over a second grid axis, each split writing its own
 gradient slice, summed afterwards.
 
-Used for bfloat16/float16 inputs on CUDA when Triton is importable (it ships with CUDA builds of torch); the
-cuBLAS path of ``torch.ops.elasticlab.seq_linear_outer_norms`` is the fallback and the reference.
+Used for bfloat16/float16 inputs on CUDA when Triton is importable (it ships with CUDA builds of torch), and
+for float32 ones when :data:`FP32` is on; the cuBLAS path of ``torch.ops.elasticlab.seq_linear_outer_norms``
+is the fallback and the reference. Without a GPU the kernel runs under Triton's interpreter
+(``TRITON_INTERPRET=1``, CPU tensors): ``tests/gns/test_triton_outer.py``, run so in CI.
 """
 from __future__ import annotations
 
@@ -25,12 +27,17 @@ except ImportError:  # pragma: no cover
 
 # Switch for comparisons (benchmarks): False sends every call to the cuBLAS operator.
 ENABLED = True
+# float32 inputs too: exact float32 products ("ieee"), or TF32 where torch.backends.cuda.matmul.allow_tf32
+# allows them, as the layer's own GEMM would. Off until measured on a GPU against cuBLAS (no product
+# scratch, against the batched GEMM's B·Din·Dout floats: W2's +46% peak memory).
+FP32 = False
 
 if HAS_TRITON:
     @triton.jit
     def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr):
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
+                            PRECISION: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
@@ -50,7 +57,7 @@ if HAS_TRITON:
                              mask=m_ok[:, None] & k_ok[None, :], other=0.0)           # δ_bᵀ tile (BM, BK)
                 at = tl.load(a_ptr + b * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
                              mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # a_b tile (BK, BN)
-                acc = tl.dot(dt, at, acc)
+                acc = tl.dot(dt, at, acc, input_precision=PRECISION)
             tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
             if WITH_GRAD:
                 gacc += acc
@@ -68,8 +75,11 @@ _SMS: dict[int, int] = {}
 
 
 def supported(a: torch.Tensor) -> bool:
-    """Whether the fused tensor-core path takes these inputs (half precision on CUDA, Triton present)."""
-    return HAS_TRITON and ENABLED and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+    """Whether the fused path takes these inputs: on CUDA with Triton present, half precision (and float32
+    when :data:`FP32` is on)."""
+    if not (HAS_TRITON and ENABLED and a.is_cuda):
+        return False
+    return a.dtype in (torch.bfloat16, torch.float16) or (FP32 and a.dtype == torch.float32)
 
 
 def preferred(a: torch.Tensor, d: torch.Tensor) -> bool:
@@ -94,6 +104,10 @@ def shape_preferred(T: int, din: int, dout: int) -> bool:
 
 
 def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of ``dev``; 4 for a CPU tensor (Triton's interpreter, ``TRITON_INTERPRET=1``,
+    where tests run the kernel without a GPU and this count only sets how the examples are split)."""
+    if dev.type != "cuda":
+        return 4
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     n = _SMS.get(idx)
     if n is None:
@@ -106,6 +120,14 @@ def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int]:
     bm = 128 if Dout >= 128 else 64
     bn = 128 if Din >= 128 else 64
     return bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4, 3
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: for float32, exact unless torch allows TF32 matmuls (then as the layer's
+    own GEMM runs); half-precision operands multiply exactly on tensor cores either way."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
@@ -127,7 +149,8 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     grad = torch.empty(split, Dout, Din, device=a.device, dtype=torch.float32) if with_grad else partial
     launch = _outer_norms_kernel[(tiles, split)]
     args = (a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split)
-    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), num_warps=warps, num_stages=stages)
+    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
+                num_warps=warps, num_stages=stages)
     if a.device.index is None or a.device.index == torch.cuda.current_device():
         launch(*args, **meta)
     else:

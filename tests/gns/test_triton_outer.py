@@ -1,0 +1,142 @@
+"""The Triton fused outer-product kernel itself (``elasticlab.gns.triton_outer``) against float64.
+
+It runs where Triton can run it: on a CUDA device, or on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before Triton is imported). CI runs this module that way in the torch build
+that ships Triton (``.ci/triton_interpret.sh``); ``make test``'s CPU torch has no Triton and skips it.
+The interpreter has no bfloat16 (numpy has none), so bfloat16 is checked on CUDA only
+(``test_kernels.py::test_cuda_triton_fused_outer_matches_float64``); float16 and float32 run both ways.
+Shapes are chosen to cover what the kernel's grid does: tiles cut at the layer's edges in both directions, T
+not a multiple of the K step, a single row or column, examples split over the second grid axis, strided
+(non-contiguous) inputs, and the norms-only launch.
+"""
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from elasticlab.gns import kernels, triton_outer  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cpu" if INTERPRET else "cuda"
+pytestmark = [] if INTERPRET else [pytest.mark.gpu]      # on a GPU: part of gpu_check's ``pytest -m gpu``
+DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+
+# (B, T, Din, Dout, config): config None = the kernel's own choice; small tiles make many tiles and splits
+CASES = [
+    (3, 70, 40, 130, None),                 # T past one K step, Dout over a 128-row tile's edge
+    (2, 1, 1, 5, None),                     # T = 1, Din = 1
+    (5, 33, 70, 20, (32, 32, 16, 4, 2)),    # several tiles in both directions, edges cut, B > split
+    (9, 16, 48, 64, (32, 32, 16, 4, 2)),    # 4 tiles on a 4-SM "device": examples split over 2 groups
+]
+
+
+def _inputs(B, T, Din, Dout, dtype, strided=False):
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    a = torch.randn(B, T, Din + (3 if strided else 0), generator=g).to(DEV, dtype)
+    d = (torch.randn(B, T, Dout, generator=g) / T ** 0.5).to(DEV, dtype)
+    if strided:
+        a = a[..., 1:Din + 1]                           # row stride Din + 3: not contiguous
+    return a, d
+
+
+def _check(a, d, config, with_grad=True):
+    n, g = triton_outer.outer_norms(a, d, with_grad, config)
+    # the float64 reference of the same (already rounded) inputs
+    rn, rg = kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu(), with_grad=True)
+    assert n.dtype == torch.float32 and n.shape == (a.shape[0],)
+    tol = dict(rtol=2e-5, atol=1e-6 * float(rn.max()))
+    torch.testing.assert_close(n.double().cpu(), rn, **tol)
+    if with_grad:
+        assert g.dtype == torch.float32 and g.shape == (d.shape[2], a.shape[2])
+        torch.testing.assert_close(g.double().cpu(), rg, rtol=2e-5, atol=2e-5 * float(rg.abs().max()))
+    else:
+        assert g is None
+    return n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,Din,Dout,config", CASES)
+def test_fused_outer_norms_match_float64(B, T, Din, Dout, config, dtype):
+    a, d = _inputs(B, T, Din, Dout, dtype)
+    n = _check(a, d, config)
+    # norms only (no gradient buffer, WITH_GRAD off): the same norms
+    torch.testing.assert_close(_check(a, d, config, with_grad=False), n, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_inputs(dtype):
+    a, d = _inputs(4, 20, 24, 36, dtype, strided=True)
+    assert not a.is_contiguous()
+    _check(a, d, (32, 32, 16, 4, 2))
+
+
+def test_the_examples_are_split_when_the_tiles_are_few(monkeypatch):
+    """With one tile and 7 examples on a 4-SM device the kernel runs 7 programs, each summing its own
+    examples' gradient slice (the slices then summed): the result is the same as one program's."""
+    launches = []
+    real = triton_outer._outer_norms_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_outer, "_outer_norms_kernel", Spy())
+    a, d = _inputs(7, 9, 16, 16, torch.float32)
+    n = _check(a, d, (32, 32, 16, 4, 2))
+    assert launches[-1] == (1, 7)
+    monkeypatch.setattr(triton_outer, "_sm_count", lambda dev: 0)         # one group: no split
+    torch.testing.assert_close(_check(a, d, (32, 32, 16, 4, 2)), n, rtol=1e-6, atol=0)
+    assert launches[-1] == (1, 1)
+
+
+@pytest.mark.parametrize("allow_tf32,want", [(False, "ieee"), (True, "tf32")])
+def test_float32_products_are_exact_unless_tf32_is_allowed(allow_tf32, want):
+    before = torch.backends.cuda.matmul.allow_tf32          # (a property of torch's cuBLAS settings)
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        assert triton_outer._precision(torch.float32) == want
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert triton_outer._precision(torch.bfloat16) == "tf32"      # Triton's default; half inputs are exact
+
+
+def test_empty_inputs():
+    a, d = _inputs(2, 3, 4, 5, torch.float32)
+    n, g = triton_outer.outer_norms(a[:, :0], d[:, :0], True)
+    assert n.tolist() == [0.0, 0.0] and g.shape == (5, 4) and not g.any()
+
+
+@pytest.mark.skipif(INTERPRET, reason="the layers send CUDA tensors only to the fused kernel")
+def test_float32_model_norms_with_the_fused_kernel_match_cublas(monkeypatch):
+    """triton_outer.FP32 on: a float32 sequence model's Linear layers take the fused kernel (exact float32
+    products); its norms and gradients match the cuBLAS path's."""
+    from torch import nn
+
+    from elasticlab.gns import PerSampleGradNorms
+
+    calls = []
+    real = triton_outer.outer_norms
+    monkeypatch.setattr(triton_outer, "outer_norms", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+    x = torch.randn(6, 100, 64, device="cuda")
+    out = {}
+    for fp32 in (False, True):
+        triton_outer.FP32 = fp32
+        try:
+            model.zero_grad(set_to_none=True)
+            with PerSampleGradNorms(model) as psg:
+                model(x).pow(2).mean().backward()
+                out[fp32] = (psg.sq_norms(), [p.grad.clone() for p in model.parameters()])
+        finally:
+            triton_outer.FP32 = False
+        assert len(calls) == (2 if fp32 else 0)                          # both Linear layers, then none
+    assert triton_outer.takes(x, 100, 64, 256) is False                  # off again
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=0)
+    for g1, g0 in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
