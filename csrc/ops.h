@@ -17,6 +17,11 @@ inline at::ScalarType acc_type(at::ScalarType t) { return is_reduced_float(t) ? 
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
 at::Tensor& row_sq_norms_out_cpu(const at::Tensor& x, at::Tensor& out);
 
+// A Linear layer on 2-D inputs a (B, Din) with output gradients d (B, Dout): the product of norms (Goodfellow
+// 2015) into a (2, B) buffer of acc_type, out[0, b] = |a_b|^2 |d_b|^2 (weight), out[1, b] = |d_b|^2 (bias), in
+// one pass over both rows (any strides of out).
+at::Tensor& product_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
+
 // Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),
 // by the Gram form sum_{t,s} (a_t.a_s)(d_t.d_s) (Li et al. 2022 ghost norm). Returns (B,).
 at::Tensor seq_linear_gram_norms_cpu(const at::Tensor& a, const at::Tensor& d);
@@ -34,12 +39,14 @@ std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cpu(const at::Tensor& x
 // Shared argument checks (csrc/cpu/checks.cpp), raising errors that name the bad shapes.
 void check_row_sq_args(const at::Tensor& x);
 void check_row_sq_out(const at::Tensor& x, const at::Tensor& out);
+void check_product_args(const at::Tensor& a, const at::Tensor& d, const at::Tensor& out);
 void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d);
 void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd);
 
 #ifdef ELASTICLAB_WITH_CUDA
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
 at::Tensor& row_sq_norms_out_cuda(const at::Tensor& x, at::Tensor& out);
+at::Tensor& product_norms_out_cuda(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
 at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d);
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
                                                                bool with_grad);

@@ -76,5 +76,21 @@ inline void put_row_sq(const at::Tensor& norms, int64_t row, const at::Tensor& x
   }
 }
 
+// Writes the product of norms of a Linear layer on 2-D inputs into the caller's buffer: row 0 |a_b|^2 |d_b|^2,
+// row 1 |d_b|^2 (one kernel), or, for a buffer of another dtype, through temporaries.
+inline void put_products(const at::Tensor& norms, const at::Tensor& a, const at::Tensor& d) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::product_norms", "out")
+                       .typed<at::Tensor&(const at::Tensor&, const at::Tensor&, at::Tensor&)>();
+  if (norms.scalar_type() == acc_type(a.scalar_type()) && norms.device() == a.device()) {
+    at::Tensor out = norms;
+    op.call(a, d, out);
+  } else {
+    at::Tensor d_sq = row_sq(d);
+    put(norms, 1, d_sq);
+    put(norms, 0, row_sq(a) * d_sq);
+  }
+}
+
 }  // namespace fused
 }  // namespace elasticlab

@@ -24,10 +24,7 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
       bc = cast(bias, *dtype);
     }
     at::Tensor out = at::linear(xc, wc, bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt);
-    // ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it
-    at::Tensor x_sq = (xc.dim() == 2 && weight.requires_grad()) ? row_sq(xc) : at::Tensor();
     ctx->save_for_backward({xc, wc});
-    ctx->saved_data["x_sq"] = x_sq;
     ctx->saved_data["norms"] = norms;
     ctx->saved_data["form"] = form;
     ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x.scalar_type()),
@@ -51,20 +48,9 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
     const int64_t B = x.size(0);
     const auto acc = acc_type(g.scalar_type());
     if (x.dim() == 2) {
-      // ‖g_b‖² straight into the bias row when it is needed (it is the bias norm), else a temporary
-      at::Tensor g_sq;
-      if (need_b) {
-        put_row_sq(norms, 1, g);
-        g_sq = norms.select(0, 1);
-      } else if (need_w) {
-        g_sq = row_sq(g);
-      }
-      if (need_w) {
-        gw = g.t().mm(x);
-        at::Tensor x_sq = ctx->saved_data["x_sq"].toTensor();
-        at::Tensor row = norms.select(0, 0);
-        at::mul_out(row, x_sq.defined() ? x_sq : row_sq(x), g_sq);
-      }
+      // both rows, ‖x_b‖²‖g_b‖² and ‖g_b‖², in one kernel (a row the layer does not need is not read)
+      if (need_w || need_b) put_products(norms, x, g);
+      if (need_w) gw = g.t().mm(x);
       if (need_b) gb = g.sum({0}, false, acc);
     } else {
       at::Tensor a = x.reshape({B, -1, x.size(-1)}), d = g.reshape({B, -1, g.size(-1)});

@@ -17,6 +17,20 @@ void check_row_sq_out(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(out.device() == x.device(), "row_sq_norms: out on ", out.device(), ", rows on ", x.device());
 }
 
+void check_product_args(const at::Tensor& a, const at::Tensor& d, const at::Tensor& out) {
+  TORCH_CHECK(a.dim() == 2 && d.dim() == 2 && a.size(0) == d.size(0), "product_norms: expected a (B,Din) and d ",
+              "(B,Dout), got shapes ", a.sizes(), " and ", d.sizes());
+  TORCH_CHECK(a.scalar_type() == d.scalar_type() && a.is_floating_point(),
+              "product_norms: expected a and d of one floating dtype, got ", a.scalar_type(), " and ",
+              d.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == 2 && out.size(1) == a.size(0), "product_norms: out must be (2, ",
+              a.size(0), "), got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == acc_type(a.scalar_type()), "product_norms: out must be ",
+              acc_type(a.scalar_type()), " for ", a.scalar_type(), " rows, got ", out.scalar_type());
+  TORCH_CHECK(a.device() == d.device() && out.device() == a.device(), "product_norms: a on ", a.device(), ", d on ",
+              d.device(), ", out on ", out.device());
+}
+
 void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d) {
   TORCH_CHECK(a.dim() == 3 && d.dim() == 3, op, ": expected a (B,T,Din) and d (B,T,Dout), got shapes ",
               a.sizes(), " and ", d.sizes());

@@ -13,6 +13,16 @@ int main() {
   auto x = at::randn({7, 3, 5}, at::kDouble);
   if (!at::allclose(elasticlab::row_sq_norms_cpu(x), x.pow(2).sum({1, 2}), 1e-12, 1e-12)) return fail("row_sq_norms");
 
+  // 2-D Linear: the product of norms, both rows of a (2, B) buffer.
+  {
+    auto a2 = at::randn({6, 11}, at::kDouble), d2 = at::randn({6, 3}, at::kDouble);
+    auto out = at::empty({2, 6}, at::kDouble);
+    elasticlab::product_norms_out_cpu(a2, d2, out);
+    auto d_sq = d2.pow(2).sum(1);
+    if (!at::allclose(out[1], d_sq, 1e-12, 1e-12) || !at::allclose(out[0], a2.pow(2).sum(1) * d_sq, 1e-12, 1e-12))
+      return fail("product_norms");
+  }
+
   // Sequence Linear: per-example G_b = d_b^T a_b; Gram form = outer form = explicit, and the fused grad.
   auto a = at::randn({5, 70, 9}, at::kDouble), d = at::randn({5, 70, 4}, at::kDouble);
   auto G = at::bmm(d.transpose(1, 2), a);

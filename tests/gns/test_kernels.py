@@ -100,6 +100,45 @@ def test_cuda_row_sq_out_writes_into_a_strided_row():
     _row_sq_out_checks("cuda")
 
 
+def _product_checks(device):
+    """product_norms.out: row 0 ‖a_b‖²‖d_b‖², row 1 ‖d_b‖², into a (2, B) buffer of any strides."""
+    op = torch.ops.elasticlab.product_norms.out
+    for B, din, dout in ((5, 3, 4), (1, 1, 1), (3, 700, 1), (0, 4, 4)):
+        a = torch.randn(B, din, dtype=torch.float64, device=device)
+        d = torch.randn(B, dout, dtype=torch.float64, device=device)
+        buf = torch.full((2, B), float("nan"), dtype=torch.float64, device=device)
+        assert op(a, d, out=buf).data_ptr() == buf.data_ptr()
+        want_d = d.pow(2).sum(1)
+        torch.testing.assert_close(buf[1], want_d, rtol=1e-12, atol=0)
+        torch.testing.assert_close(buf[0], a.pow(2).sum(1) * want_d, rtol=1e-12, atol=0)
+    # half rows (non-contiguous a: a column slice) into a float32 column-major buffer
+    a = torch.randn(6, 9, device=device).bfloat16()[:, 1:8]
+    d = torch.randn(6, 33, device=device).half().bfloat16()
+    col = torch.full((6, 2), float("nan"), dtype=torch.float32, device=device).t()        # strides (1, 2)
+    op(a, d, out=col)
+    want_d = d.float().pow(2).sum(1)
+    torch.testing.assert_close(col[1], want_d, rtol=1e-5, atol=0)
+    torch.testing.assert_close(col[0], a.float().pow(2).sum(1) * want_d, rtol=1e-5, atol=0)
+    a, d = torch.randn(5, 3, device=device), torch.randn(5, 4, device=device)
+    with pytest.raises(RuntimeError, match="out must be Float for Float rows, got Double"):
+        op(a, d, out=torch.empty(2, 5, dtype=torch.float64, device=device))
+    with pytest.raises(RuntimeError, match=r"out must be \(2, 5\), got \[5\]"):
+        op(a, d, out=torch.empty(5, device=device))
+    with pytest.raises(RuntimeError, match=r"\(B,Dout\), got shapes \[5, 3\] and \[4, 4\]"):
+        op(a, d[:4], out=torch.empty(2, 5, device=device))
+    with pytest.raises(RuntimeError, match="one floating dtype, got Float and Double"):
+        op(a, d.double(), out=torch.empty(2, 5, device=device))
+
+
+def test_product_norms_write_both_rows():
+    _product_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_product_norms_write_both_rows():
+    _product_checks("cuda")
+
+
 def test_kernel_errors_name_the_shapes():
     a, d = seq(2, 3, 4, 5)
     with pytest.raises(RuntimeError, match=r"disagree on \(B,T\)"):
