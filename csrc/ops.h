@@ -36,12 +36,27 @@ std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cpu(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cpu(const at::Tensor& x, const at::Tensor& d,
                                                              const at::Tensor& mean, const at::Tensor& rstd);
 
+// Normalisation layers' affine parameters, per-example gradients and norms in one operator: the batch sums
+// (gw, gb) (D,) or (C,) in acc_type are returned, and norms (2, B) of acc_type gets row 0 |pw_b|^2 and row 1
+// |pb_b|^2 of the per-example gradients pw_b, pb_b (never returned). LayerNorm (Gray et al. 2024): x, d
+// (B,T,D), mean, rstd (B,T). GroupNorm (Wu & He 2018): x, d (B,C,S) (S the spatial size), mean, rstd (B,G)
+// of acc_type, pw_{b,c} = sum_s d x_hat, pb_{b,c} = sum_s d.
+std::tuple<at::Tensor, at::Tensor> layernorm_affine_norms_cpu(const at::Tensor& x, const at::Tensor& d,
+                                                              const at::Tensor& mean, const at::Tensor& rstd,
+                                                              at::Tensor& norms);
+std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cpu(const at::Tensor& x, const at::Tensor& d,
+                                                              const at::Tensor& mean, const at::Tensor& rstd,
+                                                              int64_t groups, at::Tensor& norms);
+
 // Shared argument checks (csrc/cpu/checks.cpp), raising errors that name the bad shapes.
 void check_row_sq_args(const at::Tensor& x);
 void check_row_sq_out(const at::Tensor& x, const at::Tensor& out);
 void check_product_args(const at::Tensor& a, const at::Tensor& d, const at::Tensor& out);
 void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d);
 void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd);
+void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd,
+                          int64_t groups);
+void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& norms);
 
 #ifdef ELASTICLAB_WITH_CUDA
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
@@ -52,6 +67,12 @@ std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor&
                                                                bool with_grad);
 std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cuda(const at::Tensor& x, const at::Tensor& d,
                                                               const at::Tensor& mean, const at::Tensor& rstd);
+std::tuple<at::Tensor, at::Tensor> layernorm_affine_norms_cuda(const at::Tensor& x, const at::Tensor& d,
+                                                               const at::Tensor& mean, const at::Tensor& rstd,
+                                                               at::Tensor& norms);
+std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cuda(const at::Tensor& x, const at::Tensor& d,
+                                                               const at::Tensor& mean, const at::Tensor& rstd,
+                                                               int64_t groups, at::Tensor& norms);
 #endif
 
 }  // namespace elasticlab

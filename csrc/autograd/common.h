@@ -46,13 +46,28 @@ inline std::tuple<at::Tensor, at::Tensor> outer_norms(const at::Tensor& a, const
   return op.call(a, d, true);
 }
 
-inline std::tuple<at::Tensor, at::Tensor> layernorm_pe(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean,
-                                                const at::Tensor& rstd) {
+// Affine gradients (batch sums) of a LayerNorm / GroupNorm with the per-example norms written into `norms`.
+inline std::tuple<at::Tensor, at::Tensor> layernorm_affine(const at::Tensor& x, const at::Tensor& d,
+                                                           const at::Tensor& mean, const at::Tensor& rstd,
+                                                           const at::Tensor& norms) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("elasticlab::layernorm_per_example", "")
+                       .findSchemaOrThrow("elasticlab::layernorm_affine_norms", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                 const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, d, mean, rstd);
+                                                                 const at::Tensor&, const at::Tensor&, at::Tensor&)>();
+  at::Tensor out = norms;
+  return op.call(x, d, mean, rstd, out);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> groupnorm_affine(const at::Tensor& x, const at::Tensor& d,
+                                                           const at::Tensor& mean, const at::Tensor& rstd,
+                                                           int64_t groups, const at::Tensor& norms) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::groupnorm_affine_norms", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&, int64_t,
+                                                                 at::Tensor&)>();
+  at::Tensor out = norms;
+  return op.call(x, d, mean, rstd, groups, out);
 }
 
 inline at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {

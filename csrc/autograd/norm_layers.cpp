@@ -51,16 +51,11 @@ struct LayerNormNorms : public torch::autograd::Function<LayerNormNorms> {
       for (auto s : shape) D *= s;
       const int64_t B = x.size(0);
       auto acc = acc_type(x.scalar_type());
-      auto [pw, pb] = layernorm_pe(x.reshape({B, -1, D}), g.reshape({B, -1, D}),
-                                   cast(mean.reshape({B, -1}), acc), cast(rstd.reshape({B, -1}), acc));
-      if (need_w) {
-        gw = cast(pw.sum(0).view(shape), w.scalar_type());
-        put_row_sq(norms, 0, pw);
-      }
-      if (need_b) {
-        gb = cast(pb.sum(0).view(shape), b.scalar_type());
-        put_row_sq(norms, 1, pb);
-      }
+      // the batch sums, and both norm rows written (a row the layer does not need is not read)
+      auto [sw, sb] = layernorm_affine(x.reshape({B, -1, D}), g.reshape({B, -1, D}),
+                                       cast(mean.reshape({B, -1}), acc), cast(rstd.reshape({B, -1}), acc), norms);
+      if (need_w) gw = cast(sw.view(shape), w.scalar_type());
+      if (need_b) gb = cast(sb.view(shape), b.scalar_type());
     }
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -116,23 +111,16 @@ struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
     }
     if (need_w || need_b) {
       const auto acc = acc_type(x.scalar_type());
-      at::Tensor x3 = cast(x, acc).reshape({B, C, -1}), g3 = cast(g, acc).reshape({B, C, -1});
       if (acc != x.scalar_type()) {  // ATen's statistics of half inputs are half: recompute them
-        auto [var, m] = at::var_mean(x3.reshape({B, G, -1}), {-1}, /*correction=*/0, /*keepdim=*/false);
+        auto [var, m] = at::var_mean(cast(x, acc).reshape({B, G, -1}), {-1}, /*correction=*/0, /*keepdim=*/false);
         mean = m;
         rstd = at::rsqrt(var + ctx->saved_data["eps"].toDouble());
       }
-      at::Tensor xhat = ((x3.reshape({B, G, -1}) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape({B, C, -1});
-      if (need_w) {
-        at::Tensor pw = (g3 * xhat).sum({-1});
-        gw = cast(pw.sum({0}), static_cast<at::ScalarType>(dtypes[1]));
-        put_row_sq(norms, 0, pw);
-      }
-      if (need_b) {
-        at::Tensor pb = g3.sum({-1});
-        gb = cast(pb.sum({0}), static_cast<at::ScalarType>(dtypes[2]));
-        put_row_sq(norms, 1, pb);
-      }
+      // the batch sums, and both norm rows written (a row the layer does not need is not read)
+      auto [sw, sb] = groupnorm_affine(x.reshape({B, C, -1}), g.reshape({B, C, -1}), mean.reshape({B, G}),
+                                       rstd.reshape({B, G}), G, norms);
+      if (need_w) gw = cast(sw, static_cast<at::ScalarType>(dtypes[1]));
+      if (need_b) gb = cast(sb, static_cast<at::ScalarType>(dtypes[2]));
     }
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }

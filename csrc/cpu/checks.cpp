@@ -59,4 +59,30 @@ void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
                 acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
 }
 
+void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd,
+                          int64_t groups) {
+  TORCH_CHECK(x.dim() == 3 && d.sizes() == x.sizes(), "groupnorm_affine_norms: expected x and d (B,C,S), got ",
+              x.sizes(), " and ", d.sizes());
+  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0, "groupnorm_affine_norms: ", groups,
+              " groups do not divide C = ", x.size(1));
+  TORCH_CHECK(mean.dim() == 2 && mean.size(0) == x.size(0) && mean.size(1) == groups && rstd.sizes() == mean.sizes(),
+              "groupnorm_affine_norms: expected mean and rstd (B,G) = (", x.size(0), ", ", groups, "), got ",
+              mean.sizes(), " and ", rstd.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || is_reduced_float(x.scalar_type()),
+              "groupnorm_affine_norms: expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(d.scalar_type() == x.scalar_type(), "groupnorm_affine_norms: d must be ", x.scalar_type(), ", got ",
+              d.scalar_type());
+  for (const auto* t : {&mean, &rstd})
+    TORCH_CHECK(t->scalar_type() == acc_type(x.scalar_type()), "groupnorm_affine_norms: mean and rstd must be ",
+                acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
+}
+
+void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& norms) {
+  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0), op, ": norms must be (2, ",
+              x.size(0), "), got ", norms.sizes());
+  TORCH_CHECK(norms.scalar_type() == acc_type(x.scalar_type()), op, ": norms must be ", acc_type(x.scalar_type()),
+              " for ", x.scalar_type(), " inputs, got ", norms.scalar_type());
+  TORCH_CHECK(norms.device() == x.device(), op, ": norms on ", norms.device(), ", inputs on ", x.device());
+}
+
 }  // namespace elasticlab

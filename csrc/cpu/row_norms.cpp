@@ -24,6 +24,7 @@ void row_sq_into(const at::Tensor& x, at::Tensor& out) {
 // Half precision: the SIMD reductions work on float (this path is for CPU tests; GPUs read halves natively).
 at::Tensor rows_of(const at::Tensor& x_in) {
   const at::Tensor x = is_reduced_float(x_in.scalar_type()) ? x_in.to(at::kFloat) : x_in;
+  if (x.size(0) == 0) return x.reshape({0, 0});  // (no -1 to infer from zero elements)
   return x.contiguous().view({x.size(0), -1});
 }
 // out[0, b] = |a_b|^2 |d_b|^2, out[1, b] = |d_b|^2 for contiguous a (B, Din), d (B, Dout) of one dtype.

@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <algorithm>
 
+#include "affine.h"
+
 namespace elasticlab {
 namespace {
 
@@ -41,15 +43,15 @@ __global__ void layernorm_per_example_kernel(const scalar_t* __restrict__ x, con
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cuda(const at::Tensor& x_in, const at::Tensor& d_in,
-                                                              const at::Tensor& mean_in, const at::Tensor& rstd_in) {
-  check_layernorm_args(x_in, d_in, mean_in, rstd_in);
-  c10::cuda::CUDAGuard guard(x_in.device());
+namespace cuda {
+
+std::tuple<at::Tensor, at::Tensor> layernorm_partials(const at::Tensor& x_in, const at::Tensor& d_in,
+                                                      const at::Tensor& mean_in, const at::Tensor& rstd_in) {
   auto x = x_in.contiguous(), d = d_in.contiguous(), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   const auto acc = acc_type(x.scalar_type());
   if (B == 0 || D == 0 || T == 0) {
-    auto z = at::zeros({B, D}, x.options().dtype(acc));
+    auto z = at::zeros({1, B, D}, x.options().dtype(acc));
     return {z, z.clone()};
   }
   const int64_t cb = (D + 31) / 32;
@@ -69,7 +71,17 @@ std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cuda(const at::Tensor& 
         pw.data_ptr<acc_t>(), pb.data_ptr<acc_t>(), B, T, D, rows);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (splits == 1) return {pw[0], pb[0]};
+  return {pw, pb};
+}
+
+}  // namespace cuda
+
+std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cuda(const at::Tensor& x, const at::Tensor& d,
+                                                              const at::Tensor& mean, const at::Tensor& rstd) {
+  check_layernorm_args(x, d, mean, rstd);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto [pw, pb] = cuda::layernorm_partials(x, d, mean, rstd);
+  if (pw.size(0) == 1) return {pw[0], pb[0]};
   return {pw.sum(0), pb.sum(0)};
 }
 

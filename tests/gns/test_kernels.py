@@ -89,6 +89,7 @@ def _row_sq_out_checks(device):
         torch.ops.elasticlab.row_sq_norms.out(x, out=torch.empty(5, device=device))
     with pytest.raises(RuntimeError, match=r"out must be \(5,\)"):
         torch.ops.elasticlab.row_sq_norms.out(x, out=torch.empty(4, dtype=torch.float64, device=device))
+    assert torch.ops.elasticlab.row_sq_norms(torch.empty(0, 3, 4, device=device)).shape == (0,)    # no rows
 
 
 def test_row_sq_out_writes_into_a_strided_row():
@@ -128,6 +129,72 @@ def _product_checks(device):
         op(a, d[:4], out=torch.empty(2, 5, device=device))
     with pytest.raises(RuntimeError, match="one floating dtype, got Float and Double"):
         op(a, d.double(), out=torch.empty(2, 5, device=device))
+
+
+def _close(got, want, rtol):
+    scale = 1 + (float(want.abs().max()) if want.numel() else 0.0)
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * scale)
+
+
+def _stats(x):
+    """(mean, 1/std) over the last dimension (zeros for an empty tensor)."""
+    if x.numel() == 0:
+        return x.new_zeros(x.shape[:-1]), x.new_zeros(x.shape[:-1])
+    var, mean = torch.var_mean(x, -1, correction=0)
+    return mean, (var + 1e-5).rsqrt()
+
+
+def _affine_checks(device):
+    """layernorm_affine_norms / groupnorm_affine_norms: the batch sums of the per-example affine gradients
+    returned, their squared norms in rows 0 and 1 of a (2, B) buffer of any strides, against float64."""
+    ln, gn = torch.ops.elasticlab.layernorm_affine_norms, torch.ops.elasticlab.groupnorm_affine_norms
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 2e-5), (torch.bfloat16, 2e-5)):
+        acc = kernels.acc_dtype(dtype)
+        for B, T, D in ((4, 70, 33), (1, 1, 1), (3, 300, 5), (0, 4, 6), (2, 0, 3)):
+            x = torch.randn(B, T, D, device=device).to(dtype)
+            d = torch.randn(B, T, D, device=device).to(dtype)
+            mean, rstd = _stats(x.to(acc))
+            buf = torch.full((B, 2), float("nan"), dtype=acc, device=device).t()          # strides (1, 2)
+            gw, gb = ln(x, d, mean, rstd, buf)
+            pw, pb = kernels.layernorm_per_example_ref(x.double(), d.double(), mean.double(), rstd.double())
+            for got, want in ((gw, pw.sum(0)), (gb, pb.sum(0)), (buf[0], pw.pow(2).sum(1)),
+                              (buf[1], pb.pow(2).sum(1))):
+                assert got.dtype == acc
+                _close(got, want, rtol)
+        for B, C, S, G in ((3, 8, 17, 4), (2, 6, 4, 6), (1, 4, 300, 1), (2, 4, 0, 2), (0, 4, 5, 2)):
+            x = torch.randn(B, C, S, device=device).to(dtype) * 3 + 1
+            d = torch.randn(B, C, S, device=device).to(dtype)
+            mean, rstd = _stats(x.to(acc).reshape(B, G, C // G * S))
+            buf = torch.full((2, B), float("nan"), dtype=acc, device=device)
+            gw, gb = gn(x, d, mean, rstd, G, buf)
+            m64, r64 = mean.double().unsqueeze(-1), rstd.double().unsqueeze(-1)
+            xhat = (x.double().reshape(B, G, C // G * S) - m64) * r64
+            pw = (d.double() * xhat.reshape(B, C, S)).sum(-1)
+            pb = d.double().sum(-1)
+            for got, want in ((gw, pw.sum(0)), (gb, pb.sum(0)), (buf[0], pw.pow(2).sum(1)),
+                              (buf[1], pb.pow(2).sum(1))):
+                assert got.dtype == acc and got.shape == want.shape
+                _close(got, want, rtol)
+    x = torch.randn(2, 6, 5, device=device)
+    m = torch.zeros(2, 3, device=device)
+    with pytest.raises(RuntimeError, match="4 groups do not divide C = 6"):
+        gn(x, x, m, m, 4, torch.empty(2, 2, device=device))
+    with pytest.raises(RuntimeError, match=r"expected mean and rstd \(B,G\) = \(2, 3\), got \[2, 2\]"):
+        gn(x, x, m[:, :2], m[:, :2], 3, torch.empty(2, 2, device=device))
+    with pytest.raises(RuntimeError, match=r"groupnorm_affine_norms: norms must be \(2, 2\), got \[2, 3\]"):
+        gn(x, x, m, m, 3, torch.empty(2, 3, device=device))
+    with pytest.raises(RuntimeError, match="layernorm_affine_norms: norms must be Float for Float inputs"):
+        ln(x, x, m[:, :1].expand(2, 6).contiguous(), m[:, :1].expand(2, 6).contiguous(),
+           torch.empty(2, 2, dtype=torch.float64, device=device))
+
+
+def test_affine_norms_of_normalisation_layers():
+    _affine_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_affine_norms_of_normalisation_layers():
+    _affine_checks("cuda")
 
 
 def test_product_norms_write_both_rows():
