@@ -7,7 +7,9 @@ on CUDA), methods interleaved round by round so that drift hits all alike; a met
 a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused backward),
 ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
 kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
-layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-py`` (the fused layers' Python
+layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-convgrouped`` (convolutions on CUDA by one
+grouped convolution's weight gradient instead of a batched GEMM over the patches,
+:data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-py`` (the fused layers' Python
 autograd.Functions instead of their C++ ones), ``psgn-hooks`` (elasticlab, hooks only),
 ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
@@ -233,15 +235,17 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
                 loss = loss_fn(model(x), y)
             loss.backward()
         return step
-    if method in ("psgn-ref", "psgn-cublas", "psgn-py", "psgn-triton32"):
+    if method in ("psgn-ref", "psgn-cublas", "psgn-py", "psgn-triton32", "psgn-convgrouped"):
         # elasticlab with its kernels off (reference path), without the Triton fused kernel (cuBLAS + fold),
         # with every fused layer on its Python autograd.Function instead of the C++ one, or with the Triton
         # fused kernel for float32 layers too
         from elasticlab.gns import triton_outer
+        from elasticlab.gns.layers import conv
         switch, attr, value = {"psgn-ref": (kernels, "USE_KERNELS", False),
                                "psgn-cublas": (triton_outer, "ENABLED", False),
                                "psgn-py": (kernels, "USE_CXX_AUTOGRAD", False),
-                               "psgn-triton32": (triton_outer, "FP32", True)}[method]
+                               "psgn-triton32": (triton_outer, "FP32", True),
+                               "psgn-convgrouped": (conv, "GROUPED_ON_CUDA", True)}[method]
         inner = make_step("psgn", model, x, y, prec)
 
         def step():
@@ -523,6 +527,8 @@ def parse_entries(spec: str, precisions) -> list[tuple[str, str]]:
 
 # Workloads with sequence Linear layers (the only ones psgn-triton32 changes).
 SEQUENCE_LINEAR = ("W2", "W3", "G1", "G3")
+# Workloads with convolutions (the only ones psgn-convgrouped changes).
+CONVOLUTIONS = ("W4", "G2")
 
 
 def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dict:
@@ -539,6 +545,9 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
     if "psgn-triton32" in run and not (device.type == "cuda" and prec == "fp32" and name in SEQUENCE_LINEAR):
         entry["skipped"]["psgn-triton32"] = "= psgn here (it changes float32 sequence Linear layers on CUDA)"
         run.remove("psgn-triton32")
+    if "psgn-convgrouped" in run and not (device.type == "cuda" and name in CONVOLUTIONS):
+        entry["skipped"]["psgn-convgrouped"] = "= psgn here (it changes convolutions on CUDA)"
+        run.remove("psgn-convgrouped")
     if "torch.func" in run:
         model, x, _ = _built(name, device, quick)
         why = func_skip_reason(model, x.shape[0], device)
@@ -608,7 +617,8 @@ def main(argv=None) -> int:
                     help=f"entries NAME or NAME:PREC[+PREC] (default {DEFAULT_CPU}; on cuda {DEFAULT_CUDA})")
     ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods",
-                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-triton32,torch.func,opacus-ghost")
+                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-triton32,psgn-convgrouped,torch.func,"
+                            "opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--slow-s", type=float, default=1.0, help="a method slower than this a step is timed 3×")

@@ -252,3 +252,38 @@ def test_cxx_on_cuda_matches_python(precision, kind):
         torch.testing.assert_close(got[k], ref[k], **tol)
     for k in g2:
         torch.testing.assert_close(g1[k], g2[k], **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cxx", [True, False])
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
+def test_cuda_grouped_conv_form_matches_the_patches(cxx, precision):
+    """conv.GROUPED_ON_CUDA: convolutions' per-example weight gradients from one grouped convolution (cuDNN)
+    instead of the batched GEMM over the unfolded input: the same norms and gradients, C++ and Python."""
+    from elasticlab.gns.layers import conv
+
+    torch.manual_seed(5)
+    dt = torch.float64 if precision == "fp64" else torch.float32
+    model = ConvNet().to("cuda", dt)
+    x = torch.randn(6, 4, 33, 31, device="cuda", dtype=dt)
+
+    def run(grouped):
+        old = (kernels.USE_CXX_AUTOGRAD, conv.GROUPED_ON_CUDA)
+        kernels.USE_CXX_AUTOGRAD, conv.GROUPED_ON_CUDA = cxx, grouped
+        try:
+            model.zero_grad(set_to_none=True)
+            with PerSampleGradNorms(model, loss_reduction="sum") as n:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    out = model(x)
+                out.float().pow(2).sum().backward()
+            return n.param_sq_norms(), {k: p.grad.clone() for k, p in model.named_parameters()}
+        finally:
+            kernels.USE_CXX_AUTOGRAD, conv.GROUPED_ON_CUDA = old
+
+    got, g1 = run(True)
+    ref, g2 = run(False)
+    tol = dict(rtol=1e-9, atol=1e-10) if precision == "fp64" else dict(rtol=2e-3, atol=1e-4)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], **tol)
+    for k in g2:
+        torch.testing.assert_close(g1[k], g2[k], **tol)

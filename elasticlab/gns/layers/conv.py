@@ -27,6 +27,12 @@ from elasticlab.gns.registry import register_rule
 CONV_CHUNK_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 
+# The CPU's form on CUDA too: per-example weight gradients as the weight gradient of one grouped convolution
+# (cuDNN), with no unfolded input written. Off until measured on a GPU against the batched GEMM over the
+# patches (``benchmarks/bench_psgnorm.py``'s ``psgn-convgrouped``).
+GROUPED_ON_CUDA = False
+
+
 def _chunk_elems(x: torch.Tensor) -> int:
     return CONV_CHUNK_ELEMS.get(x.device.type, CONV_CHUNK_ELEMS["cpu"])
 
@@ -127,7 +133,7 @@ class _ConvNorms(torch.autograd.Function):
         if need_w:
             if gram:
                 norms["weight"] = _conv_gram_norms(m, x, d3, G, K, L)
-            elif x.device.type == "cuda":
+            elif x.device.type == "cuda" and not GROUPED_ON_CUDA:
                 norms["weight"], gw = _conv_outer_unfolded(m, x, d3, w)
             else:
                 norms["weight"], gw = _conv_per_example(m, x, g, w)
@@ -184,10 +190,12 @@ def _conv_outer_unfolded(m, x, d3, w):
 
 def _conv_per_example(m, x, g, w):
     """Per-example weight gradients of c examples at once as the weight gradient of one convolution with
-    c·groups groups (CPU), chunk by chunk; returns (‖G_b‖² (B,), Σ_b G_b)."""
+    c·groups groups (CPU, or CUDA with :data:`GROUPED_ON_CUDA`), chunk by chunk; returns (‖G_b‖² (B,),
+    Σ_b G_b)."""
     B, G, cout = x.shape[0], m.groups, w.shape[0]
     acc = kernels.acc_dtype(x.dtype)
-    per, gw = torch.empty(B, dtype=acc), torch.zeros(w.shape, dtype=acc)
+    per = torch.empty(B, dtype=acc, device=x.device)
+    gw = torch.zeros(w.shape, dtype=acc, device=x.device)
     step = max(1, min(32, _chunk_elems(x) // w.numel()))
     nd = x.dim() - 2
     for b0 in range(0, B, step):
@@ -206,7 +214,8 @@ def _conv_per_example(m, x, g, w):
 
 def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int:
     """The C++ function's form for this input shape, as :class:`_ConvNorms` chooses it: 1 Gram, else 0 (the
-    outer form over the patches, CUDA) or 2 (one grouped convolution, CPU)."""
+    outer form over the patches, CUDA) or 2 (one grouped convolution: CPU, or CUDA with
+    :data:`GROUPED_ON_CUDA`)."""
     like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
     L = 1
     for i, n in enumerate(x.shape[2:]):
@@ -216,7 +225,7 @@ def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> 
     if kernels.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
                         row_major=False):
         return 1
-    return 0 if x.is_cuda else 2
+    return 0 if (x.is_cuda and not GROUPED_ON_CUDA) else 2
 
 
 def conv_forward(module: nn.Module, slot):
