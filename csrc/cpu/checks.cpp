@@ -43,6 +43,19 @@ void check_seq_args(const char* op, const at::Tensor& a, const at::Tensor& d) {
   TORCH_CHECK(a.device() == d.device(), op, ": a and d on different devices");
 }
 
+namespace {
+// A normalisation layer's inputs: x and d of one floating dtype, their statistics in its accumulation dtype.
+void check_stats_dtypes(const char* op, const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean,
+                        const at::Tensor& rstd) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || is_reduced_float(x.scalar_type()),
+              op, ": expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(d.scalar_type() == x.scalar_type(), op, ": d must be ", x.scalar_type(), ", got ", d.scalar_type());
+  for (const auto* t : {&mean, &rstd})
+    TORCH_CHECK(t->scalar_type() == acc_type(x.scalar_type()), op, ": mean and rstd must be ",
+                acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
+}
+}  // namespace
+
 void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd) {
   TORCH_CHECK(x.dim() == 3 && d.sizes() == x.sizes(), "layernorm_per_example: expected x and d (B,T,D), got ",
               x.sizes(), " and ", d.sizes());
@@ -50,13 +63,7 @@ void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
                   rstd.sizes() == mean.sizes(),
               "layernorm_per_example: expected mean and rstd (B,T) = ", x.sizes().slice(0, 2), ", got ",
               mean.sizes(), " and ", rstd.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || is_reduced_float(x.scalar_type()),
-              "layernorm_per_example: expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK(d.scalar_type() == x.scalar_type(), "layernorm_per_example: d must be ", x.scalar_type(), ", got ",
-              d.scalar_type());
-  for (const auto* t : {&mean, &rstd})
-    TORCH_CHECK(t->scalar_type() == acc_type(x.scalar_type()), "layernorm_per_example: mean and rstd must be ",
-                acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
+  check_stats_dtypes("layernorm_per_example", x, d, mean, rstd);
 }
 
 void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd,
@@ -68,13 +75,7 @@ void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
   TORCH_CHECK(mean.dim() == 2 && mean.size(0) == x.size(0) && mean.size(1) == groups && rstd.sizes() == mean.sizes(),
               "groupnorm_affine_norms: expected mean and rstd (B,G) = (", x.size(0), ", ", groups, "), got ",
               mean.sizes(), " and ", rstd.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || is_reduced_float(x.scalar_type()),
-              "groupnorm_affine_norms: expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK(d.scalar_type() == x.scalar_type(), "groupnorm_affine_norms: d must be ", x.scalar_type(), ", got ",
-              d.scalar_type());
-  for (const auto* t : {&mean, &rstd})
-    TORCH_CHECK(t->scalar_type() == acc_type(x.scalar_type()), "groupnorm_affine_norms: mean and rstd must be ",
-                acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
+  check_stats_dtypes("groupnorm_affine_norms", x, d, mean, rstd);
 }
 
 void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& norms) {

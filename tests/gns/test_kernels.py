@@ -181,6 +181,10 @@ def _affine_checks(device):
         gn(x, x, m, m, 4, torch.empty(2, 2, device=device))
     with pytest.raises(RuntimeError, match=r"expected mean and rstd \(B,G\) = \(2, 3\), got \[2, 2\]"):
         gn(x, x, m[:, :2], m[:, :2], 3, torch.empty(2, 2, device=device))
+    with pytest.raises(RuntimeError, match="groupnorm_affine_norms: d must be Float, got Double"):
+        gn(x, x.double(), m, m, 3, torch.empty(2, 2, device=device))
+    with pytest.raises(RuntimeError, match="mean and rstd must be Float for Float inputs"):
+        gn(x, x, m.double(), m, 3, torch.empty(2, 2, device=device))
     with pytest.raises(RuntimeError, match=r"groupnorm_affine_norms: norms must be \(2, 2\), got \[2, 3\]"):
         gn(x, x, m, m, 3, torch.empty(2, 3, device=device))
     with pytest.raises(RuntimeError, match="layernorm_affine_norms: norms must be Float for Float inputs"):
