@@ -237,8 +237,8 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
         return step
     if method in ("psgn-ref", "psgn-cublas", "psgn-py", "psgn-triton32", "psgn-convgrouped"):
         # elasticlab with its kernels off (reference path), without the Triton fused kernel (cuBLAS + fold),
-        # with every fused layer on its Python autograd.Function instead of the C++ one, or with the Triton
-        # fused kernel for float32 layers too
+        # with every fused layer on its Python autograd.Function instead of the C++ one, with the Triton
+        # fused kernel for float32 layers too, or with convolutions on CUDA by one grouped convolution
         from elasticlab.gns import triton_outer
         from elasticlab.gns.layers import conv
         switch, attr, value = {"psgn-ref": (kernels, "USE_KERNELS", False),

@@ -61,7 +61,6 @@ at::Tensor& row_sq_norms_out_cpu(const at::Tensor& x_in, at::Tensor& out) {
 
 at::Tensor& product_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, at::Tensor& out) {
   check_product_args(a, d, out);
-  if (a.size(0) == 0) return out;
   product_into(rows_of(a), rows_of(d), out);
   return out;
 }

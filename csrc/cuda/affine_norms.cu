@@ -136,22 +136,17 @@ std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cuda(const at::Tensor&
   const int64_t B = x.size(0), C = x.size(1), S = x.size(2);
   const auto acc = acc_type(x.scalar_type());
   auto pw = at::empty({1, B, C}, x.options().dtype(acc)), pb = at::empty_like(pw);
-  if (B * C > 0) {
-    if (S == 0) {
-      pw.zero_();
-      pb.zero_();
-    } else {
-      // a warp for the smallest maps (ResNet-18's last stage has S = 4), up to kThreads
-      const int threads = S >= kThreads ? kThreads : static_cast<int>(std::max<int64_t>(32, (S + 31) / 32 * 32));
-      auto stream = at::cuda::getCurrentCUDAStream();
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_per_example_cuda", [&] {
-        using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        groupnorm_per_example_kernel<scalar_t, acc_t><<<B * C, threads, 0, stream>>>(
-            x.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(),
-            pw.data_ptr<acc_t>(), pb.data_ptr<acc_t>(), C, S, groups);
-      });
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+  if (B * C > 0) {  // (S = 0: the blocks sum nothing and write zeros)
+    // a warp for the smallest maps (ResNet-18's last stage has S = 4), up to kThreads
+    const int threads = S >= kThreads ? kThreads : static_cast<int>(std::max<int64_t>(32, (S + 31) / 32 * 32));
+    auto stream = at::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_per_example_cuda", [&] {
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      groupnorm_per_example_kernel<scalar_t, acc_t><<<B * C, threads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(),
+          pw.data_ptr<acc_t>(), pb.data_ptr<acc_t>(), C, S, groups);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return finish(pw, pb, norms);
 }
