@@ -7,8 +7,9 @@ on CUDA), methods interleaved round by round so that drift hits all alike; a met
 a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused backward),
 ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
 kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
-layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-convgrouped`` (convolutions on CUDA by one
-grouped convolution's weight gradient instead of a batched GEMM over the patches,
+layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-tritonflat`` (the Triton kernel's flat loop
+over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-convgrouped`` (convolutions
+on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
 :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-py`` (the fused layers' Python
 autograd.Functions instead of their C++ ones), ``psgn-hooks`` (elasticlab, hooks only),
 ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, kernels
+from elasticlab.gns import PerSampleGradNorms
 from elasticlab.gns.reference import func_sq_norms
 
 try:
@@ -224,6 +225,35 @@ def autocast(device: torch.device, prec: str):
     raise ValueError(f"unknown precision {prec!r} ({', '.join(PRECISIONS)})")
 
 
+# Workloads with sequence Linear layers, and with convolutions (those the switched methods below change).
+SEQUENCE_LINEAR = ("W2", "W3", "G1", "G3")
+CONVOLUTIONS = ("W4", "G2")
+
+# Methods that are psgn with one switch flipped: method -> (module, attribute, value, where it differs from
+# psgn (device type, workload, precision) -> bool, or None for everywhere, and what the skip line says).
+SWITCHED = {
+    "psgn-ref": ("elasticlab.gns.kernels", "USE_KERNELS", False, None, ""),   # the compiled kernels off
+    "psgn-py": ("elasticlab.gns.kernels", "USE_CXX_AUTOGRAD", False, None, ""),   # Python autograd.Functions
+    "psgn-cublas": ("elasticlab.gns.triton_outer", "ENABLED", False, None, ""),   # no Triton: cuBLAS + fold
+    "psgn-triton32": ("elasticlab.gns.triton_outer", "FP32", True,
+                      lambda dev, name, prec: dev == "cuda" and prec == "fp32" and name in SEQUENCE_LINEAR,
+                      "it changes float32 sequence Linear layers on CUDA"),
+    "psgn-tritonflat": ("elasticlab.gns.triton_outer", "FLAT", True,
+                        lambda dev, name, prec: dev == "cuda" and prec == "bf16" and name in SEQUENCE_LINEAR,
+                        "it changes the loop of the Triton kernel, which serves bfloat16 sequence Linear "
+                        "layers on CUDA"),
+    "psgn-convgrouped": ("elasticlab.gns.layers.conv", "GROUPED_ON_CUDA", True,
+                         lambda dev, name, prec: dev == "cuda" and name in CONVOLUTIONS,
+                         "it changes convolutions on CUDA"),
+}
+
+
+def _switch(method: str):
+    import importlib
+    mod, attr, value, _, _ = SWITCHED[method]
+    return importlib.import_module(mod), attr, value
+
+
 def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
     """A closure running one training step (forward and loss in ``prec``, backward, norms); returns the (B,)
     squared norms (None for plain)."""
@@ -235,26 +265,18 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
                 loss = loss_fn(model(x), y)
             loss.backward()
         return step
-    if method in ("psgn-ref", "psgn-cublas", "psgn-py", "psgn-triton32", "psgn-convgrouped"):
-        # elasticlab with its kernels off (reference path), without the Triton fused kernel (cuBLAS + fold),
-        # with every fused layer on its Python autograd.Function instead of the C++ one, with the Triton
-        # fused kernel for float32 layers too, or with convolutions on CUDA by one grouped convolution
-        from elasticlab.gns import triton_outer
-        from elasticlab.gns.layers import conv
-        switch, attr, value = {"psgn-ref": (kernels, "USE_KERNELS", False),
-                               "psgn-cublas": (triton_outer, "ENABLED", False),
-                               "psgn-py": (kernels, "USE_CXX_AUTOGRAD", False),
-                               "psgn-triton32": (triton_outer, "FP32", True),
-                               "psgn-convgrouped": (conv, "GROUPED_ON_CUDA", True)}[method]
+    if method in SWITCHED:
+        # elasticlab with one switch flipped for the step (see SWITCHED)
+        module, attr, value = _switch(method)
         inner = make_step("psgn", model, x, y, prec)
 
         def step():
-            before = getattr(switch, attr)
-            setattr(switch, attr, value)
+            before = getattr(module, attr)
+            setattr(module, attr, value)
             try:
                 return inner()
             finally:
-                setattr(switch, attr, before)
+                setattr(module, attr, before)
         step.close = inner.close
         return step
     if method in ("psgn", "psgn-hooks"):
@@ -525,12 +547,6 @@ def parse_entries(spec: str, precisions) -> list[tuple[str, str]]:
     return out
 
 
-# Workloads with sequence Linear layers (the only ones psgn-triton32 changes).
-SEQUENCE_LINEAR = ("W2", "W3", "G1", "G3")
-# Workloads with convolutions (the only ones psgn-convgrouped changes).
-CONVOLUTIONS = ("W4", "G2")
-
-
 def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dict:
     """Check, time and measure one (workload, precision); prints its table and returns its RESULT entry."""
     quick = args.quick
@@ -542,12 +558,10 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
     if "reference" in failed:
         entry["check_error"] = failed["reference"]
     run = list(methods)
-    if "psgn-triton32" in run and not (device.type == "cuda" and prec == "fp32" and name in SEQUENCE_LINEAR):
-        entry["skipped"]["psgn-triton32"] = "= psgn here (it changes float32 sequence Linear layers on CUDA)"
-        run.remove("psgn-triton32")
-    if "psgn-convgrouped" in run and not (device.type == "cuda" and name in CONVOLUTIONS):
-        entry["skipped"]["psgn-convgrouped"] = "= psgn here (it changes convolutions on CUDA)"
-        run.remove("psgn-convgrouped")
+    for m in [m for m in run if m in SWITCHED and SWITCHED[m][3] is not None]:
+        if not SWITCHED[m][3](device.type, name, prec):
+            entry["skipped"][m] = f"= psgn here ({SWITCHED[m][4]})"
+            run.remove(m)
     if "torch.func" in run:
         model, x, _ = _built(name, device, quick)
         why = func_skip_reason(model, x.shape[0], device)
@@ -617,8 +631,8 @@ def main(argv=None) -> int:
                     help=f"entries NAME or NAME:PREC[+PREC] (default {DEFAULT_CPU}; on cuda {DEFAULT_CUDA})")
     ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods",
-                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-triton32,psgn-convgrouped,torch.func,"
-                            "opacus-ghost")
+                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-triton32,psgn-tritonflat,psgn-convgrouped,"
+                            "torch.func,opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--slow-s", type=float, default=1.0, help="a method slower than this a step is timed 3×")

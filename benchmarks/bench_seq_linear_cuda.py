@@ -2,8 +2,9 @@
 
 For layer shapes of the GPU workloads (G1 GPT-2-small, G3 wide block, W2/W3), each method's time as a ratio to
 the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows, in the same dtype), in one run:
-``triton`` (fused, products in registers: on tensor cores in bfloat16, exact FMA products in float32),
-``cublas`` (batched GEMM + one fold pass; the
+``triton`` (fused, products in registers: on tensor cores in bfloat16, exact FMA products in float32; a K
+loop per example), ``flat`` (the same kernel with one loop over (example, K step) pairs, pipelined across
+examples: ``triton_outer.FLAT``), ``cublas`` (batched GEMM + one fold pass; the
 compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
 ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
@@ -72,7 +73,9 @@ def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
             "bmm": lambda: (torch.bmm(dt_, at_),),          # cublas's batched GEMM alone (its fold: the rest)
             "gram": lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)}
     if triton_outer.HAS_TRITON:                     # float32: exact products ("ieee"), as the GEMM here
-        meth["triton"] = lambda: triton_outer.outer_norms(a, d, True)
+        cfg = triton_outer._config(Din, Dout)[:5]
+        meth["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
+        meth["flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
     if name == "G1.head":
         meth.pop("gram")                                  # T×T Grams beside a 50304-wide GEMM: far slower
     errs = {m: float(((f()[0][:2].double() - want).abs() / want).max())
@@ -93,9 +96,10 @@ def _scratch_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
 
 
-SWEEP = {"layers": ["G3.up"],
-         "configs": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
-                     (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]}
+_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
+          (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
+# (BM, BN, BK, warps, stages, flat): each tile shape in both loops
+SWEEP = {"layers": ["G3.up", "G1.head"], "configs": [t + (f,) for t in _TILES for f in (False, True)]}
 
 
 def _sweep_layer(name: str, iters: int) -> dict:
@@ -117,8 +121,10 @@ def sweep_triton(iters: int) -> dict:
     out = {}
     for name in SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters)
-        print(f"sweep {name:8s} " + "  ".join(f"{c}: {v:.2f}x" if isinstance(v, float) else f"{c}: {v}"
-                                              for c, v in row.items()))
+        for flat in (False, True):                  # one line per loop: BMxBNxBK/warps/stages ratio
+            print(f"sweep {name:8s} {'flat' if flat else 'nested':6s} " + "  ".join(
+                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
+                for c, v in zip(SWEEP["configs"], row.values()) if c[5] == flat))
     return out
 
 
@@ -132,16 +138,16 @@ def main(argv=None) -> int:
     ceil = ceilings(args.iters)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
     rows = {}
-    cols = ("triton", "cublas", "bmm", "gram")
+    cols = ("triton", "flat", "cublas", "bmm", "gram")
     print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} " + " ".join(f"{c:>8s}" for c in cols) + "   "
-          "rel.err vs fp64 (triton / cublas / gram)")
+          "rel.err vs fp64 (triton / flat / cublas / gram)")
     for name, dt in RUNS:
         res = rows[f"{name}:{str(dt).split('.')[-1]}"] = run_layer(name, dt, args.iters)
         torch.cuda.empty_cache()
         r, e = res["ratio"], res["rel_err"]
         print(f"{name:10s} {str(dt).split('.')[-1]:9s} {res['wgrad_ms']:9.3f} "
               + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in cols)
-              + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in ("triton", "cublas", "gram"))
+              + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in cols if m != "bmm")
               + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols))
     sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
     print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep}))

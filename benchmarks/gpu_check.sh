@@ -107,7 +107,7 @@ fi
 
 if want ops; then
   run_stage "bench_seq_linear_cuda" "${OPS_S:-90}" ops.log $PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}
-  grep -v "^RESULT" "$OUT/ops.log" | tail -22 | cut -c1-140 | note
+  grep -v "^RESULT" "$OUT/ops.log" | tail -24 | cut -c1-150 | note
 fi
 
 if want bench; then

@@ -31,13 +31,18 @@ ENABLED = True
 # allows them, as the layer's own GEMM would. Off until measured on a GPU against cuBLAS (no product
 # scratch, against the batched GEMM's B·Din·Dout floats: W2's +46% peak memory).
 FP32 = False
+# The kernel's loop: True, one loop over (example, K step) pairs, pipelined across examples (the flattened
+# loop of Triton's persistent-matmul tutorial); False, a K loop per example inside a loop over examples (the
+# loop measured on an H100 in session 5). Off until the flat loop is measured there
+# (benchmarks/bench_seq_linear_cuda.py, column ``flat``; bench_psgnorm.py, ``psgn-tritonflat``).
+FLAT = False
 
 if HAS_TRITON:
     @triton.jit
     def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, FLAT: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
@@ -48,19 +53,44 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BK)
         m_ok, n_ok = offs_m < Dout, offs_n < Din
         gacc = tl.zeros((BM, BN), dtype=tl.float32)
-        for b in range(split, B, SPLIT):
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for t0 in range(0, T, BK):
-                tk = t0 + offs_k
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if FLAT:
+            # One loop over (example, K step) pairs, as the weight-gradient GEMM's single K loop over B·T
+            # rows: the software pipeline keeps loading across examples instead of draining at the end of
+            # each one's T/BK steps; the per-example epilogue runs on the last step of each example.
+            k_tiles = tl.cdiv(T, BK)
+            n_b = tl.cdiv(B - split, SPLIT)
+            for it in range(0, n_b * k_tiles):
+                eb = it // k_tiles
+                ki = it - eb * k_tiles
+                b = split + eb * SPLIT
+                tk = ki * BK + offs_k
                 k_ok = tk < T
                 dt = tl.load(d_ptr + b * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
                              mask=m_ok[:, None] & k_ok[None, :], other=0.0)           # δ_bᵀ tile (BM, BK)
                 at = tl.load(a_ptr + b * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
                              mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # a_b tile (BK, BN)
                 acc = tl.dot(dt, at, acc, input_precision=PRECISION)
-            tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
-            if WITH_GRAD:
-                gacc += acc
+                if ki == k_tiles - 1:
+                    tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
+                    if WITH_GRAD:
+                        gacc += acc
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+        else:
+            # A loop over the examples around a K loop over each one's T rows.
+            for b in range(split, B, SPLIT):
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for t0 in range(0, T, BK):
+                    tk = t0 + offs_k
+                    k_ok = tk < T
+                    dt = tl.load(d_ptr + b * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
+                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    at = tl.load(a_ptr + b * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
+                                 mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc = tl.dot(dt, at, acc, input_precision=PRECISION)
+                tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
+                if WITH_GRAD:
+                    gacc += acc
         if WITH_GRAD:                                        # norms only: no gradient buffer at all
             g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
             tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
@@ -115,11 +145,12 @@ def _sm_count(dev: torch.device) -> int:
     return n
 
 
-def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages): 128×128 tiles for wide layers, narrower for thin ones."""
+def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int, bool]:
+    """(BM, BN, BK, num_warps, num_stages, flat): 128×128 tiles for wide layers, narrower for thin ones; the
+    loop of :data:`FLAT`."""
     bm = 128 if Dout >= 128 else 64
     bn = 128 if Din >= 128 else 64
-    return bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4, 3
+    return bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4, 3, FLAT
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -132,7 +163,8 @@ def _precision(dtype: torch.dtype) -> str:
 
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
     """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
-    ``config``: (BM, BN, BK, num_warps, num_stages) instead of :func:`_config`'s (for tuning sweeps).
+    ``config``: (BM, BN, BK, num_warps, num_stages[, flat]) instead of :func:`_config`'s (for tuning sweeps;
+    without ``flat``, the loop of :data:`FLAT`).
     With ``with_grad=False`` no gradient buffer is allocated and the kernel stores no gradient tile (the
     partial-norm buffer, B × tiles floats, is all it writes)."""
     B, T, Din = a.shape
@@ -140,7 +172,8 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     if B == 0 or T == 0 or Din == 0 or Dout == 0:
         z = torch.zeros(B, device=a.device)
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
-    bm, bn, bk, warps, stages = config or _config(Din, Dout)
+    bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout)
+    flat = bool(rest[0]) if rest else FLAT
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
     split = max(1, min(B, (2 * _sm_count(a.device)) // tiles))     # enough programs for two per SM
     partial = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
@@ -150,7 +183,7 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     launch = _outer_norms_kernel[(tiles, split)]
     args = (a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split)
     meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
-                num_warps=warps, num_stages=stages)
+                FLAT=flat, num_warps=warps, num_stages=stages)
     if a.device.index is None or a.device.index == torch.cuda.current_device():
         launch(*args, **meta)
     else:

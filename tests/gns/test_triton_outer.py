@@ -7,7 +7,8 @@ The interpreter has no bfloat16 (numpy has none), so bfloat16 is checked on CUDA
 (``test_kernels.py::test_cuda_triton_fused_outer_matches_float64``); float16 and float32 run both ways.
 Shapes are chosen to cover what the kernel's grid does: tiles cut at the layer's edges in both directions, T
 not a multiple of the K step, a single row or column, examples split over the second grid axis, strided
-(non-contiguous) inputs, and the norms-only launch.
+(non-contiguous) inputs, and the norms-only launch; each in both loop structures of the kernel (``flat``: one
+loop over (example, K step) pairs; nested: a K loop per example).
 """
 import os
 
@@ -58,20 +59,40 @@ def _check(a, d, config, with_grad=True):
     return n
 
 
+def _with_loop(config, Din, Dout, flat):
+    return (config or triton_outer._config(Din, Dout))[:5] + (flat,)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,T,Din,Dout,config", CASES)
-def test_fused_outer_norms_match_float64(B, T, Din, Dout, config, dtype):
+def test_fused_outer_norms_match_float64(B, T, Din, Dout, config, dtype, flat):
     a, d = _inputs(B, T, Din, Dout, dtype)
+    config = _with_loop(config, Din, Dout, flat)
     n = _check(a, d, config)
     # norms only (no gradient buffer, WITH_GRAD off): the same norms
     torch.testing.assert_close(_check(a, d, config, with_grad=False), n, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_inputs(dtype):
+def test_strided_inputs(dtype, flat):
     a, d = _inputs(4, 20, 24, 36, dtype, strided=True)
     assert not a.is_contiguous()
-    _check(a, d, (32, 32, 16, 4, 2))
+    _check(a, d, (32, 32, 16, 4, 2, flat))
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+def test_the_loop_switch_chooses_the_kernel_loop(monkeypatch, flat):
+    """Without a loop in ``config`` the kernel takes :data:`triton_outer.FLAT`'s, and :func:`_config` reports
+    it: both loops give the same norms and gradient."""
+    monkeypatch.setattr(triton_outer, "FLAT", flat)
+    assert triton_outer._config(256, 256)[5] is flat
+    a, d = _inputs(6, 37, 40, 24, torch.float32)
+    n, g = triton_outer.outer_norms(a, d, True, (32, 32, 16, 4, 2))
+    n2, g2 = triton_outer.outer_norms(a, d, True, (32, 32, 16, 4, 2, not flat))
+    torch.testing.assert_close(n, n2, rtol=1e-5, atol=0)
+    torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-6)
 
 
 def test_the_examples_are_split_when_the_tiles_are_few(monkeypatch):
