@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The Triton fused kernel (elasticlab/gns/triton_outer.py) run by Triton's CPU interpreter, in the venv of
-# the CUDA torch build that ships Triton (.venv-cuda, made by .ci/cuda_build.sh): no GPU needed.
+# The Triton kernels (elasticlab/gns/triton_outer.py: sequence Linear; triton_conv.py: convolutions) run by
+# Triton's CPU interpreter, in the venv of the CUDA torch build that ships Triton (.venv-cuda, made by
+# .ci/cuda_build.sh): no GPU needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 V=.venv-cuda
@@ -9,4 +10,4 @@ $V/bin/python -c 'import pytest, pytest_timeout, hypothesis' 2>/dev/null || $V/b
 # The source tree's _C is built for the CPU torch of .venv: this venv must not load it (elasticlab then
 # falls back to its PyTorch kernels; the test compares the Triton kernel with the float64 reference).
 export TRITON_INTERPRET=1
-$V/bin/python -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gns/test_triton_outer.py
+$V/bin/python -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gns/test_triton_outer.py tests/gns/test_triton_conv.py

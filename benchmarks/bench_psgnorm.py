@@ -10,8 +10,9 @@ kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fus
 layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-tritonflat`` (the Triton kernel's flat loop
 over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-convgrouped`` (convolutions
 on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
-:data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-py`` (the fused layers' Python
-autograd.Functions instead of their C++ ones), ``psgn-hooks`` (elasticlab, hooks only),
+:data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16 convolutions on CUDA by
+the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`), ``psgn-py`` (the fused
+layers' Python autograd.Functions instead of their C++ ones), ``psgn-hooks`` (elasticlab, hooks only),
 ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
 Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go on.
@@ -245,6 +246,9 @@ SWITCHED = {
     "psgn-convgrouped": ("elasticlab.gns.layers.conv", "GROUPED_ON_CUDA", True,
                          lambda dev, name, prec: dev == "cuda" and name in CONVOLUTIONS,
                          "it changes convolutions on CUDA"),
+    "psgn-convtriton": ("elasticlab.gns.layers.conv", "TRITON_ON_CUDA", True,
+                        lambda dev, name, prec: dev == "cuda" and prec == "bf16" and name in CONVOLUTIONS,
+                        "it changes bfloat16 convolutions on CUDA"),
 }
 
 
@@ -632,7 +636,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods",
                     default="plain,psgn,psgn-ref,psgn-hooks,psgn-triton32,psgn-tritonflat,psgn-convgrouped,"
-                            "torch.func,opacus-ghost")
+                            "psgn-convtriton,torch.func,opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--slow-s", type=float, default=1.0, help="a method slower than this a step is timed 3×")

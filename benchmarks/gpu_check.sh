@@ -6,7 +6,9 @@
 #   build    elasticlab._C with the CUDA kernels (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16; ~30 s) -> build.log;
 #            when .before/ holds an earlier tree (carried; git archive of a past commit), it is built beside it
 #   ops      benchmarks/bench_seq_linear_cuda.py: the sequence-Linear operators against the weight-gradient
-#            GEMM, and the GEMM/bandwidth ceilings of the CUDA cost model -> ops.log
+#            GEMM, and the GEMM/bandwidth ceilings of the CUDA cost model; benchmarks/bench_conv_cuda.py: the
+#            convolution forms (patches, grouped, Triton implicit GEMM, Gram) against cuDNN's weight
+#            gradient -> ops.log
 #   test     pytest -m gpu tests/ (150 s; not fatal: the benchmark runs whatever the tests say)
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
@@ -106,8 +108,9 @@ if want test; then
 fi
 
 if want ops; then
-  run_stage "bench_seq_linear_cuda" "${OPS_S:-90}" ops.log $PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}
-  grep -v "^RESULT" "$OUT/ops.log" | tail -24 | cut -c1-150 | note
+  run_stage "bench_seq_linear_cuda + bench_conv_cuda" "${OPS_S:-120}" ops.log bash -c \
+    "$PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}; $PY benchmarks/bench_conv_cuda.py ${OPS_ARGS:-}"
+  grep -v "^RESULT" "$OUT/ops.log" | tail -36 | cut -c1-150 | note
 fi
 
 if want bench; then

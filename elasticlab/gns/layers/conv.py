@@ -5,8 +5,10 @@ Hook rule and fused backward. Fused, the weight norms come either from the Gram 
 the weight gradient: on CUDA one batched GEMM per chunk of examples over the unfolded input (the same
 outer-product operator as a sequence Linear), on the CPU as the weight gradient of one convolution with
 c·groups groups (the batch folded into channels; Goodfellow 2015's trick), measured faster there. The choice
-is per layer, by :func:`elasticlab.gns.kernels.use_gram`. Fused calls go to the C++ autograd function
-``elasticlab::conv_norms`` (the same three forms), or under ``torch.compile`` to :class:`_ConvNorms`.
+is per layer, by :func:`elasticlab.gns.kernels.use_gram`. With :data:`TRITON_ON_CUDA`, convolutions on
+CUDA may instead take the implicit-GEMM Triton kernel (:mod:`elasticlab.gns.triton_conv`). Fused calls go to
+the C++ autograd function ``elasticlab::conv_norms`` (the Gram, patch and grouped forms), or under
+``torch.compile`` and for the Triton kernel to :class:`_ConvNorms`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import kernels
+from elasticlab.gns import kernels, triton_conv
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
@@ -31,6 +33,10 @@ CONV_CHUNK_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 26}
 # (cuDNN), with no unfolded input written. Off until measured on a GPU against the batched GEMM over the
 # patches (``benchmarks/bench_psgnorm.py``'s ``psgn-convgrouped``).
 GROUPED_ON_CUDA = False
+# Convolutions on CUDA (one group, half precision) by the implicit-GEMM Triton kernel of
+# :mod:`elasticlab.gns.triton_conv`: no unfolded input and no per-example products in memory. Off until
+# measured on a GPU (``benchmarks/bench_psgnorm.py``'s ``psgn-convtriton``).
+TRITON_ON_CUDA = False
 
 
 def _chunk_elems(x: torch.Tensor) -> int:
@@ -133,6 +139,8 @@ class _ConvNorms(torch.autograd.Function):
         if need_w:
             if gram:
                 norms["weight"] = _conv_gram_norms(m, x, d3, G, K, L)
+            elif TRITON_ON_CUDA and triton_conv.supported(m, x):
+                norms["weight"], gw = triton_conv.conv_outer_norms(m, x, g, with_grad=True)
             elif x.device.type == "cuda" and not GROUPED_ON_CUDA:
                 norms["weight"], gw = _conv_outer_unfolded(m, x, d3, w)
             else:
@@ -212,10 +220,11 @@ def _conv_per_example(m, x, g, w):
     return per, gw
 
 
-def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int:
+def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:
     """The C++ function's form for this input shape, as :class:`_ConvNorms` chooses it: 1 Gram, else 0 (the
     outer form over the patches, CUDA) or 2 (one grouped convolution: CPU, or CUDA with
-    :data:`GROUPED_ON_CUDA`)."""
+    :data:`GROUPED_ON_CUDA`); None for a layer the Triton kernel takes (:data:`TRITON_ON_CUDA`; launched from
+    Python, so :class:`_ConvNorms` serves it)."""
     like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
     L = 1
     for i, n in enumerate(x.shape[2:]):
@@ -225,14 +234,19 @@ def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> 
     if kernels.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
                         row_major=False):
         return 1
+    if TRITON_ON_CUDA and triton_conv.supported(module, like):
+        return None
     return 0 if (x.is_cuda and not GROUPED_ON_CUDA) else 2
+
+
+_MISSING = object()
 
 
 def conv_forward(module: nn.Module, slot):
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None                                         # the hook form handles these
     nd = 1 if isinstance(module, nn.Conv1d) else 2
-    forms: dict[tuple, int] = {}                            # (shape, dtype, on CUDA, autocast dtype) -> form
+    forms: dict[tuple, int | None] = {}        # (shape, dtype, on CUDA, autocast dtype, switches) -> form
     params = module._parameters
     geometry = (list(module.stride), list(module.padding), list(module.dilation), module.groups)
 
@@ -244,12 +258,14 @@ def conv_forward(module: nn.Module, slot):
         dtype = autocast_dtype(x)
         op = kernels.cxx_autograd("conv_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            key = (x.shape, x.dtype, x.is_cuda, dtype)
-            form = forms.get(key)
-            if form is None:
+            key = (x.shape, x.dtype, x.is_cuda, dtype, TRITON_ON_CUDA, GROUPED_ON_CUDA)
+            form = forms.get(key, _MISSING)
+            if form is _MISSING:
                 form = forms[key] = _cxx_form(module, x, dtype)
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
-            return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x), dtype)
+            if form is not None:
+                buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
+                return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x),
+                          dtype)
         return _ConvNorms.apply(x, module.weight, module.bias, module, slot, dtype)
     return forward
 
