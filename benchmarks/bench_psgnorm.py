@@ -12,7 +12,9 @@ over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-
 on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
 :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16 convolutions on CUDA by
 the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`), ``psgn-py`` (the fused
-layers' Python autograd.Functions instead of their C++ ones), ``psgn-hooks`` (elasticlab, hooks only),
+layers' Python autograd.Functions instead of their C++ ones), ``psgn-calibrated`` (each layer shape's form
+timed at its first backward and the fastest kept, :mod:`elasticlab.gns.calibrate`; the warm-up steps pay for
+the measuring), ``psgn-hooks`` (elasticlab, hooks only),
 ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
 Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go on.
@@ -236,6 +238,7 @@ SWITCHED = {
     "psgn-ref": ("elasticlab.gns.kernels", "USE_KERNELS", False, None, ""),   # the compiled kernels off
     "psgn-py": ("elasticlab.gns.kernels", "USE_CXX_AUTOGRAD", False, None, ""),   # Python autograd.Functions
     "psgn-cublas": ("elasticlab.gns.triton_outer", "ENABLED", False, None, ""),   # no Triton: cuBLAS + fold
+    "psgn-calibrated": ("elasticlab.gns.calibrate", "ENABLED", True, None, ""),  # forms timed per layer shape
     "psgn-triton32": ("elasticlab.gns.triton_outer", "FP32", True,
                       lambda dev, name, prec: dev == "cuda" and prec == "fp32" and name in SEQUENCE_LINEAR,
                       "it changes float32 sequence Linear layers on CUDA"),
@@ -617,7 +620,7 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
                 line += f"  extra peak {entry['extra_mb'][m]:+8.1f} MB ({entry['extra_pct'][m]:+.1f}%)"
             if m in entry["errors"]:
                 line += f"  [{entry['errors'][m]}]"
-        print(f"  {m:13s} {line}")
+        print(f"  {m:16s} {line}")
     if "bf16_vs_fp32" in entry:
         b = entry["bf16_vs_fp32"]
         print("  bf16 vs fp32 psgn norms (same batch): " + (b["error"] if "error" in b else
@@ -635,8 +638,8 @@ def main(argv=None) -> int:
                     help=f"entries NAME or NAME:PREC[+PREC] (default {DEFAULT_CPU}; on cuda {DEFAULT_CUDA})")
     ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods",
-                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-triton32,psgn-tritonflat,psgn-convgrouped,"
-                            "psgn-convtriton,torch.func,opacus-ghost")
+                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-calibrated,psgn-triton32,psgn-tritonflat,"
+                            "psgn-convgrouped,psgn-convtriton,torch.func,opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--slow-s", type=float, default=1.0, help="a method slower than this a step is timed 3×")

@@ -77,6 +77,11 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
     return op
 
 
+def compiled(name: str, t: torch.Tensor) -> bool:
+    """Whether the compiled kernel ``elasticlab::<name>`` serves ``t``'s dtype and device (kernels on)."""
+    return _op(name, t, None) is not None
+
+
 # The fused layers' C++ autograd functions (csrc/autograd/): forward and backward without
 # Python on the backward path. False sends every fused layer to its Python autograd.Function (comparisons;
 # torch.compile always takes those).

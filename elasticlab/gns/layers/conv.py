@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import kernels, triton_conv
+from elasticlab.gns import calibrate, kernels, triton_conv
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
@@ -129,15 +129,18 @@ class _ConvNorms(torch.autograd.Function):
         d3 = g.reshape(B, cout, -1)
         L = d3.shape[2]
         K = w[0].numel()                                    # Cin/G · k
-        gram = need_w and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x, batch=B * G,
-                                           row_major=False)
+        measured = need_w and calibrate.ENABLED
+        gram = need_w and not measured and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x,
+                                                            batch=B * G, row_major=False)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(
             g, x, w, None, list(m.stride), list(m.padding), list(m.dilation), False,
             [0] * len(m.stride), G, [need_x, bool(gram), False])
         norms = {}
         gw = gw_native
         if need_w:
-            if gram:
+            if measured:
+                norms["weight"], gw = _calibrated(m, x, g, w)
+            elif gram:
                 norms["weight"] = _conv_gram_norms(m, x, d3, G, K, L)
             elif TRITON_ON_CUDA and triton_conv.supported(m, x):
                 norms["weight"], gw = triton_conv.conv_outer_norms(m, x, g, with_grad=True)
@@ -220,11 +223,55 @@ def _conv_per_example(m, x, g, w):
     return per, gw
 
 
+def conv_forms(m: nn.Module, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> dict:
+    """The fused forms of a convolution's weight norms, each a call returning (‖G_b‖² (B,), Σ_b G_b):
+    ``patches`` (batched GEMMs over the unfolded input), ``gram`` (Gram form over it, plus cuDNN's weight
+    gradient), ``grouped`` (one grouped convolution's weight gradient) and, where it serves the layer,
+    ``triton`` (the implicit GEMM of :mod:`elasticlab.gns.triton_conv`). The candidates of
+    :mod:`elasticlab.gns.calibrate`."""
+    B, G, cout = x.shape[0], m.groups, w.shape[0]
+    d3 = g.reshape(B, cout, -1)
+    K, L = w[0].numel(), d3.shape[2]
+
+    def gram():
+        gw = torch.ops.aten.convolution_backward(
+            g, x, w, None, list(m.stride), list(m.padding), list(m.dilation), False, [0] * len(m.stride), G,
+            [False, True, False])[1]
+        return _conv_gram_norms(m, x, d3, G, K, L), gw
+
+    forms = {"patches": lambda: _conv_outer_unfolded(m, x, d3, w), "gram": gram,
+             "grouped": lambda: _conv_per_example(m, x, g, w)}
+    if triton_conv.supported(m, x):
+        forms["triton"] = lambda: triton_conv.conv_outer_norms(m, x, g, with_grad=True)
+    return forms
+
+
+_CONV_CXX = {"patches": 0, "gram": 1, "grouped": 2}     # calibrated form -> the C++ function's form
+
+
+def _conv_key(m: nn.Module, shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    return calibrate.key_of("conv", type(m).__name__, tuple(shape), tuple(m.weight.shape), m.stride,
+                            m.padding, m.dilation, m.groups, dtype, device)
+
+
+def _calibrated(m, x, g, w):
+    """(‖G_b‖², Σ_b G_b) by the form measured fastest for this layer's shape (measured at the first call)."""
+    key = _conv_key(m, x.shape, x.dtype, x.device)
+    forms = conv_forms(m, x, g, w)
+    name = calibrate.chosen(key)
+    if name in forms:
+        return forms[name]()
+    return calibrate.choose(key, forms, x.device)[1]
+
+
 def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:
     """The C++ function's form for this input shape, as :class:`_ConvNorms` chooses it: 1 Gram, else 0 (the
     outer form over the patches, CUDA) or 2 (one grouped convolution: CPU, or CUDA with
     :data:`GROUPED_ON_CUDA`); None for a layer the Triton kernel takes (:data:`TRITON_ON_CUDA`; launched from
-    Python, so :class:`_ConvNorms` serves it)."""
+    Python, so :class:`_ConvNorms` serves it). With :data:`elasticlab.gns.calibrate.ENABLED`, the form
+    measured fastest for the shape, and None (the Python function, which measures) until it has been."""
+    if calibrate.ENABLED:
+        return _CONV_CXX.get(calibrate.chosen(_conv_key(module, x.shape, dtype or x.dtype, x.device)))
     like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
     L = 1
     for i, n in enumerate(x.shape[2:]):
@@ -258,10 +305,13 @@ def conv_forward(module: nn.Module, slot):
         dtype = autocast_dtype(x)
         op = kernels.cxx_autograd("conv_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            key = (x.shape, x.dtype, x.is_cuda, dtype, TRITON_ON_CUDA, GROUPED_ON_CUDA)
-            form = forms.get(key, _MISSING)
-            if form is _MISSING:
-                form = forms[key] = _cxx_form(module, x, dtype)
+            if calibrate.ENABLED:          # not cached: the choice is made at the shape's first backward
+                form = _cxx_form(module, x, dtype)
+            else:
+                key = (x.shape, x.dtype, x.is_cuda, dtype, TRITON_ON_CUDA, GROUPED_ON_CUDA)
+                form = forms.get(key, _MISSING)
+                if form is _MISSING:
+                    form = forms[key] = _cxx_form(module, x, dtype)
             if form is not None:
                 buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
                 return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import kernels, triton_outer
+from elasticlab.gns import calibrate, kernels, triton_outer
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
 
@@ -46,6 +46,36 @@ def linear_norms(module: nn.Linear, inputs, d: torch.Tensor, need) -> dict:
     if "bias" in need:
         out["bias"] = kernels.row_sq(d3.sum(1, dtype=kernels.acc_dtype(d3.dtype)))
     return out
+
+
+def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
+    """The fused forms of a sequence Linear's weight norms for a (B,T,Din), d (B,T,Dout), each a call
+    returning (‖G_b‖² (B,), Σ_b G_b): ``outer`` (the compiled operator: cuBLAS batched GEMMs and the fold on
+    CUDA), ``gram`` (Gram form, plus the weight-gradient GEMM), and where the Triton kernel takes the inputs,
+    ``triton`` and ``triton-flat`` (its two loops). The candidates of :mod:`elasticlab.gns.calibrate`."""
+    compiled = kernels.compiled("seq_linear_outer_norms", a)
+    forms = {"outer": lambda: kernels.seq_linear_outer_norms(a, d, with_grad=True, use_kernel=compiled),
+             "gram": lambda: (kernels.seq_linear_gram_norms(a, d),
+                              d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2])))}
+    if triton_outer.supported(a) and a.stride(-1) == 1 and d.stride(-1) == 1:
+        cfg = triton_outer._config(a.shape[2], d.shape[2])[:5]
+        forms["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
+        forms["triton-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
+    return forms
+
+
+def _seq_key(B: int, T: int, din: int, dout: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    return calibrate.key_of("linear", B, T, din, dout, dtype, device)
+
+
+def _calibrated(a: torch.Tensor, d: torch.Tensor):
+    """(‖G_b‖², Σ_b G_b) by the form measured fastest for this shape (measuring it on the first call)."""
+    key = _seq_key(*a.shape, d.shape[2], a.dtype, a.device)
+    forms = seq_forms(a, d)
+    name = calibrate.chosen(key)
+    if name in forms:
+        return forms[name]()
+    return calibrate.choose(key, forms, a.device)[1]
 
 
 class _LinearNorms(torch.autograd.Function):
@@ -92,7 +122,9 @@ class _LinearNorms(torch.autograd.Function):
         else:
             a, d = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
             if need_w:
-                if kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=True, like=a, batch=B):
+                if calibrate.ENABLED:
+                    norms["weight"], gw = _calibrated(a, d)
+                elif kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=True, like=a, batch=B):
                     norms["weight"] = kernels.seq_linear_gram_norms(a, d)
                     gw = d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
                 else:
@@ -111,11 +143,16 @@ class _LinearNorms(torch.autograd.Function):
 
 def _cxx_form(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:
     """How the C++ autograd function forms this call's norms: 0 outer product (cuBLAS), 1 Gram; None for a
-    sequence layer the Triton fused kernel takes (launched from Python: the autograd.Function serves it)."""
+    sequence layer the Triton fused kernel takes (launched from Python: the autograd.Function serves it).
+    With :data:`elasticlab.gns.calibrate.ENABLED`, the form measured fastest for the shape, and None (the
+    Python function, which measures) until it has been."""
     if x.dim() == 2:
         return 0
-    like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
     T, din, dout = x[0].numel() // x.shape[-1], x.shape[-1], module.weight.shape[0]
+    if calibrate.ENABLED:
+        name = calibrate.chosen(_seq_key(x.shape[0], T, din, dout, dtype or x.dtype, x.device))
+        return {"outer": 0, "gram": 1}.get(name)
+    like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
     if kernels.use_gram(T, din, dout, fused_outer=True, like=like, batch=x.shape[0]):
         return 1
     if x.stride(-1) == 1 and triton_outer.takes(like, T, din, dout):
@@ -138,10 +175,13 @@ def linear_forward(module: nn.Linear, slot):
         dtype = autocast_dtype(x)
         op = kernels.cxx_autograd("linear_norms", x)
         if op is not None:
-            key = (x.shape, x.dtype, x.is_cuda, dtype)
-            form = forms.get(key, _MISSING)
-            if form is _MISSING:
-                form = forms[key] = _cxx_form(module, x, dtype)
+            if calibrate.ENABLED:              # not cached: the choice is made at the shape's first backward
+                form = _cxx_form(module, x, dtype)
+            else:
+                key = (x.shape, x.dtype, x.is_cuda, dtype)
+                form = forms.get(key, _MISSING)
+                if form is _MISSING:
+                    form = forms[key] = _cxx_form(module, x, dtype)
             if form is not None:               # the C++ backward fills the slot's (weight, bias) rows
                 buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
                 return op(x, params["weight"], params.get("bias"), buf, form, dtype)

@@ -1,0 +1,88 @@
+"""Per-layer choice of the norm form by timing the candidates once per shape, on the device that runs them.
+
+The static choices (:func:`elasticlab.gns.kernels.use_gram`'s cost model, the Triton shape rule and the
+switches of :mod:`~elasticlab.gns.triton_outer` and :mod:`~elasticlab.gns.layers.conv`) were set from one
+H100's measurements. With :data:`ENABLED` on (as ``torch.backends.cudnn.benchmark`` does for convolution
+algorithms), the first backward of each layer shape instead runs every form that serves it on the layer's own
+inputs and output gradient: each once to warm up (Triton compiles there), then :data:`REPEATS` times between
+CUDA events (the wall clock on the CPU), and remembers the fastest for that shape. The layer keeps the
+fastest form's result for this step; later forwards route it to that form (the C++ autograd function for the
+compiled forms, the rule's Python one for the Triton kernels). Only the first step of each shape pays, about
+(1 + REPEATS) weight-gradient GEMMs per form; :func:`timings` lists what was measured.
+
+A form's result is (per-example squared norms (B,), weight gradient), so every candidate is interchangeable;
+one that raises (say, a Triton tile too large for the device's shared memory) is left out of the choice.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+ENABLED = False
+REPEATS = 3
+
+_CHOSEN: dict[tuple, str] = {}
+_TIMES: dict[tuple, dict[str, float]] = {}
+
+
+def key_of(kind: str, *parts) -> tuple:
+    """A layer shape's key: its kind ("linear", "conv") and whatever else fixes the forms' costs."""
+    return (kind, *parts)
+
+
+def chosen(key: tuple) -> str | None:
+    """The form measured fastest for ``key``; None before its first backward, or with :data:`ENABLED` off."""
+    return _CHOSEN.get(key) if ENABLED else None
+
+
+def _elapsed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call: the best of :data:`REPEATS`, between CUDA events on a GPU, by the wall clock
+    elsewhere."""
+    best = float("inf")
+    for _ in range(max(1, REPEATS)):
+        if device.type == "cuda":
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn()
+            t1.record()
+            t1.synchronize()
+            best = min(best, t0.elapsed_time(t1) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.device) -> tuple[str, tuple]:
+    """Times each of ``forms`` (name → call returning the form's result), records the fastest for ``key`` and
+    returns (its name, its result). A form that raises is skipped; if all raise, the last error propagates."""
+    best_name, best_out, best_t, times, err = None, None, float("inf"), {}, None
+    for name, fn in forms.items():
+        try:
+            out = fn()                                   # warm-up (Triton compiles here)
+            t = _elapsed(fn, device)
+        except (RuntimeError, ValueError) as e:          # e.g. out of shared memory for this tile
+            err = e
+            continue
+        times[name] = t
+        if t < best_t:
+            best_name, best_out, best_t = name, out, t
+        del out
+    if best_name is None:
+        raise err if err is not None else ValueError(f"calibrate: no form to time for {key}")
+    _CHOSEN[key], _TIMES[key] = best_name, times
+    return best_name, best_out
+
+
+def timings() -> dict[tuple, dict[str, float]]:
+    """{layer key: {form: seconds}} of every shape calibrated so far (the chosen form is the fastest)."""
+    return {k: dict(v) for k, v in _TIMES.items()}
+
+
+def reset() -> None:
+    """Forgets every choice: the next backward of each shape measures again."""
+    _CHOSEN.clear()
+    _TIMES.clear()
