@@ -11,11 +11,13 @@ compiled forms, the rule's Python one for the Triton kernels). Only the first st
 (1 + REPEATS) weight-gradient GEMMs per form; :func:`timings` lists what was measured.
 
 A form's result is (per-example squared norms (B,), weight gradient), so every candidate is interchangeable;
-one that raises (say, a Triton tile too large for the device's shared memory) is left out of the choice.
+one that raises (say, a Triton tile too large for the device's shared memory) is left out of the choice, with
+a warning.
 """
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -58,14 +60,15 @@ def _elapsed(fn: Callable[[], object], device: torch.device) -> float:
 
 def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.device) -> tuple[str, tuple]:
     """Times each of ``forms`` (name → call returning the form's result), records the fastest for ``key`` and
-    returns (its name, its result). A form that raises is skipped; if all raise, the last error propagates."""
-    best_name, best_out, best_t, times, err = None, None, float("inf"), {}, None
+    returns (its name, its result). A form that raises is left out, with a RuntimeWarning naming it and its
+    error; if all raise, the last error propagates."""
+    best_name, best_out, best_t, times, err, failed = None, None, float("inf"), {}, None, {}
     for name, fn in forms.items():
         try:
             out = fn()                                   # warm-up (Triton compiles here)
             t = _elapsed(fn, device)
-        except (RuntimeError, ValueError) as e:          # e.g. out of shared memory for this tile
-            err = e
+        except Exception as e:       # e.g. Triton's OutOfResources for this tile, CUDA out of memory
+            err, failed[name] = e, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         times[name] = t
         if t < best_t:
@@ -73,6 +76,9 @@ def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.devi
         del out
     if best_name is None:
         raise err if err is not None else ValueError(f"calibrate: no form to time for {key}")
+    if failed:
+        warnings.warn(f"calibrate: forms left out of the choice for {key}: {failed}", RuntimeWarning,
+                      stacklevel=2)
     _CHOSEN[key], _TIMES[key] = best_name, times
     return best_name, best_out
 

@@ -101,7 +101,8 @@ def test_sequence_linear_takes_the_form_measured_fastest(monkeypatch, fast, cxx_
 def test_a_form_that_raises_is_left_out(monkeypatch):
     _slowed(monkeypatch, linear_rule, "seq_forms", "outer", broken="gram")
     model, x = _seq_model(), torch.randn(3, 5, 6, dtype=torch.float64)
-    _step_and_check(model, x, torch.randn(3, 5, 3, dtype=torch.float64), _mse)
+    with pytest.warns(RuntimeWarning, match="left out.*'gram': 'RuntimeError: gram: no resources"):
+        _step_and_check(model, x, torch.randn(3, 5, 3, dtype=torch.float64), _mse)
     assert all(set(v) == {"outer"} for v in calibrate.timings().values())
 
 
@@ -171,3 +172,11 @@ def test_cuda_bf16_calibration_times_every_form_and_matches_the_default_path():
     if triton_outer.HAS_TRITON:
         assert all({"triton", "triton-flat"} <= set(v) for k, v in t.items() if k[0] == "linear")
         assert all("triton" in v for k, v in t.items() if k[0] == "conv")
+
+
+def test_when_every_form_raises_the_error_propagates():
+    def boom():
+        raise RuntimeError("no form fits")
+    with pytest.raises(RuntimeError, match="no form fits"):
+        calibrate.choose(("linear", 1), {"a": boom, "b": boom}, torch.device("cpu"))
+    assert calibrate.timings() == {}
