@@ -128,20 +128,9 @@ def conv_outer_norms(module: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, 
         return z, (torch.zeros(wshape, device=x.device) if with_grad else None)
     bm, bn, bk, warps, stages = config or _config(T, Din, Cout)
     tiles = triton.cdiv(Cout, bm) * triton.cdiv(Din, bn)
-    split = max(1, min(B, (2 * triton_outer._sm_count(x.device)) // tiles))
-    partial = torch.empty(B, tiles, device=x.device, dtype=torch.float32)
-    grad = torch.empty(split, Cout, Din, device=x.device, dtype=torch.float32) if with_grad else partial
-    launch = _conv_outer_norms_kernel[(tiles, split)]
-    args = (x, d, partial, grad, B, Cin, H, W, Cout, Ho, Wo, *x.stride(), *d.stride(), sh, sw, ph, pw, dh, dw,
-            split)
     meta = dict(KH=kh, KW=kw, BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad),
                 PRECISION=triton_outer._precision(x.dtype), num_warps=warps, num_stages=stages)
-    if x.device.index is None or x.device.index == torch.cuda.current_device():
-        launch(*args, **meta)
-    else:
-        with torch.cuda.device(x.device):
-            launch(*args, **meta)
-    norms = partial.sum(1)
-    if not with_grad:
-        return norms, None
-    return norms, (grad[0] if split == 1 else grad.sum(0)).view(wshape)
+    scalars = (B, Cin, H, W, Cout, Ho, Wo, *x.stride(), *d.stride(), sh, sw, ph, pw, dh, dw)
+    norms, grad = triton_outer.run_tiles(_conv_outer_norms_kernel, x, d, scalars, tiles, Cout, Din, with_grad,
+                                         meta)
+    return norms, (grad.view(wshape) if with_grad else None)

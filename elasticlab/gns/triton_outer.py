@@ -175,15 +175,26 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout)
     flat = bool(rest[0]) if rest else FLAT
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
+    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
+                FLAT=flat, num_warps=warps, num_stages=stages)
+    return run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, Dout, Din,
+                     with_grad, meta)
+
+
+def run_tiles(kernel, a: torch.Tensor, d: torch.Tensor, scalars: tuple, tiles: int, rows: int, cols: int,
+              with_grad: bool, meta: dict):
+    """Launches a fused per-example-norm kernel ``kernel(a, d, partial, grad, *scalars, SPLIT, **meta)`` on a
+    (tiles, split) grid, the B examples of ``a`` split over enough programs for two per SM, and returns
+    (‖G_b‖² (B,) float32, the (rows, cols) float32 gradient or None): the partial norms (B, tiles) summed
+    over tiles, the splits' gradient slices over splits (both deterministic)."""
+    B = a.shape[0]
     split = max(1, min(B, (2 * _sm_count(a.device)) // tiles))     # enough programs for two per SM
     partial = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
     # norms only: the kernel never touches grad_ptr (WITH_GRAD is a compile-time constant), so it gets the
     # partial buffer as a placeholder
-    grad = torch.empty(split, Dout, Din, device=a.device, dtype=torch.float32) if with_grad else partial
-    launch = _outer_norms_kernel[(tiles, split)]
-    args = (a, d, partial, grad, B, T, Din, Dout, *a.stride(), *d.stride(), split)
-    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
-                FLAT=flat, num_warps=warps, num_stages=stages)
+    grad = torch.empty(split, rows, cols, device=a.device, dtype=torch.float32) if with_grad else partial
+    launch = kernel[(tiles, split)]
+    args = (a, d, partial, grad, *scalars, split)
     if a.device.index is None or a.device.index == torch.cuda.current_device():
         launch(*args, **meta)
     else:
