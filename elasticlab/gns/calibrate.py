@@ -29,6 +29,12 @@ _CHOSEN: dict[tuple, str] = {}
 _TIMES: dict[tuple, dict[str, float]] = {}
 
 
+def active() -> bool:
+    """Whether backwards measure and follow the choice now: :data:`ENABLED`, and eager (under
+    ``torch.compile`` a backward is traced, not run: it keeps the static choice)."""
+    return ENABLED and not torch.compiler.is_compiling()
+
+
 def key_of(kind: str, *parts) -> tuple:
     """A layer shape's key: its kind ("linear", "conv") and whatever else fixes the forms' costs."""
     return (kind, *parts)

@@ -180,3 +180,19 @@ def test_when_every_form_raises_the_error_propagates():
     with pytest.raises(RuntimeError, match="no form fits"):
         calibrate.choose(("linear", 1), {"a": boom, "b": boom}, torch.device("cpu"))
     assert calibrate.timings() == {}
+
+
+def test_a_compiled_model_gives_eager_norms():
+    """Under torch.compile (aot_eager) with calibration on: the norms are eager's (a backward that runs is
+    measured, one that is traced keeps the static choice; Dynamo runs these layers' functions eagerly)."""
+    model, x = _seq_model(), torch.randn(3, 5, 6, dtype=torch.float64)
+    y = torch.randn(3, 5, 3, dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        compiled.zero_grad(set_to_none=True)
+        with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+            _mse(compiled(x), y).backward()
+            got = psg.sq_norms()
+        torch.testing.assert_close(got, func_sq_norms(model, _mse, x, y), rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()

@@ -129,7 +129,7 @@ class _ConvNorms(torch.autograd.Function):
         d3 = g.reshape(B, cout, -1)
         L = d3.shape[2]
         K = w[0].numel()                                    # Cin/G · k
-        measured = need_w and calibrate.ENABLED
+        measured = need_w and calibrate.active()
         gram = need_w and not measured and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x,
                                                             batch=B * G, row_major=False)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(

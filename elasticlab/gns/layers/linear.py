@@ -122,7 +122,7 @@ class _LinearNorms(torch.autograd.Function):
         else:
             a, d = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
             if need_w:
-                if calibrate.ENABLED:
+                if calibrate.active():
                     norms["weight"], gw = _calibrated(a, d)
                 elif kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=True, like=a, batch=B):
                     norms["weight"] = kernels.seq_linear_gram_norms(a, d)
