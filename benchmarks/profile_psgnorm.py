@@ -9,11 +9,13 @@ by self CPU time. On CUDA also the GPU's idle time within the profiled steps (th
 kernel to the last, less the union of kernels and copies) and its longest gaps, each with the kernel that
 ended it: where the device waited for the host. A precision whose step raises is reported as ``error: ...``
 and the others go on.
-``--kernels off`` sets ``elasticlab.gns.kernels.USE_KERNELS = False`` (the PyTorch reference paths).
+``--kernels off`` sets ``elasticlab.gns.kernels.USE_KERNELS = False`` (the PyTorch reference paths);
+``--method`` profiles another method of ``bench_psgnorm.py`` than ``psgn`` (e.g. ``psgn-convtriton``, one
+with a switch flipped; a ``psgn-calibrated`` warm-up does the measuring).
 Last line: ``RESULT {json}``.
 
     python benchmarks/profile_psgnorm.py [--device cuda] [--precision fp32,bf16] [--kernels on|off]
-        [--steps 3] [--warmup 3] [--top 10] [--quick]
+        [--method psgn] [--steps 3] [--warmup 3] [--top 10] [--quick]
 """
 from __future__ import annotations
 
@@ -130,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="fp32,bf16")
     ap.add_argument("--workload", default="G1", help="a workload of bench_psgnorm (default G1)")
     ap.add_argument("--kernels", choices=["on", "off"], default="on")
+    ap.add_argument("--method", default="psgn", help="the method profiled against plain (default psgn)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=10)
@@ -146,20 +149,21 @@ def main(argv=None) -> int:
           f"torch {torch.__version__}, _C built {_ext.HAS_C}, USE_KERNELS {kernels.USE_KERNELS}, "
           f"{args.workload}{' quick' if args.quick else ''}, "
           f"{args.steps} profiled steps after {args.warmup} warm-up")
-    result = {"device": str(device), "torch": torch.__version__, "kernels": args.kernels, "quick": args.quick,
-              "steps": args.steps, "precisions": {}}
+    result = {"device": str(device), "torch": torch.__version__, "kernels": args.kernels,
+              "method": args.method, "quick": args.quick, "steps": args.steps, "precisions": {}}
     for prec in [p for p in args.precision.split(",") if p]:
         res = {}
-        for method, k in (("psgn", args.top), ("plain", min(5, args.top))):
+        for method, k in ((args.method, args.top), ("plain", min(5, args.top))):
             try:
                 res[method] = profile_method(method, prec, device, args, k)
             except Exception as e:
                 res[method] = {"error": bench.error_text(e)}
             print_top(f"{args.workload}-{prec} {method} (top {k})", res[method], device, args.steps)
-        if "error" not in res["psgn"] and "error" not in res["plain"]:
-            res["psgn_over_plain"] = res["psgn"]["total_ms_per_step"] / res["plain"]["total_ms_per_step"]
-            print(f"  psgn/plain {'kernel' if device.type == 'cuda' else 'CPU op'} time: "
-                  f"{res['psgn_over_plain']:.2f}x")
+        m = args.method
+        if "error" not in res[m] and "error" not in res["plain"]:
+            res[f"{m}_over_plain"] = res[m]["total_ms_per_step"] / res["plain"]["total_ms_per_step"]
+            print(f"  {m}/plain {'kernel' if device.type == 'cuda' else 'CPU op'} time: "
+                  f"{res[f'{m}_over_plain']:.2f}x")
         result["precisions"][prec] = res
     print("RESULT " + json.dumps(result))
     return 0
