@@ -18,6 +18,9 @@ class Slot:
         self.buf: torch.Tensor | None = None              # (2, B) rows a C++ backward writes (weight, bias)
         self._buf_key: tuple | None = None
         self._views: dict[str, torch.Tensor] = {}
+        self.index = -1                                   # position among the owner's slots (set by it)
+        self.on_block = False       # this step's norms are the rows of the owner's shared block, unaltered
+        self._in_block = False
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
@@ -37,23 +40,29 @@ class Slot:
         loss scale are applied when they are read, one multiply per layer)."""
         self.batch = batch
         self.owner._layer_cache = None
+        self.on_block = False
         for pname, v in norms.items():
             if pname in self.need:
                 self.norms[pname] = v if not v.requires_grad else v.detach()
 
     def buffer(self, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This step's (2, B) norms buffer for a fused layer's C++ backward, which writes row 0 (weight) and
-        row 1 (bias); recorded now, valid after the backward. Kept across steps of one shape (the owner sets
-        it to NaN at each forward, so a read before the backward gives NaN; results never alias it)."""
-        key = (batch, dtype, device)
+        row 1 (bias); recorded now, valid after the backward. Normally rows of the owner's block shared by all
+        slots (one reset and one read a step for the whole model); a slot whose batch, dtype or device differs
+        from the block's gets its own. Kept across steps of one shape (reset to NaN at each forward, so a read
+        before the backward gives NaN; results never alias it)."""
+        key = (batch, dtype, device, self.owner._block_gen)
         if key != self._buf_key:
-            self.buf = torch.full((2, batch), float("nan"), dtype=dtype, device=device)
-            rows = dict(zip(("weight", "bias"), self.buf.unbind(0)))
-            self._views = {p: rows[p] for p in self.need if p in rows}
-            self._buf_key = key
+            rows = self.owner._block_rows(self, batch, dtype, device)
+            self.buf = rows if rows is not None else torch.full((2, batch), float("nan"), dtype=dtype,
+                                                                device=device)
+            self._views = {p: r for p, r in zip(("weight", "bias"), self.buf.unbind(0)) if p in self.need}
+            self._buf_key = (batch, dtype, device, self.owner._block_gen)
+            self._in_block = rows is not None
             self.owner._bufs = None
         self.batch = batch
         self.norms = dict(self._views)
+        self.on_block = self._in_block
         self.owner._layer_cache = None
         return self.buf
 

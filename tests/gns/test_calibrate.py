@@ -1,10 +1,11 @@
 """Per-layer calibration of the norm form (``elasticlab.gns.calibrate``): the first backward of a shape times
 every form on the layer's own inputs and keeps the fastest; later forwards route the layer to it (the C++
-autograd function with that form, when built). Forms are slowed down on purpose (a 30 ms sleep) so that the
-choice is known; every step's norms and gradients are checked against torch.func in float64."""
+autograd function with that form, when built). The timer runs on a virtual clock that every form but one
+advances by 30 ms a call, so that the choice is known whatever the machine's load; every step's norms are
+checked against torch.func in float64."""
 from __future__ import annotations
 
-import time
+import types
 
 import pytest
 import torch
@@ -18,17 +19,22 @@ from elasticlab.gns.reference import func_sq_norms
 CXX = "linear_norms" in kernels._OPERATORS
 
 
+CLOCK = [0.0]                                            # the virtual clock calibrate reads (seconds)
+
+
 @pytest.fixture(autouse=True)
 def _calibrating(monkeypatch):
     monkeypatch.setattr(calibrate, "ENABLED", True)
     monkeypatch.setattr(calibrate, "REPEATS", 2)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: CLOCK[0]))
     calibrate.reset()
     yield
     calibrate.reset()
 
 
 def _slowed(monkeypatch, module, factory: str, fast: str, broken: str | None = None):
-    """Wraps ``module.<factory>`` so that every form but ``fast`` sleeps 30 ms (and ``broken`` raises)."""
+    """Wraps ``module.<factory>`` so that every form but ``fast`` advances the clock by 30 ms a call (and
+    ``broken`` raises)."""
     real = getattr(module, factory)
 
     def forms(*args):
@@ -39,7 +45,7 @@ def _slowed(monkeypatch, module, factory: str, fast: str, broken: str | None = N
                     raise RuntimeError(f"{name}: no resources for this tile")
             elif name != fast:
                 def fn(fn=fn):
-                    time.sleep(0.03)
+                    CLOCK[0] += 0.03
                     return fn()
             out[name] = fn
         return out
@@ -91,7 +97,7 @@ def test_sequence_linear_takes_the_form_measured_fastest(monkeypatch, fast, cxx_
     t = calibrate.timings()
     assert len(t) == 2 and all(set(v) == {"outer", "gram"} for v in t.values())
     assert all(min(v, key=v.get) == fast for v in t.values())
-    assert all(v[f] >= 0.03 for v in t.values() for f in v if f != fast)   # the sleeps were timed
+    assert all(v[f] == (0.0 if f == fast else pytest.approx(0.03)) for v in t.values() for f in v)
     assert not seen                                          # measuring runs the Python function
     _step_and_check(model, x, y, _mse)                       # then the chosen form, in C++ when built
     assert seen == ([cxx_form] * 2 if CXX else [])
