@@ -21,6 +21,9 @@ at::Tensor& row_sq_norms_out_cpu(const at::Tensor& x, at::Tensor& out);
 // 2015) into a (2, B) buffer of acc_type, out[0, b] = |a_b|^2 |d_b|^2 (weight), out[1, b] = |d_b|^2 (bias), in
 // one pass over both rows (any strides of out).
 at::Tensor& product_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
+// The same rows, and the Linear's bias gradient sum_b d_b (Dout,) in acc_type returned, in one pass (on CUDA
+// one launch: the bias gradient of plain autograd is one reduction too, so the norms add no launch).
+at::Tensor product_bias_norms_cpu(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
 
 // Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),
 // by the Gram form sum_{t,s} (a_t.a_s)(d_t.d_s) (Li et al. 2022 ghost norm). Returns (B,).
@@ -62,6 +65,7 @@ void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& n
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
 at::Tensor& row_sq_norms_out_cuda(const at::Tensor& x, at::Tensor& out);
 at::Tensor& product_norms_out_cuda(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
+at::Tensor product_bias_norms_cuda(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
 at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d);
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
                                                                bool with_grad);

@@ -107,5 +107,19 @@ inline void put_products(const at::Tensor& norms, const at::Tensor& a, const at:
   }
 }
 
+// put_products and the bias gradient sum_b d_b (in acc_type) together: one kernel for a buffer of the rows'
+// accumulation dtype, else put_products and a sum.
+inline at::Tensor put_products_bias(const at::Tensor& norms, const at::Tensor& a, const at::Tensor& d) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::product_bias_norms", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::Tensor&)>();
+  if (norms.scalar_type() == acc_type(a.scalar_type()) && norms.device() == a.device()) {
+    at::Tensor out = norms;
+    return op.call(a, d, out);
+  }
+  put_products(norms, a, d);
+  return d.sum({0}, false, acc_type(d.scalar_type()));
+}
+
 }  // namespace fused
 }  // namespace elasticlab

@@ -48,10 +48,11 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
     const int64_t B = x.size(0);
     const auto acc = acc_type(g.scalar_type());
     if (x.dim() == 2) {
-      // both rows, ‖x_b‖²‖g_b‖² and ‖g_b‖², in one kernel (a row the layer does not need is not read)
-      if (need_w || need_b) put_products(norms, x, g);
+      // both rows, ‖x_b‖²‖g_b‖² and ‖g_b‖², in one kernel (a row the layer does not need is not read), which
+      // also sums the bias gradient when there is one: no launch beyond plain autograd's
+      if (need_b) gb = put_products_bias(norms, x, g);
+      else if (need_w) put_products(norms, x, g);
       if (need_w) gw = g.t().mm(x);
-      if (need_b) gb = g.sum({0}, false, acc);
     } else {
       at::Tensor a = x.reshape({B, -1, x.size(-1)}), d = g.reshape({B, -1, g.size(-1)});
       if (need_w) {

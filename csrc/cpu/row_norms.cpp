@@ -65,4 +65,10 @@ at::Tensor& product_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, at::
   return out;
 }
 
+at::Tensor product_bias_norms_cpu(const at::Tensor& a, const at::Tensor& d, at::Tensor& out) {
+  check_product_args(a, d, out);
+  product_into(rows_of(a), rows_of(d), out);
+  return d.sum({0}, false, acc_type(d.scalar_type()));
+}
+
 }  // namespace elasticlab

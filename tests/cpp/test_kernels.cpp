@@ -21,6 +21,10 @@ int main() {
     auto d_sq = d2.pow(2).sum(1);
     if (!at::allclose(out[1], d_sq, 1e-12, 1e-12) || !at::allclose(out[0], a2.pow(2).sum(1) * d_sq, 1e-12, 1e-12))
       return fail("product_norms");
+    auto out2 = at::empty({2, 6}, at::kDouble);
+    auto gb = elasticlab::product_bias_norms_cpu(a2, d2, out2);
+    if (!at::allclose(out2, out, 1e-12, 1e-12) || !at::allclose(gb, d2.sum(0), 1e-12, 1e-12))
+      return fail("product_bias_norms");
   }
 
   // Sequence Linear: per-example G_b = d_b^T a_b; Gram form = outer form = explicit, and the fused grad.

@@ -131,6 +131,40 @@ def _product_checks(device):
         op(a, d.double(), out=torch.empty(2, 5, device=device))
 
 
+def _product_bias_checks(device):
+    """product_bias_norms: the rows of product_norms.out, and the bias gradient Σ_b d_b returned in the rows'
+    accumulation dtype (one CUDA launch: its column blocks follow the row blocks)."""
+    op = torch.ops.elasticlab.product_bias_norms
+    for B, din, dout in ((5, 3, 4), (1, 1, 1), (3, 7, 700), (300, 2, 5), (0, 4, 4)):
+        a = torch.randn(B, din, dtype=torch.float64, device=device)
+        d = torch.randn(B, dout, dtype=torch.float64, device=device)
+        buf = torch.full((2, B), float("nan"), dtype=torch.float64, device=device)
+        gb = op(a, d, buf)
+        want_d = d.pow(2).sum(1)
+        torch.testing.assert_close(buf[1], want_d, rtol=1e-12, atol=0)
+        torch.testing.assert_close(buf[0], a.pow(2).sum(1) * want_d, rtol=1e-12, atol=0)
+        assert gb.shape == (dout,) and gb.dtype == torch.float64
+        torch.testing.assert_close(gb, d.sum(0), rtol=1e-12, atol=1e-12)
+    a = torch.randn(6, 9, device=device).bfloat16()[:, 1:8]                  # half rows, a column slice
+    d = torch.randn(6, 33, device=device).bfloat16()
+    col = torch.full((6, 2), float("nan"), dtype=torch.float32, device=device).t()
+    gb = op(a, d, col)
+    assert gb.dtype == torch.float32
+    torch.testing.assert_close(gb, d.float().sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(col[1], d.float().pow(2).sum(1), rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError, match=r"out must be \(2, 6\), got \[2, 5\]"):
+        op(a, d, torch.empty(2, 5, device=device))
+
+
+def test_product_bias_norms_write_the_rows_and_sum_the_bias():
+    _product_bias_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_product_bias_norms_write_the_rows_and_sum_the_bias():
+    _product_bias_checks("cuda")
+
+
 def _close(got, want, rtol):
     scale = 1 + (float(want.abs().max()) if want.numel() else 0.0)
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * scale)
