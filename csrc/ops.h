@@ -33,6 +33,10 @@ at::Tensor seq_linear_gram_norms_cpu(const at::Tensor& a, const at::Tensor& d);
 // (the weight gradient), otherwise an empty tensor. Returns (norms (B,), grad).
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cpu(const at::Tensor& a, const at::Tensor& d,
                                                               bool with_grad);
+// The same with the norms written into a given (B,) tensor of acc_type (any stride: a row of the fused layers'
+// buffer, no copy on CUDA); returns the gradient (or an empty tensor).
+at::Tensor seq_linear_outer_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, bool with_grad,
+                                          at::Tensor& norms);
 
 // Per-example LayerNorm parameter gradients (Gray et al. 2024): x, d (B,T,D), mean, rstd (B,T).
 // Returns (gw (B,D) = sum_t d_t * (x_t - mean_t) * rstd_t, gb (B,D) = sum_t d_t).
@@ -60,6 +64,7 @@ void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
 void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd,
                           int64_t groups);
 void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& norms);
+void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norms);
 
 #ifdef ELASTICLAB_WITH_CUDA
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
@@ -69,6 +74,8 @@ at::Tensor product_bias_norms_cuda(const at::Tensor& a, const at::Tensor& d, at:
 at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d);
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
                                                                bool with_grad);
+at::Tensor seq_linear_outer_norms_out_cuda(const at::Tensor& a, const at::Tensor& d, bool with_grad,
+                                           at::Tensor& norms);
 std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cuda(const at::Tensor& x, const at::Tensor& d,
                                                               const at::Tensor& mean, const at::Tensor& rstd);
 std::tuple<at::Tensor, at::Tensor> layernorm_affine_norms_cuda(const at::Tensor& x, const at::Tensor& d,

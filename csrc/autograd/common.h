@@ -121,5 +121,18 @@ inline at::Tensor put_products_bias(const at::Tensor& norms, const at::Tensor& a
   return d.sum({0}, false, acc_type(d.scalar_type()));
 }
 
+// The outer form's gradient, its norms written into row `row` of the caller's buffer (no temporary and copy
+// when the buffer has the norms' dtype, as the Python rules allocate it).
+inline at::Tensor outer_norms_into(const at::Tensor& a, const at::Tensor& d, const at::Tensor& norms, int64_t row) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::seq_linear_outer_norms", "out")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool, at::Tensor&)>();
+  at::Tensor r = norms.select(0, row);
+  if (r.scalar_type() == acc_type(a.scalar_type()) && r.device() == a.device()) return op.call(a, d, true, r);
+  auto [n, grad] = outer_norms(a, d);
+  put(norms, row, n);
+  return grad;
+}
+
 }  // namespace fused
 }  // namespace elasticlab

@@ -60,9 +60,7 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
           put(norms, 0, gram_norms(a, d));
           gw = d.reshape({-1, d.size(2)}).t().mm(a.reshape({-1, a.size(2)}));
         } else {
-          auto [n, grad] = outer_norms(a, d);
-          put(norms, 0, n);
-          gw = grad;
+          gw = outer_norms_into(a, d, norms, 0);
         }
       }
       if (need_b) {

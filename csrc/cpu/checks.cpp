@@ -86,4 +86,12 @@ void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& n
   TORCH_CHECK(norms.device() == x.device(), op, ": norms on ", norms.device(), ", inputs on ", x.device());
 }
 
+void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norms) {
+  TORCH_CHECK(norms.dim() == 1 && norms.size(0) == x.size(0), op, ": norms must be (", x.size(0), "), got ",
+              norms.sizes());
+  TORCH_CHECK(norms.scalar_type() == acc_type(x.scalar_type()), op, ": norms must be ", acc_type(x.scalar_type()),
+              " for ", x.scalar_type(), " inputs, got ", norms.scalar_type());
+  TORCH_CHECK(norms.device() == x.device(), op, ": norms on ", norms.device(), ", inputs on ", x.device());
+}
+
 }  // namespace elasticlab

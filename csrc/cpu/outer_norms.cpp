@@ -99,4 +99,13 @@ std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cpu(const at::Tensor& 
   return {norms, grad};
 }
 
+at::Tensor seq_linear_outer_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, bool with_grad,
+                                          at::Tensor& norms) {
+  check_seq_args("seq_linear_outer_norms", a, d);
+  check_norms_row("seq_linear_outer_norms", a, norms);
+  auto [n, grad] = seq_linear_outer_norms_cpu(a, d, with_grad);
+  norms.copy_(n);
+  return grad;
+}
+
 }  // namespace elasticlab

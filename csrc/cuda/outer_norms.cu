@@ -95,18 +95,17 @@ void fold_products(const at::Tensor& G, at::Tensor norms, at::Tensor grad, bool 
 
 }  // namespace cuda
 
-std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
-                                                               bool with_grad) {
-  check_seq_args("seq_linear_outer_norms", a, d);
+namespace {
+// The norms into `norms` ((B,) of acc type, checked by the caller), the gradient returned.
+at::Tensor outer_norms_into(const at::Tensor& a, const at::Tensor& d, bool with_grad, at::Tensor norms) {
   c10::cuda::CUDAGuard guard(a.device());
   const int64_t B = a.size(0), T = a.size(1), Din = a.size(2), Dout = d.size(2);
   const auto acc = acc_type(a.scalar_type());
   if (B == 0 || Din == 0 || Dout == 0 || T == 0) {
-    return {at::zeros({B}, a.options().dtype(acc)),
-            with_grad ? at::zeros({Dout, Din}, a.options().dtype(acc)) : at::empty({0}, a.options().dtype(acc))};
+    norms.zero_();
+    return with_grad ? at::zeros({Dout, Din}, a.options().dtype(acc)) : at::empty({0}, a.options().dtype(acc));
   }
   // Both written in full by the folds (the first chunk's without accumulating): no memset launches.
-  auto norms = at::empty({B}, a.options().dtype(acc));
   auto grad = with_grad ? at::empty({Dout, Din}, a.options().dtype(acc)) : at::empty({0}, a.options().dtype(acc));
   // Products in bfloat16 for bfloat16 inputs (same range as float32, half the traffic; the GEMM accumulates
   // in float32 and the fold sums in float32), float32 for float16 inputs (whose range a product may exceed).
@@ -121,7 +120,23 @@ std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor&
     cuda::batched_gemm(d.narrow(0, b0, c), /*trans_a=*/true, a.narrow(0, b0, c), /*trans_b=*/false, Gc);
     cuda::fold_products(Gc, norms.narrow(0, b0, c), grad, /*accumulate=*/b0 > 0);
   }
+  return grad;
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
+                                                               bool with_grad) {
+  check_seq_args("seq_linear_outer_norms", a, d);
+  auto norms = at::empty({a.size(0)}, a.options().dtype(acc_type(a.scalar_type())));
+  auto grad = outer_norms_into(a, d, with_grad, norms);
   return {norms, grad};
+}
+
+at::Tensor seq_linear_outer_norms_out_cuda(const at::Tensor& a, const at::Tensor& d, bool with_grad,
+                                           at::Tensor& norms) {
+  check_seq_args("seq_linear_outer_norms", a, d);
+  check_norms_row("seq_linear_outer_norms", a, norms);
+  return outer_norms_into(a, d, with_grad, norms);
 }
 
 }  // namespace elasticlab

@@ -1,5 +1,6 @@
 // C++ check of the CPU kernels against ATen's own arithmetic (built by CMakeLists.txt, run by ctest).
 #include <cstdio>
+#include <limits>
 #include <ATen/ATen.h>
 #include "ops.h"
 
@@ -35,6 +36,13 @@ int main() {
   auto [n, g] = elasticlab::seq_linear_outer_norms_cpu(a, d, true);
   if (!at::allclose(n, want, 1e-10, 1e-10)) return fail("outer norms");
   if (!at::allclose(g, G.sum(0), 1e-10, 1e-10)) return fail("outer grad");
+  {
+    auto buf = at::full({2, 5}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
+    auto row = buf.select(0, 0);
+    auto g2 = elasticlab::seq_linear_outer_norms_out_cpu(a, d, true, row);
+    if (!at::allclose(buf[0], want, 1e-10, 1e-10) || !at::allclose(g2, g, 1e-12, 1e-12) || !buf[1].isnan().all().item<bool>())
+      return fail("outer norms out");
+  }
 
   // LayerNorm per-example parameter gradients.
   auto mean = x.mean({-1}), rstd = (x.var({-1}, /*unbiased=*/false, /*keepdim=*/false) + 1e-5).rsqrt();

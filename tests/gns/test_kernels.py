@@ -165,6 +165,37 @@ def test_cuda_product_bias_norms_write_the_rows_and_sum_the_bias():
     _product_bias_checks("cuda")
 
 
+def _outer_out_checks(device):
+    """seq_linear_outer_norms.out: the norms into a given (B,) row (strided: a row of a (B, 2) buffer's
+    transpose), the gradient returned; the same as the functional form's."""
+    op = torch.ops.elasticlab.seq_linear_outer_norms
+    f64, bf16 = torch.float64, torch.bfloat16
+    for B, T, din, dout, dt in ((3, 5, 4, 6, f64), (2, 1, 1, 1, f64), (0, 3, 2, 2, f64), (4, 9, 8, 5, bf16)):
+        a = torch.randn(B, T, din, device=device).to(dt)
+        d = torch.randn(B, T, dout, device=device).to(dt)
+        acc = torch.float64 if dt == torch.float64 else torch.float32
+        buf = torch.full((B, 2), float("nan"), dtype=acc, device=device).t()                 # strides (1, 2)
+        g = op.out(a, d, True, norms=buf[0])
+        n0, g0 = op(a, d, True)
+        torch.testing.assert_close(buf[0], n0, rtol=1e-12, atol=0)
+        torch.testing.assert_close(g, g0, rtol=1e-12, atol=0)
+        assert buf[1].isnan().all()                                   # the other row untouched
+    a, d = torch.randn(3, 4, 5, device=device), torch.randn(3, 4, 2, device=device)
+    with pytest.raises(RuntimeError, match=r"norms must be \(3\), got \[2\]"):
+        op.out(a, d, True, norms=torch.empty(2, device=device))
+    with pytest.raises(RuntimeError, match="norms must be Float for Float inputs, got Double"):
+        op.out(a, d, True, norms=torch.empty(3, dtype=torch.float64, device=device))
+
+
+def test_outer_norms_out_writes_into_a_row():
+    _outer_out_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_outer_norms_out_writes_into_a_row():
+    _outer_out_checks("cuda")
+
+
 def _close(got, want, rtol):
     scale = 1 + (float(want.abs().max()) if want.numel() else 0.0)
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * scale)
