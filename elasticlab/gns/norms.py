@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
+from elasticlab.gns.block import NormBlock
 from elasticlab.gns.registry import rule_for
 from elasticlab.gns.slot import Slot
 
@@ -87,17 +88,9 @@ class PerSampleGradNorms:
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
         self._bufs: list[torch.Tensor] | None = None       # slots' own C++-backward buffers, reset each step
-        # The block of rows the slots' C++ backwards write: (slots, 2, B), reset by one multiply a step (NaN
-        # in the rows its users need, 0 elsewhere) and read by one matrix-vector product (sq_norms).
-        self._block: torch.Tensor | None = None
-        self._block_key: tuple | None = None               # (B, dtype, device)
-        self._block_gen = 0                                # bumped at each (re)allocation
-        self._block_users: set[int] = set()                # slot indices holding rows of it
-        self._block_mask: torch.Tensor | None = None       # (slots, 2, 1): NaN in needed rows, else 0
-        self._block_open = True                            # no slot has asked for rows yet this step
-        self._block_w: dict[float, torch.Tensor] = {}      # f -> (2·slots,): f in needed rows, else 0
         for i, s in enumerate(self._slots):
             s.index = i
+        self._block = NormBlock(self._slots)               # the C++ backwards' rows: one reset, one read
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -109,46 +102,12 @@ class PerSampleGradNorms:
                 s.touched = set()
         if self._probes:
             self._drop_probes()
-        self._block_open = True
-        if self._block is not None:                        # needed rows NaN until this step's backward
-            if self._block_mask is None:
-                self._block_mask = self._mask()
-            self._block.mul_(self._block_mask)
+        self._block.begin()
         if self._bufs is None:
             self._bufs = [s.buf for s in self._slots if s.buf is not None and not s._in_block]
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
         self._scale = self._current_scale()
-
-    def _block_rows(self, slot: Slot, batch: int, dtype: torch.dtype, device: torch.device):
-        """``slot``'s (2, B) rows of the shared block, or None when the block has another (B, dtype,
-        device). The first request of a step may (re)allocate the block for its key (a new batch size)."""
-        key = (batch, dtype, device)
-        first, self._block_open = self._block_open, False
-        if key != self._block_key:
-            if not first:
-                return None
-            self._block = torch.zeros((len(self._slots), 2, batch), dtype=dtype, device=device)
-            self._block_key, self._block_users, self._block_mask, self._block_w = key, set(), None, {}
-            self._block_gen += 1
-        rows = self._block[slot.index]
-        if slot.index not in self._block_users:            # NaN now; in the reset mask from the next step
-            self._block_users.add(slot.index)
-            self._block_mask, self._block_w = None, {}
-            for r, p in enumerate(("weight", "bias")):
-                if p in slot.need:
-                    rows[r].fill_(float("nan"))
-        return rows
-
-    def _mask(self) -> torch.Tensor:
-        """(slots, 2, 1) multiplier of the block's reset: NaN in its users' needed rows, 0 elsewhere (a row
-        no backward needs is 0, or what a backward wrote there, never read: its weight in the read is 0)."""
-        m = torch.zeros(len(self._slots), 2, 1, dtype=torch.float64)
-        for i in self._block_users:
-            for r, p in enumerate(("weight", "bias")):
-                if p in self._slots[i].need:
-                    m[i, r] = float("nan")
-        return m.to(dtype=self._block.dtype, device=self._block.device)
 
     def _drop_probes(self) -> None:
         for h in self._probes:
@@ -343,31 +302,12 @@ class PerSampleGradNorms:
             total += v
         return total
 
-    def _sq_norms_of_block(self) -> torch.Tensor | None:
-        """:meth:`sq_norms` in one launch when every recorded norm is a row of the shared block as the C++
-        backwards wrote it (no loss scale): f·Σ over the needed rows, a matrix-vector product (weight 0 for
-        the other rows); else None."""
-        if self._block is None or self._scale is not None or not self._block_users:
-            return None
-        users = self._block_users
-        for s in self._slots:
-            if (not s.on_block) if s.index in users else bool(s.norms):
-                return None
-        blk = self._block
-        if self._block_mask is None:
-            self._block_mask = self._mask()
-        f = self._slots[next(iter(users))].factor()
-        w = self._block_w.get(f)
-        if w is None:        # f in the rows the users need, 0 in the others (a backward may write them)
-            w = self._block_w[f] = self._block_mask.isnan().flatten().to(blk.dtype) * f
-        return torch.mv(blk.view(2 * blk.shape[0], blk.shape[2]).t(), w)
-
     def _sq_norms_at_once(self) -> torch.Tensor | None:
-        """The common case of :meth:`sq_norms`: one launch from the shared block
-        (:meth:`_sq_norms_of_block`), or three (stack, sum, multiply by f/scale²) when every recorded norm
-        (B,) has one batch size, dtype and device, and every layer one factor; else None."""
+        """The common case of :meth:`sq_norms`: one launch from the shared block (:meth:`NormBlock.read`,
+        without a loss scale), or three (stack, sum, multiply by f/scale²) when every recorded norm (B,) has
+        one batch size, dtype and device, and every layer one factor; else None."""
         self._check_coverage()
-        fast = self._sq_norms_of_block()
+        fast = self._block.read() if self._scale is None else None
         if fast is not None:
             return fast
         vals: list[torch.Tensor] = []

@@ -51,13 +51,14 @@ class Slot:
         slots (one reset and one read a step for the whole model); a slot whose batch, dtype or device differs
         from the block's gets its own. Kept across steps of one shape (reset to NaN at each forward, so a read
         before the backward gives NaN; results never alias it)."""
-        key = (batch, dtype, device, self.owner._block_gen)
+        block = self.owner._block
+        key = (batch, dtype, device, block.gen)
         if key != self._buf_key:
-            rows = self.owner._block_rows(self, batch, dtype, device)
+            rows = block.rows(self, batch, dtype, device)
             self.buf = rows if rows is not None else torch.full((2, batch), float("nan"), dtype=dtype,
                                                                 device=device)
             self._views = {p: r for p, r in zip(("weight", "bias"), self.buf.unbind(0)) if p in self.need}
-            self._buf_key = (batch, dtype, device, self.owner._block_gen)
+            self._buf_key = (batch, dtype, device, block.gen)
             self._in_block = rows is not None
             self.owner._bufs = None
         self.batch = batch
