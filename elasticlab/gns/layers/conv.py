@@ -256,12 +256,7 @@ def _conv_key(m: nn.Module, shape, dtype: torch.dtype, device: torch.device) -> 
 
 def _calibrated(m, x, g, w):
     """(‖G_b‖², Σ_b G_b) by the form measured fastest for this layer's shape (measured at the first call)."""
-    key = _conv_key(m, x.shape, x.dtype, x.device)
-    forms = conv_forms(m, x, g, w)
-    name = calibrate.chosen(key)
-    if name in forms:
-        return forms[name]()
-    return calibrate.choose(key, forms, x.device)[1]
+    return calibrate.run(_conv_key(m, x.shape, x.dtype, x.device), conv_forms(m, x, g, w), x.device)
 
 
 def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:

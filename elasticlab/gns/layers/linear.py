@@ -70,12 +70,7 @@ def _seq_key(B: int, T: int, din: int, dout: int, dtype: torch.dtype, device: to
 
 def _calibrated(a: torch.Tensor, d: torch.Tensor):
     """(‖G_b‖², Σ_b G_b) by the form measured fastest for this shape (measuring it on the first call)."""
-    key = _seq_key(*a.shape, d.shape[2], a.dtype, a.device)
-    forms = seq_forms(a, d)
-    name = calibrate.chosen(key)
-    if name in forms:
-        return forms[name]()
-    return calibrate.choose(key, forms, a.device)[1]
+    return calibrate.run(_seq_key(*a.shape, d.shape[2], a.dtype, a.device), seq_forms(a, d), a.device)
 
 
 class _LinearNorms(torch.autograd.Function):
