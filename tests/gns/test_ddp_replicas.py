@@ -1,12 +1,8 @@
 """Under DDP (2 gloo processes on 127.0.0.1): local per-example norms, replicas combined, vs one process."""
-import datetime
-import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_util import run_gloo
 from torch import nn
 
 from elasticlab.gns import GNSEstimator, PerSampleGradNorms
@@ -28,37 +24,24 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x).mean(1), y)
 
 
-def worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
-        model, x, y = make()
-        sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        replicas = ReplicaGradNorms(ddp)
-        per_ex, two = GNSEstimator(beta=0.0), GNSEstimator(beta=0.0)
-        with PerSampleGradNorms(model) as n:
-            loss_fn(ddp, x[sl], y[sl]).backward()
-        grad_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
-        update_per_example(per_ex, n.sq_norms(), grad_sq)
-        local_sq = replicas.local_sq_norm
-        replicas.update(two, B_LOCAL)
-        torch.save({"local_norms": n.sq_norms(), "per_ex": per_ex.state_dict(), "two": two.state_dict(),
-                    "local_sq": local_sq, "grads": [p.grad for p in model.parameters()]}, f"{out}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def worker(rank):
+    model, x, y = make()
+    sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    replicas = ReplicaGradNorms(ddp)
+    per_ex, two = GNSEstimator(beta=0.0), GNSEstimator(beta=0.0)
+    with PerSampleGradNorms(model) as n:
+        loss_fn(ddp, x[sl], y[sl]).backward()
+    grad_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
+    update_per_example(per_ex, n.sq_norms(), grad_sq)
+    local_sq = replicas.local_sq_norm
+    replicas.update(two, B_LOCAL)
+    return {"local_norms": n.sq_norms(), "per_ex": per_ex.state_dict(), "two": two.state_dict(),
+            "local_sq": local_sq, "grads": [p.grad.detach().clone() for p in model.parameters()]}
 
 
 def test_ddp_two_gloo_processes(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    res = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(WORLD)]
+    res = run_gloo(worker, WORLD, tmp_path)
     model, x, y = make()
     # single-process reference on the global batch
     with PerSampleGradNorms(model) as n:

@@ -1,16 +1,12 @@
 """GNSMonitor against GNSEstimator fed the same batches by hand: per-example, micro-batch (accumulation),
 bf16 autocast, a GradScaler (scale divided out, overflow skipped and counted), DDP replicas (2 gloo)."""
 import copy
-import datetime
 import math
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_util import run_gloo
 from torch import nn
 
 from elasticlab.gns import GNSEstimator, GNSMonitor, PerSampleGradNorms
@@ -239,41 +235,28 @@ def test_clear_errors():
 WORLD, B_LOCAL, STEPS = 2, 6, 3
 
 
-def _ddp_worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
-        res = {}
-        for wrap, micro in (("ddp", 1), ("ddp", 2), ("inner", 1), ("inner", 2)):
-            model = nn.parallel.DistributedDataParallel(make_model())
-            # "inner": the monitor sees the plain module (as a HF callback does) on the process group
-            mon = GNSMonitor(model if wrap == "ddp" else model.module, beta=0.5)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for x, y in batches(STEPS, WORLD * B_LOCAL):
-                xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
-                opt.zero_grad()
-                with mon.step():
-                    for j, (xb, yb) in enumerate(zip(xs.split(B_LOCAL // micro), ys.split(B_LOCAL // micro))):
-                        ctx = model.no_sync() if j < micro - 1 else torch.enable_grad()
-                        with ctx:
-                            (F.cross_entropy(model(xb), yb) / micro).backward()
-                opt.step()
-            res[wrap, micro] = mon.history
-        torch.save(res, f"{out}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ddp_worker(rank):
+    res = {}
+    for wrap, micro in (("ddp", 1), ("ddp", 2), ("inner", 1), ("inner", 2)):
+        model = nn.parallel.DistributedDataParallel(make_model())
+        # "inner": the monitor sees the plain module (as a HF callback does) on the process group
+        mon = GNSMonitor(model if wrap == "ddp" else model.module, beta=0.5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(STEPS, WORLD * B_LOCAL):
+            xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+            opt.zero_grad()
+            with mon.step():
+                for j, (xb, yb) in enumerate(zip(xs.split(B_LOCAL // micro), ys.split(B_LOCAL // micro))):
+                    ctx = model.no_sync() if j < micro - 1 else torch.enable_grad()
+                    with ctx:
+                        (F.cross_entropy(model(xb), yb) / micro).backward()
+            opt.step()
+        res[wrap, micro] = mon.history
+    return res
 
 
 def test_ddp_replica_form_two_gloo_processes(tmp_path):
-    mp.start_processes(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    res = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+    res = run_gloo(_ddp_worker, WORLD, tmp_path)
     # one process: the replicas' (or micro-batches') gradients and their average, the same SGD steps
     model = make_model()
     params = list(model.parameters())
