@@ -40,11 +40,11 @@ LAYERS = {
 FORMS = ("patches", "grouped", "triton", "gram")
 
 
-def forms_of(name: str, device: str = "cuda", batch: int | None = None):
+def forms_of(name: str, device: str = "cuda", batch: int | None = None, dtype: torch.dtype | None = None):
     """({form: call returning (norms, weight gradient)}, the weight gradient alone, float64 norms of the first
-    two examples) for layer ``name``."""
+    two examples) for layer ``name`` (``batch`` and ``dtype`` replace the layer's: a smoke test's)."""
     cin, cout, k, s, p, side, B, dt = LAYERS[name]
-    B = batch or B
+    B, dt = batch or B, dtype or dt
     m = nn.Conv2d(cin, cout, k, stride=s, padding=p, bias=False).to(device)
     w = m.weight.detach().to(dt)
     x = torch.randn(B, cin, side, side, device=device).to(dt)

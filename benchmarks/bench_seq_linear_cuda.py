@@ -61,25 +61,40 @@ def ceilings(iters: int) -> dict:
     return out
 
 
+def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
+    """{method: call returning (norms, ...)} on a (B, T, Din) and d (B, T, Dout): the operators of ``_C``
+    (where it serves the device), ``bmm`` (cublas's batched GEMM alone, its fold being the rest of cublas's
+    time) and the Triton kernels in both loops (float32: exact products, "ieee", as the GEMM here)."""
+    Din, Dout = a.shape[2], d.shape[2]
+    a2, d2 = a.reshape(-1, Din), d.reshape(-1, Dout)
+    meth = {}
+    if kernels.compiled("seq_linear_outer_norms", a):
+        meth["cublas"] = lambda: torch.ops.elasticlab.seq_linear_outer_norms(a, d, True)
+    meth["bmm"] = lambda: (torch.bmm(d.transpose(1, 2), a),)
+    if kernels.compiled("seq_linear_gram_norms", a) and name != "G1.head":  # T×T Grams beside a 50304-wide
+        meth["gram"] = lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)  # GEMM: slow
+    if triton_outer.HAS_TRITON:
+        cfg = triton_outer._config(Din, Dout)[:5]
+        meth["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
+        meth["flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
+    return meth
+
+
+def rel_errors(meth: dict, a: torch.Tensor, d: torch.Tensor) -> dict:
+    """Each method's largest relative error on the first two examples' norms against float64."""
+    want = kernels.seq_linear_outer_norms_ref(a[:2].double(), d[:2].double())[0]
+    return {m: float(((f()[0][:2].double() - want).abs() / want).max())
+            for m, f in meth.items() if m != "bmm"}
+
+
 def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
     """Ratios of each method to the weight-gradient GEMM for one layer shape, and their errors vs float64."""
     B, T, Din, Dout = SHAPES[name]
     a = torch.randn(B, T, Din, device="cuda").to(dt)
     d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(dt)
     a2, d2 = a.view(-1, Din), d.view(-1, Dout)
-    want = kernels.seq_linear_outer_norms(a[:2].double(), d[:2].double(), use_kernel=True)[0]
-    dt_, at_ = d.transpose(1, 2), a
-    meth = {"cublas": lambda: torch.ops.elasticlab.seq_linear_outer_norms(a, d, True),
-            "bmm": lambda: (torch.bmm(dt_, at_),),          # cublas's batched GEMM alone (its fold: the rest)
-            "gram": lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)}
-    if triton_outer.HAS_TRITON:                     # float32: exact products ("ieee"), as the GEMM here
-        cfg = triton_outer._config(Din, Dout)[:5]
-        meth["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
-        meth["flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
-    if name == "G1.head":
-        meth.pop("gram")                                  # T×T Grams beside a 50304-wide GEMM: far slower
-    errs = {m: float(((f()[0][:2].double() - want).abs() / want).max())
-            for m, f in meth.items() if m != "bmm"}
+    meth = methods(a, d, name)
+    errs = rel_errors(meth, a, d)
     base = timed(lambda: d2.t() @ a2, iters)
     return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs,
             "scratch_mb": {m: _scratch_mb(f) for m, f in meth.items()}}

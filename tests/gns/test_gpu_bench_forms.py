@@ -1,0 +1,74 @@
+"""The CUDA operator benchmarks' forms, run small on the CPU before a GPU session spends its minutes on them:
+every form that ``benchmarks/bench_seq_linear_cuda.py`` and ``bench_conv_cuda.py`` would time gives the
+float64 reference's norms and the weight gradient. The Triton forms run in CI's interpreter step
+(``.ci/triton_interpret.sh``, float16), the ``_C`` operators in the main test run."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from elasticlab.gns import kernels, triton_outer
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.float16 if INTERPRETED else torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, BENCH)                     # bench_conv_cuda imports bench_seq_linear_cuda
+    try:
+        import bench_conv_cuda
+        import bench_seq_linear_cuda
+        yield bench_seq_linear_cuda, bench_conv_cuda
+    finally:
+        sys.path.remove(BENCH)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_sequence_linear_methods_give_the_reference_norms(bench, dt):
+    seq, _ = bench
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, 40, generator=g).to(dt)
+    d = (torch.randn(3, 5, 24, generator=g) / 5 ** 0.5).to(dt)
+    meth = seq.methods(a, d)
+    want = {"bmm"} | ({"cublas", "gram"} if kernels.compiled("seq_linear_outer_norms", a) else set()) \
+        | ({"triton", "flat"} if triton_outer.HAS_TRITON else set())
+    assert set(meth) == want
+    ref_norms, ref_grad = kernels.seq_linear_outer_norms_ref(a.double(), d.double(), True)
+    for m, err in seq.rel_errors(meth, a, d).items():
+        assert err < TOL[dt], (m, err)
+    for m, f in meth.items():
+        out = f()
+        if m == "bmm":
+            grad = out[0].double().sum(0)
+        else:
+            torch.testing.assert_close(out[0].double(), ref_norms, rtol=TOL[dt], atol=0, msg=m)
+            grad = out[1].double()
+        torch.testing.assert_close(grad, ref_grad, rtol=TOL[dt], atol=TOL[dt] * ref_grad.abs().max().item(),
+                                   msg=m)
+
+
+def test_sequence_linear_head_leaves_out_the_gram_form(bench):
+    seq, _ = bench
+    a, d = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    assert "gram" not in seq.methods(a, d, "G1.head")
+
+
+@pytest.mark.parametrize("name", ["G2.conv1", "G2.l2a", "G2.l2ds", "G2.l4", "W4.c1"])
+def test_convolution_forms_give_the_reference_norms(bench, name):
+    _, conv = bench
+    dt = DTYPES[1] if conv.LAYERS[name][7] != torch.float32 else torch.float32
+    forms, wgrad, ref, _ = conv.forms_of(name, "cpu", batch=2, dtype=dt)
+    assert {"patches", "grouped", "gram"} <= set(forms)
+    assert ("triton" in forms) == triton_outer.HAS_TRITON
+    gw = wgrad().double()
+    for f, fn in forms.items():
+        norms, grad = fn()
+        torch.testing.assert_close(norms[:2].double(), ref, rtol=TOL[dt], atol=0, msg=f)
+        torch.testing.assert_close(grad.double().reshape(gw.shape), gw, rtol=TOL[dt],
+                                   atol=TOL[dt] * gw.abs().max().item(), msg=f)
