@@ -25,6 +25,11 @@ at::Tensor& product_norms_out_cpu(const at::Tensor& a, const at::Tensor& d, at::
 // one launch: the bias gradient of plain autograd is one reduction too, so the norms add no launch).
 at::Tensor product_bias_norms_cpu(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
 
+// Per-example gradients x (B, D) of float or double, e.g. a bias' (Σ_t d_{b,t}): their batch sum (D,) returned
+// and |x_b|^2 written into a given (B,) tensor of x's dtype (any stride: a row of the fused layers' buffer). On
+// CUDA one launch, where a sum, a norm and a copy were three.
+at::Tensor batch_sum_norms_cpu(const at::Tensor& x, at::Tensor& norms);
+
 // Per-example squared Frobenius norm of G_b = sum_t d[b,t] a[b,t]^T for a (B,T,Din), d (B,T,Dout),
 // by the Gram form sum_{t,s} (a_t.a_s)(d_t.d_s) (Li et al. 2022 ghost norm). Returns (B,).
 at::Tensor seq_linear_gram_norms_cpu(const at::Tensor& a, const at::Tensor& d);
@@ -65,12 +70,14 @@ void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
                           int64_t groups);
 void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& norms);
 void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norms);
+void check_batch_sum_args(const at::Tensor& x, const at::Tensor& norms);
 
 #ifdef ELASTICLAB_WITH_CUDA
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
 at::Tensor& row_sq_norms_out_cuda(const at::Tensor& x, at::Tensor& out);
 at::Tensor& product_norms_out_cuda(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
 at::Tensor product_bias_norms_cuda(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);
+at::Tensor batch_sum_norms_cuda(const at::Tensor& x, at::Tensor& norms);
 at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d);
 std::tuple<at::Tensor, at::Tensor> seq_linear_outer_norms_cuda(const at::Tensor& a, const at::Tensor& d,
                                                                bool with_grad);

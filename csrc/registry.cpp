@@ -6,6 +6,7 @@ TORCH_LIBRARY(elasticlab, m) {
   m.def("row_sq_norms.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("product_norms.out(Tensor a, Tensor d, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("product_bias_norms(Tensor a, Tensor d, Tensor(a!) out) -> Tensor");
+  m.def("batch_sum_norms(Tensor x, Tensor(a!) norms) -> Tensor");
   m.def("seq_linear_gram_norms(Tensor a, Tensor d) -> Tensor");
   m.def("seq_linear_outer_norms(Tensor a, Tensor d, bool with_grad) -> (Tensor, Tensor)");
   m.def("seq_linear_outer_norms.out(Tensor a, Tensor d, bool with_grad, *, Tensor(a!) norms) -> Tensor");

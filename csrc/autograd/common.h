@@ -121,6 +121,18 @@ inline at::Tensor put_products_bias(const at::Tensor& norms, const at::Tensor& a
   return d.sum({0}, false, acc_type(d.scalar_type()));
 }
 
+// Σ_b x_b of per-example gradients x (B, D) in acc_type (a bias'), |x_b|^2 written into row `row` of the
+// caller's buffer: one kernel for a buffer of x's dtype, else a sum and put_row_sq.
+inline at::Tensor put_batch_sum(const at::Tensor& norms, int64_t row, const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::batch_sum_norms", "")
+                       .typed<at::Tensor(const at::Tensor&, at::Tensor&)>();
+  at::Tensor r = norms.select(0, row);
+  if (r.scalar_type() == x.scalar_type() && r.device() == x.device()) return op.call(x, r);
+  put_row_sq(norms, row, x);
+  return x.sum({0});
+}
+
 // The outer form's gradient, its norms written into row `row` of the caller's buffer (no temporary and copy
 // when the buffer has the norms' dtype, as the Python rules allocate it).
 inline at::Tensor outer_norms_into(const at::Tensor& a, const at::Tensor& d, const at::Tensor& norms, int64_t row) {

@@ -153,9 +153,7 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     }
     at::Tensor gb;
     if (need_b) {
-      at::Tensor db = d3.sum({2}, false, acc);
-      gb = cast(db.sum({0}), static_cast<at::ScalarType>(dtypes[2]));
-      put_row_sq(norms, 1, db);
+      gb = cast(put_batch_sum(norms, 1, d3.sum({2}, false, acc)), static_cast<at::ScalarType>(dtypes[2]));
     }
     if (gx.defined()) gx = cast(gx, static_cast<at::ScalarType>(dtypes[0]));
     if (gw.defined()) gw = cast(gw, static_cast<at::ScalarType>(dtypes[1]));

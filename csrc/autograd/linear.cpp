@@ -64,9 +64,7 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
         }
       }
       if (need_b) {
-        at::Tensor db = d.sum({1}, false, acc);
-        gb = db.sum(0);
-        put_row_sq(norms, 1, db);
+        gb = put_batch_sum(norms, 1, d.sum({1}, false, acc));
       }
     }
     if (gw.defined()) gw = cast(gw, static_cast<at::ScalarType>(dtypes[1]));

@@ -86,6 +86,13 @@ void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& n
   TORCH_CHECK(norms.device() == x.device(), op, ": norms on ", norms.device(), ", inputs on ", x.device());
 }
 
+void check_batch_sum_args(const at::Tensor& x, const at::Tensor& norms) {
+  TORCH_CHECK(x.dim() == 2, "batch_sum_norms: expected per-example gradients x (B, D), got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "batch_sum_norms: expected float32 or float64 x (the accumulation dtype), got ", x.scalar_type());
+  check_norms_row("batch_sum_norms", x, norms);
+}
+
 void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norms) {
   TORCH_CHECK(norms.dim() == 1 && norms.size(0) == x.size(0), op, ": norms must be (", x.size(0), "), got ",
               norms.sizes());

@@ -71,4 +71,10 @@ at::Tensor product_bias_norms_cpu(const at::Tensor& a, const at::Tensor& d, at::
   return d.sum({0}, false, acc_type(d.scalar_type()));
 }
 
+at::Tensor batch_sum_norms_cpu(const at::Tensor& x, at::Tensor& norms) {
+  check_batch_sum_args(x, norms);
+  row_sq_into(rows_of(x), norms);
+  return x.sum({0});
+}
+
 }  // namespace elasticlab

@@ -2,7 +2,8 @@
 // layer: the per-example gradients (LayerNorm: the row-split kernel of layernorm_norms.cu; GroupNorm: one
 // block per (example, channel) below), then one "finish" launch whose first blocks sum them over the batch
 // (the parameter gradients) and whose other blocks take each example's squared norms into the caller's
-// (2, B) buffer. No atomics: the results are deterministic.
+// (2, B) buffer. No atomics: the results are deterministic. The same finish launch serves batch_sum_norms (a
+// bias' per-example gradients of a sequence Linear or a convolution: its sum and their norms).
 #include "../ops.h"
 #include "affine.h"
 
@@ -35,7 +36,8 @@ __device__ acc_t block_sum(acc_t v, acc_t* shared /* [32] */) {
 
 // pw, pb: (S, B, D) partials of the per-example gradients. Blocks [0, col_blocks): gw[j] = Σ_{s,b} pw[s,b,j]
 // (and gb), one column per thread. Blocks [col_blocks, col_blocks + B): example b's |Σ_s pw[s,b,:]|^2 into
-// norms[0, b] and |Σ_s pb[s,b,:]|^2 into norms[1, b].
+// norms[0, b] and |Σ_s pb[s,b,:]|^2 into norms[1, b]. With pw null (batch_sum_norms: one array, e.g. a bias'
+// per-example gradients) only gb and the pb norms, these at norms[b * b_stride].
 template <typename acc_t>
 __global__ void affine_finish_kernel(const acc_t* __restrict__ pw, const acc_t* __restrict__ pb,
                                      acc_t* __restrict__ gw, acc_t* __restrict__ gb, acc_t* __restrict__ norms,
@@ -46,10 +48,10 @@ __global__ void affine_finish_kernel(const acc_t* __restrict__ pw, const acc_t* 
     if (j >= D) return;
     acc_t sw = 0, sb = 0;
     for (int64_t k = 0; k < S * B; ++k) {
-      sw += pw[k * D + j];
+      if (pw != nullptr) sw += pw[k * D + j];
       sb += pb[k * D + j];
     }
-    gw[j] = sw;
+    if (pw != nullptr) gw[j] = sw;
     gb[j] = sb;
     return;
   }
@@ -58,18 +60,18 @@ __global__ void affine_finish_kernel(const acc_t* __restrict__ pw, const acc_t* 
   for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
     acc_t vw = 0, vb = 0;
     for (int64_t s = 0; s < S; ++s) {
-      vw += pw[(s * B + b) * D + j];
+      if (pw != nullptr) vw += pw[(s * B + b) * D + j];
       vb += pb[(s * B + b) * D + j];
     }
     qw += vw * vw;
     qb += vb * vb;
   }
   __shared__ acc_t shared[32];
-  qw = block_sum(qw, shared);
+  qw = block_sum(qw, shared);  // (every thread of the block reaches both sums: pw is the same for all)
   qb = block_sum(qb, shared);
   if (threadIdx.x == 0) {
-    norms[b * b_stride] = qw;
-    norms[row_stride + b * b_stride] = qb;
+    if (pw != nullptr) norms[b * b_stride] = qw;
+    norms[(pw != nullptr ? row_stride : 0) + b * b_stride] = qb;
   }
 }
 
@@ -115,6 +117,23 @@ std::tuple<at::Tensor, at::Tensor> finish(const at::Tensor& pw, const at::Tensor
 }
 
 }  // namespace
+
+at::Tensor batch_sum_norms_cuda(const at::Tensor& x_in, at::Tensor& norms) {
+  check_batch_sum_args(x_in, norms);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t B = x.size(0), D = x.size(1);
+  auto gb = at::empty({D}, x.options());
+  const int64_t col_blocks = (D + kThreads - 1) / kThreads;
+  if (col_blocks + B == 0) return gb;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_sum_norms_cuda", [&] {
+    affine_finish_kernel<scalar_t><<<col_blocks + B, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        nullptr, x.data_ptr<scalar_t>(), nullptr, gb.data_ptr<scalar_t>(), norms.data_ptr<scalar_t>(), 1, B, D,
+        col_blocks, 0, norms.stride(0));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return gb;
+}
 
 std::tuple<at::Tensor, at::Tensor> layernorm_affine_norms_cuda(const at::Tensor& x, const at::Tensor& d,
                                                                const at::Tensor& mean, const at::Tensor& rstd,

@@ -89,8 +89,8 @@ USE_CXX_AUTOGRAD = True
 _CXX_READY: dict[str, bool] = {}                   # device type -> the kernels the C++ backwards call exist
 _CXX_OPS: dict[str, object] = {}                  # name -> torch.ops.elasticlab.<name>, looked up once
 _CXX_NEEDS = ("row_sq_norms", "row_sq_norms.out", "product_norms.out", "product_bias_norms",
-              "seq_linear_gram_norms", "seq_linear_outer_norms", "seq_linear_outer_norms.out",
-              "layernorm_affine_norms",
+              "batch_sum_norms", "seq_linear_gram_norms", "seq_linear_outer_norms",
+              "seq_linear_outer_norms.out", "layernorm_affine_norms",
               "groupnorm_affine_norms")
 
 

@@ -26,6 +26,10 @@ int main() {
     auto gb = elasticlab::product_bias_norms_cpu(a2, d2, out2);
     if (!at::allclose(out2, out, 1e-12, 1e-12) || !at::allclose(gb, d2.sum(0), 1e-12, 1e-12))
       return fail("product_bias_norms");
+    auto row = at::full({2, 6}, std::numeric_limits<double>::quiet_NaN(), at::kDouble).select(0, 1);
+    auto sum = elasticlab::batch_sum_norms_cpu(d2, row);
+    if (!at::allclose(sum, d2.sum(0), 1e-12, 1e-12) || !at::allclose(row, d_sq, 1e-12, 1e-12))
+      return fail("batch_sum_norms");
   }
 
   // Sequence Linear: per-example G_b = d_b^T a_b; Gram form = outer form = explicit, and the fused grad.

@@ -165,6 +165,41 @@ def test_cuda_product_bias_norms_write_the_rows_and_sum_the_bias():
     _product_bias_checks("cuda")
 
 
+def _batch_sum_checks(device):
+    """batch_sum_norms: Σ_b x_b returned and |x_b|^2 written into a strided buffer row, the other row left as
+    it was (one CUDA launch: the affine finish kernel with one array); bad arguments named."""
+    op = torch.ops.elasticlab.batch_sum_norms
+    for B, D in ((5, 3), (1, 1), (3, 700), (300, 2), (0, 4), (4, 0)):
+        x = torch.randn(B, D, dtype=torch.float64, device=device)
+        buf = torch.full((B, 2), float("nan"), dtype=torch.float64, device=device).t()
+        gb = op(x, buf[1])
+        assert gb.shape == (D,) and gb.dtype == torch.float64
+        torch.testing.assert_close(gb, x.sum(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(buf[1], x.pow(2).sum(1), rtol=1e-12, atol=0)
+        assert buf[0].isnan().all()
+    x = torch.randn(7, 40, device=device)[:, ::2]                              # float32, non-contiguous
+    row = torch.full((7,), float("nan"), device=device)
+    torch.testing.assert_close(op(x, row), x.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row, x.pow(2).sum(1), rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError, match=r"norms must be \(7\), got \[6\]"):
+        op(x, row[:6])
+    with pytest.raises(RuntimeError, match="float32 or float64 x .*got BFloat16"):
+        op(x.bfloat16(), row)
+    with pytest.raises(RuntimeError, match=r"x \(B, D\), got shape \[7, 2, 10\]"):
+        op(x.reshape(7, 2, 10), row)
+    with pytest.raises(RuntimeError, match="norms must be Double for Double inputs, got Float"):
+        op(x.double(), row)
+
+
+def test_batch_sum_norms_sum_and_write_a_row():
+    _batch_sum_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_batch_sum_norms_sum_and_write_a_row():
+    _batch_sum_checks("cuda")
+
+
 def _outer_out_checks(device):
     """seq_linear_outer_norms.out: the norms into a given (B,) row (strided: a row of a (B, 2) buffer's
     transpose), the gradient returned; the same as the functional form's."""
