@@ -5,9 +5,11 @@ The fused layers' C++ autograd functions write each layer's per-example squared 
 row 0 its weight's and row 1 its bias' (:meth:`elasticlab.gns.slot.Slot.buffer`). Here those buffers are
 the rows of one (slots, 2, B) block: at each forward one multiply sets the rows the layers need to NaN
 (until their backward writes them, so a read before it gives NaN) and leaves the others 0; :meth:`read` is
-then f·Σ over the needed rows for every example, one matrix-vector product (weight 0 for a row a backward
-writes but nothing needs, such as a frozen weight's). A step of a small model thus adds two launches, not
-one per layer. Layers of another batch size, dtype or device than the block's keep their own buffers.
+then f·Σ over the needed rows for every example, one matrix-vector product (weight 0 for a row nothing
+needs). A row a backward writes but nothing needs (a frozen weight's beside a trained bias, as in BitFit) is
+zeroed before the product, one more launch, since 0·inf would make every example NaN. A step of a small
+model thus adds two launches, not one per layer. Layers of another batch size, dtype or device than the
+block's keep their own buffers.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class NormBlock:
         self.gen = 0                                        # bumped at each (re)allocation
         self.users: set[int] = set()                        # slot indices holding rows of it
         self._mask: torch.Tensor | None = None              # (slots, 2, 1): NaN in needed rows, else 0
+        self._stray: torch.Tensor | None = None             # (2·slots, 1) bool: written, not needed (or None)
         self._weights: dict[float, torch.Tensor] = {}       # f -> (2·slots,): f in needed rows, else 0
         self._open = True                                   # no slot has asked for rows yet this step
 
@@ -68,16 +71,24 @@ class NormBlock:
         w = self._weights.get(f)
         if w is None:        # f in the rows the users need, 0 in the others (a backward may write them)
             w = self._weights[f] = self._reset_mask().isnan().flatten().to(blk.dtype) * f
-        return torch.mv(blk.view(2 * blk.shape[0], blk.shape[2]).t(), w)
+        flat = blk.view(2 * blk.shape[0], blk.shape[2])
+        if self._stray is not None:
+            flat = flat.masked_fill(self._stray, 0)
+        return torch.mv(flat.t(), w)
 
     def _reset_mask(self) -> torch.Tensor:
         """(slots, 2, 1) multiplier of the reset: NaN in the users' needed rows, 0 elsewhere (a row no
         backward needs is 0, or what a backward wrote there, never read: its weight in :meth:`read` is 0)."""
         if self._mask is None:
             m = torch.zeros(len(self.slots), 2, 1, dtype=torch.float64)
+            stray = torch.zeros(len(self.slots), 2, 1, dtype=torch.bool)
             for i in self.users:
+                slot = self.slots[i]
                 for r, p in enumerate(ROWS):
-                    if p in self.slots[i].need:
+                    if p in slot.need:
                         m[i, r] = float("nan")
+                    elif isinstance(getattr(slot.module, p, None), torch.Tensor):
+                        stray[i, r] = True              # a parameter nothing needs: its row may be written
             self._mask = m.to(dtype=self.tensor.dtype, device=self.tensor.device)
+            self._stray = stray.view(-1, 1).to(self.tensor.device) if bool(stray.any()) else None
         return self._mask

@@ -67,6 +67,26 @@ def test_a_read_before_the_backward_is_nan(mv_calls):
         assert _step(psg, model, x, y).isfinite().all()
 
 
+def test_an_overflowed_row_nothing_needs_is_not_read(mv_calls):
+    # A frozen weight beside a trained bias (BitFit): the C++ backward still writes the weight's row. Here it
+    # overflows float32 (|x_b|² ~ 1e40) while every needed row is finite: the read must stay finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-20)
+    model[0].weight.requires_grad_(False)
+    x, y = torch.randn(6, 5) * 1e20, torch.randn(6, 3)
+    with PerSampleGradNorms(model) as psg:
+        got = _step(psg, model, x, y)
+        per = psg.param_sq_norms()
+        assert psg._block._stray is not None and len(mv_calls) == 1
+    assert set(per) == {"0.bias", "2.weight", "2.bias"}
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, sum(per.values()), rtol=1e-6, atol=0)
+    want = func_sq_norms(model.double(), _mse, x.double(), y.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+
+
 def test_a_layer_that_did_not_run_is_left_out(mv_calls):
     class Branchy(nn.Module):
         def __init__(self):
