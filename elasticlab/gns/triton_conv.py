@@ -54,16 +54,17 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
             eb = it // k_tiles
             ki = it - eb * k_tiles
             b = split + eb * SPLIT
+            b64 = tl.cast(b, tl.int64)                # b·stride passes 2³¹ on inputs of over 2³¹ elements
             p = ki * BK + offs_k                             # output positions of this K step
             p_ok = p < T
             oh = p // Wo
             ow = p % Wo
-            dt = tl.load(d_ptr + b * sd_b + offs_m[:, None] * sd_c + oh[None, :] * sd_h + ow[None, :] * sd_w,
-                         mask=m_ok[:, None] & p_ok[None, :], other=0.0)              # δ_bᵀ tile (BM, BK)
+            dt = tl.load(d_ptr + b64 * sd_b + offs_m[:, None] * sd_c + oh[None, :] * sd_h
+                         + ow[None, :] * sd_w, mask=m_ok[:, None] & p_ok[None, :], other=0.0)  # δ_bᵀ (BM, BK)
             ih = oh[:, None] * stride_h + dh[None, :]
             iw = ow[:, None] * stride_w + dw[None, :]
             ok = p_ok[:, None] & n_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            at = tl.load(x_ptr + b * sx_b + col[None, :] + ih * sx_h + iw * sx_w, mask=ok, other=0.0)
+            at = tl.load(x_ptr + b64 * sx_b + col[None, :] + ih * sx_h + iw * sx_w, mask=ok, other=0.0)
             acc = tl.dot(dt, at, acc, input_precision=PRECISION)                   # patches (BK, BN)
             if ki == k_tiles - 1:
                 tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))

@@ -64,11 +64,12 @@ if HAS_TRITON:
                 eb = it // k_tiles
                 ki = it - eb * k_tiles
                 b = split + eb * SPLIT
+                b64 = tl.cast(b, tl.int64)            # b·stride passes 2³¹ on inputs of over 2³¹ elements
                 tk = ki * BK + offs_k
                 k_ok = tk < T
-                dt = tl.load(d_ptr + b * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
+                dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
                              mask=m_ok[:, None] & k_ok[None, :], other=0.0)           # δ_bᵀ tile (BM, BK)
-                at = tl.load(a_ptr + b * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
+                at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
                              mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # a_b tile (BK, BN)
                 acc = tl.dot(dt, at, acc, input_precision=PRECISION)
                 if ki == k_tiles - 1:
@@ -80,12 +81,13 @@ if HAS_TRITON:
             # A loop over the examples around a K loop over each one's T rows.
             for b in range(split, B, SPLIT):
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
+                b64 = tl.cast(b, tl.int64)
                 for t0 in range(0, T, BK):
                     tk = t0 + offs_k
                     k_ok = tk < T
-                    dt = tl.load(d_ptr + b * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
+                    dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
                                  mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    at = tl.load(a_ptr + b * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
+                    at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
                                  mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                     acc = tl.dot(dt, at, acc, input_precision=PRECISION)
                 tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))

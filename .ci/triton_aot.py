@@ -1,0 +1,105 @@
+"""Compile the Triton kernels ahead of time for an H100 (sm_90), without a GPU: Triton's own compiler and
+ptxas, for every tile the wrappers choose, each dtype and precision, both loops, with and without the
+gradient, and the tile sweep of benchmarks/bench_seq_linear_cuda.py. Fails on a kernel that does not compile
+or that needs more shared memory than an sm_90 block may have; prints each kernel's shared memory and any
+register spills. Run by .ci/run in .venv-cuda (its torch ships Triton):
+
+    .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+SM90_SHARED = 232448          # bytes of shared memory one block may opt into on sm_90 (227 KiB)
+DTYPES = {"bf16": "tf32", "fp16": "tf32", "fp32": "ieee", "fp32/tf32": "tf32"}   # pointer type: precision
+
+
+def _kernels():
+    from elasticlab.gns import triton_conv, triton_outer
+    return {"outer": triton_outer._outer_norms_kernel, "conv": triton_conv._conv_outer_norms_kernel}
+
+
+def cases() -> list[tuple]:
+    """(kernel, dtype, meta, num_warps, num_stages, ints specialised to 1) for every variant checked."""
+    import bench_seq_linear_cuda as bench
+
+    from elasticlab.gns import triton_conv, triton_outer
+    out = []
+    wide = itertools.product((64, 4096), repeat=2)
+    outer_tiles = {triton_outer._config(din, dout)[:5] for din, dout in wide}
+    for (bm, bn, bk, w, s), dt, flat, grad in itertools.product(sorted(outer_tiles), DTYPES, (False, True),
+                                                                (False, True)):
+        meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
+        out.append(("outer", dt, meta, w, s, ()))
+    for bm, bn, bk, w, s, flat in bench.SWEEP["configs"]:
+        meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
+        out.append(("outer", "bf16", meta, w, s, ()))
+    # as launched on a contiguous layer with one split: unit strides and SPLIT are specialised to 1
+    meta = dict(BM=128, BN=128, BK=64, WITH_GRAD=True, PRECISION="tf32", FLAT=True)
+    out.append(("outer", "bf16", meta, 8, 3, ("sa_i", "sd_o", "SPLIT")))
+    layers = ((3, 64), (512, 512))
+    conv_tiles = {triton_conv._config(t, cin, cout) for t in (4, 16, 32, 1024) for cin, cout in layers}
+    for (bm, bn, bk, w, s), dt in itertools.product(sorted(conv_tiles), DTYPES):
+        meta = dict(KH=3, KW=3, BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION=DTYPES[dt])
+        out.append(("conv", dt, meta, w, s, ()))
+    for kh, kw in ((1, 1), (7, 7), (1, 5)):          # 1×1, ResNet's stem, a Conv1d (H = 1)
+        meta = dict(KH=kh, KW=kw, BM=64, BN=64, BK=32, WITH_GRAD=False, PRECISION="tf32")
+        ones = ("H", "Ho", "stride_h", "stride_w", "dil_h", "dil_w", "SPLIT") if kh == 1 else ()
+        out.append(("conv", "bf16", meta, 4, 3, ones))
+    return out
+
+
+def compile_case(case: tuple) -> tuple[str, str, int | None]:
+    """(label, error or "", shared bytes): one kernel compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    name, dt, meta, warps, stages, ones = case
+    fn = _kernels()[name]
+    ptr = "*" + dt.split("/")[0]
+    sig, consts = {}, dict(meta)
+    for arg in fn.arg_names:
+        if arg in meta or arg in ones:
+            sig[arg] = "constexpr"
+            consts.setdefault(arg, 1)
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32" if arg in ("partial_ptr", "grad_ptr") else ptr
+        else:
+            sig[arg] = "i32"
+    label = f"{name} {dt} " + " ".join(f"{k}={v}" for k, v in meta.items() if k != "PRECISION") \
+        + f" warps={warps} stages={stages}" + (f" ones={','.join(ones)}" if ones else "")
+    try:
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        opts = dict(num_warps=warps, num_stages=stages)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    except Exception as e:                                     # a compile error: the GPU run would fail too
+        return label, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", None
+    shared = int(k.metadata.shared)
+    return label, "" if shared <= SM90_SHARED else f"needs {shared} B of shared memory", shared
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    todo = cases()
+    bad = 0
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for label, err, shared in pool.map(compile_case, todo):
+            bad += bool(err)
+            print(("FAIL " if err else "ok   ") + label + (f": {err}" if err else f" (shared {shared} B)"),
+                  flush=True)
+    print(f"{len(todo) - bad} of {len(todo)} Triton kernels compile for sm_90")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
