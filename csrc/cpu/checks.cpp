@@ -53,6 +53,9 @@ void check_stats_dtypes(const char* op, const at::Tensor& x, const at::Tensor& d
   for (const auto* t : {&mean, &rstd})
     TORCH_CHECK(t->scalar_type() == acc_type(x.scalar_type()), op, ": mean and rstd must be ",
                 acc_type(x.scalar_type()), " for ", x.scalar_type(), " inputs, got ", t->scalar_type());
+  for (const auto* t : {&d, &mean, &rstd})  // (a CUDA kernel would read a host pointer)
+    TORCH_CHECK(t->device() == x.device(), op, ": x on ", x.device(), ", d, mean and rstd on ", d.device(), ", ",
+                mean.device(), " and ", rstd.device());
 }
 }  // namespace
 

@@ -290,6 +290,10 @@ def _affine_checks(device):
     with pytest.raises(RuntimeError, match="layernorm_affine_norms: norms must be Float for Float inputs"):
         ln(x, x, m[:, :1].expand(2, 6).contiguous(), m[:, :1].expand(2, 6).contiguous(),
            torch.empty(2, 2, dtype=torch.float64, device=device))
+    if device != "cpu":                               # statistics left on the host: named, not read
+        with pytest.raises(RuntimeError, match="groupnorm_affine_norms: x on cuda:0, d, mean and rstd on "
+                                               "cuda:0, cpu and cpu"):
+            gn(x, x, m.cpu(), m.cpu(), 3, torch.empty(2, 2, device=device))
 
 
 def test_affine_norms_of_normalisation_layers():
