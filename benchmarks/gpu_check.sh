@@ -14,7 +14,8 @@
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log (top kernels, GPU
-#            idle time and its longest gaps); with .before/
+#            idle time and its longest gaps, kernels and ATen ops a step); PROFILE2_ARGS: a second profile (60 s,
+#            e.g. "--workload W1 --precision fp32", a host-bound step) appended to it; with .before/
 #            built, the same profile of the earlier tree (same PROFILE_ARGS, else fp32) is appended to it
 #   ray      the Ray backend on the GPU (issue 17): tests/cluster/test_on_ray_gpu.py -m gpu, a RayJob with
 #            resource="GPU" training on cuda:0 with NCCL, paused and resumed (RAY_S, 150 s) -> ray.log. Needs
@@ -130,6 +131,14 @@ if want profile; then
   awk '/^G[0-9]-/{n=6} n>0{print; n--; next} /GPU idle/{m=4} m>0{print; m--; next} /\/plain (kernel|CPU op) time|^device /{print}' \
     "$OUT/profile.log" | cut -c1-140 | note
   ((RC != 0)) && grep -v "^RESULT" "$OUT/profile.log" | tail -8 | note
+  if [ -n "${PROFILE2_ARGS:-}" ]; then   # a second workload, e.g. a host-bound one: its kernels and launches
+    run_stage "profile_psgnorm $PROFILE2_ARGS" 60 profile2.tmp \
+      $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 $PROFILE2_ARGS
+    awk '/^[GW][0-9]-/{n=4} n>0{print; n--; next} /GPU idle/{m=3} m>0{print; m--; next} /\/plain (kernel|CPU op) time/{print}' \
+      "$OUT/profile2.tmp" | cut -c1-140 | note
+    { echo "==== SECOND PROFILE ($PROFILE2_ARGS)"; cat "$OUT/profile2.tmp"; } >> "$OUT/profile.log"
+    rm -f "$OUT/profile2.tmp"
+  fi
   if [ -f .before/setup.py ]; then
     wait
     if ls .before/elasticlab/_C*.so > /dev/null 2>&1; then

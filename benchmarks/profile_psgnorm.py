@@ -77,6 +77,14 @@ def idle_gaps(intervals, steps: int, k: int = 5) -> dict:
             "gaps": top}
 
 
+def launch_counts(events, steps: int) -> dict:
+    """Per step: device kernels (and copies) launched, and ATen operators dispatched on the host (nested ones
+    included): what a host-bound step pays for, one launch or dispatch at a time."""
+    kernels = sum(1 for e in events if _device_kind(e) == "CUDA")
+    aten = sum(1 for e in events if _device_kind(e) != "CUDA" and e.name.startswith("aten::"))
+    return {"kernels_per_step": kernels / steps, "aten_ops_per_step": aten / steps}
+
+
 def _device_intervals(prof) -> list[tuple[float, float, str]]:
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
             if _device_kind(e) == "CUDA"]
@@ -91,18 +99,19 @@ def profile_method(method: str, prec: str, device, args, k: int) -> dict:
             step()
         bench._sync(device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        t0 = time.perf_counter()
         with profile(activities=acts) as prof:
+            t0 = time.perf_counter()                     # (the profiler's own start-up left out)
             for _ in range(args.steps):
                 step()
             bench._sync(device)
-        wall = (time.perf_counter() - t0) / args.steps
+            wall = (time.perf_counter() - t0) / args.steps
     finally:
         bench.close(step)
         del model, step
         bench._free_cuda(device)
     out = top_events(prof, device, k, args.steps)
     out["wall_ms_per_step_profiled"] = wall * 1e3
+    out.update(launch_counts(prof.events(), args.steps))
     if device.type == "cuda":
         out["idle"] = idle_gaps(_device_intervals(prof), args.steps)
     return out
@@ -114,7 +123,8 @@ def print_top(label: str, res: dict, device, steps: int) -> None:
         return
     unit = "kernel" if device.type == "cuda" else "CPU op"
     print(f"\n{label}: {unit} time {res['total_ms_per_step']:.2f} ms/step "
-          f"(wall {res['wall_ms_per_step_profiled']:.2f} ms/step under the profiler)")
+          f"(wall {res['wall_ms_per_step_profiled']:.2f} ms/step under the profiler); per step "
+          f"{res['kernels_per_step']:.0f} kernels, {res['aten_ops_per_step']:.0f} ATen ops")
     print(f"  {'total ms':>9s} {'ms/step':>8s} {'%':>5s}  name")
     for r in res["top"]:
         print(f"  {r['ms']:9.2f} {r['ms'] / steps:8.2f} {r['pct']:5.1f}  {r['name']}")
@@ -163,7 +173,9 @@ def main(argv=None) -> int:
         if "error" not in res[m] and "error" not in res["plain"]:
             res[f"{m}_over_plain"] = res[m]["total_ms_per_step"] / res["plain"]["total_ms_per_step"]
             print(f"  {m}/plain {'kernel' if device.type == 'cuda' else 'CPU op'} time: "
-                  f"{res[f'{m}_over_plain']:.2f}x")
+                  f"{res[f'{m}_over_plain']:.2f}x; kernels {res[m]['kernels_per_step']:.0f} vs "
+                  f"{res['plain']['kernels_per_step']:.0f}, ATen ops {res[m]['aten_ops_per_step']:.0f} vs "
+                  f"{res['plain']['aten_ops_per_step']:.0f} a step")
         result["precisions"][prec] = res
     print("RESULT " + json.dumps(result))
     return 0

@@ -47,3 +47,5 @@ def test_cpu_smoke_run_prints_the_tables(prof_mod, capsys):
     fp32 = res["precisions"]["fp32"]
     assert "error" not in fp32["psgn"] and fp32["psgn"]["total_ms_per_step"] > 0
     assert "idle" not in fp32["psgn"]              # a CPU run has no device timeline
+    assert fp32["psgn"]["kernels_per_step"] == 0 and fp32["psgn"]["aten_ops_per_step"] > 0
+    assert fp32["plain"]["aten_ops_per_step"] > 0
