@@ -66,11 +66,11 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
     (where it serves the device), ``bmm`` (cublas's batched GEMM alone, its fold being the rest of cublas's
     time) and the Triton kernels in both loops (float32: exact products, "ieee", as the GEMM here)."""
     Din, Dout = a.shape[2], d.shape[2]
-    a2, d2 = a.reshape(-1, Din), d.reshape(-1, Dout)
+    a2, d2, dT = a.reshape(-1, Din), d.reshape(-1, Dout), d.transpose(1, 2)
     meth = {}
     if kernels.compiled("seq_linear_outer_norms", a):
         meth["cublas"] = lambda: torch.ops.elasticlab.seq_linear_outer_norms(a, d, True)
-    meth["bmm"] = lambda: (torch.bmm(d.transpose(1, 2), a),)
+    meth["bmm"] = lambda: (torch.bmm(dT, a),)
     if kernels.compiled("seq_linear_gram_norms", a) and name != "G1.head":  # T×T Grams beside a 50304-wide
         meth["gram"] = lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)  # GEMM: slow
     if triton_outer.HAS_TRITON:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elasticlab.gns.block import ROWS
+
 
 class Slot:
     """What one module recorded in the current step."""
@@ -57,7 +59,7 @@ class Slot:
             rows = block.rows(self, batch, dtype, device)
             self.buf = rows if rows is not None else torch.full((2, batch), float("nan"), dtype=dtype,
                                                                 device=device)
-            self._views = {p: r for p, r in zip(("weight", "bias"), self.buf.unbind(0)) if p in self.need}
+            self._views = {p: r for p, r in zip(ROWS, self.buf.unbind(0)) if p in self.need}
             self._buf_key = (batch, dtype, device, block.gen)
             self._in_block = rows is not None
             self.owner._bufs = None
