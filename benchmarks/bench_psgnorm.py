@@ -12,9 +12,10 @@ over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-
 on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
 :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16 convolutions on CUDA by
 the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`), ``psgn-py`` (the fused
-layers' Python autograd.Functions instead of their C++ ones), ``psgn-calibrated`` (each layer shape's form
-timed at its first backward and the fastest kept, :mod:`elasticlab.gns.calibrate`; the warm-up steps pay for
-the measuring), ``psgn-hooks`` (elasticlab, hooks only),
+layers' Python autograd.Functions instead of their C++ ones), ``psgn-torchops`` (the fused layers' C++
+operators called through torch.ops' boxed entry, not ``_C``'s direct one), ``psgn-calibrated`` (each layer
+shape's form timed at its first backward and the fastest kept, :mod:`elasticlab.gns.calibrate`; the warm-up
+steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks only),
 ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
 Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go on.
@@ -237,6 +238,7 @@ CONVOLUTIONS = ("W4", "G2")
 SWITCHED = {
     "psgn-ref": ("elasticlab.gns.kernels", "USE_KERNELS", False, None, ""),   # the compiled kernels off
     "psgn-py": ("elasticlab.gns.kernels", "USE_CXX_AUTOGRAD", False, None, ""),   # Python autograd.Functions
+    "psgn-torchops": ("elasticlab.gns.kernels", "USE_DIRECT_CALLS", False, None, ""),  # torch.ops' entry
     "psgn-cublas": ("elasticlab.gns.triton_outer", "ENABLED", False, None, ""),   # no Triton: cuBLAS + fold
     "psgn-calibrated": ("elasticlab.gns.calibrate", "ENABLED", True, None, ""),  # forms timed per layer shape
     "psgn-triton32": ("elasticlab.gns.triton_outer", "FP32", True,

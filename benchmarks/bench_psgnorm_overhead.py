@@ -4,7 +4,9 @@ Two stacks of 24 layers with tiny batches, so that a step is dominated by per-la
 arithmetic: ``mlp24`` (24 × Linear(D, D) + tanh on (B, D) inputs: the product-of-norms path) and ``seq24``
 (24 × LayerNorm → Linear → GELU on (B, T, D): LayerNorm's rule and the sequence Linear). Methods, timed
 interleaved in the same run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``, fused
-backward, ``sq_norms()`` read each step) and ``psgn-hooks`` (hooks only). Each round times ``--steps`` steps
+backward, ``sq_norms()`` read each step), ``psgn-torchops`` (the same, but the fused layers' operators called
+through torch.ops' boxed entry rather than ``_C``'s direct one: ``kernels.USE_DIRECT_CALLS = False``) and
+``psgn-hooks`` (hooks only). Each round times ``--steps`` steps
 of one method, by the CPU time of the calling thread (``time.thread_time``: with one intra-op thread the
 forward, the backward and the kernels all run there, and other processes on a shared machine barely move
 it; ``--clock wall`` for wall time); the minimum over ``--rounds`` rounds of the mean step is reported (the
@@ -30,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns import PerSampleGradNorms, kernels
 
 LAYERS = 24
 
@@ -75,14 +77,19 @@ def make_step(method: str, model: nn.Module, x: torch.Tensor):
             model(x).pow(2).mean().backward()
         step.close = lambda: None
         return step
-    if method not in ("psgn", "psgn-hooks"):
+    if method not in ("psgn", "psgn-torchops", "psgn-hooks"):
         raise ValueError(f"unknown method {method!r}")
-    ctx = PerSampleGradNorms(model, fused=method == "psgn").__enter__()
+    ctx = PerSampleGradNorms(model, fused=method != "psgn-hooks").__enter__()
+    direct = method != "psgn-torchops"
 
     def step():
-        model.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        return ctx.sq_norms()
+        before, kernels.USE_DIRECT_CALLS = kernels.USE_DIRECT_CALLS, direct
+        try:
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            return ctx.sq_norms()
+        finally:
+            kernels.USE_DIRECT_CALLS = before
     step.close = lambda: ctx.__exit__(None, None, None)
     return step
 
@@ -161,7 +168,7 @@ def profile(name: str, steps: int, top: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="mlp24,seq24")
-    ap.add_argument("--methods", default="plain,psgn,psgn-hooks")
+    ap.add_argument("--methods", default="plain,psgn,psgn-torchops,psgn-hooks")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)

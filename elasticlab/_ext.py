@@ -95,6 +95,13 @@ def has_kernel(name: str, device_type: str) -> bool:
     return ok
 
 
+def direct_call(name: str):
+    """``_C.<name>``, the direct call of a fused layer's operator (csrc/bindings.cpp: the same positional
+    arguments as ``torch.ops.elasticlab.<name>``, without torch.ops' boxed Python entry), or None when this
+    build of ``_C`` has none."""
+    return getattr(_C, name, None) if HAS_C else None
+
+
 def kernel(name: str, device_type: str):
     """The operator ``torch.ops.elasticlab.name`` if it has a kernel for the device, else ``None``
     (warning once when the whole extension is missing)."""
