@@ -106,7 +106,7 @@ def cxx_autograd(name: str, x: torch.Tensor):
         return None
     if x.dtype not in FLOATING or torch.compiler.is_compiling():
         return None
-    dev = x.device.type
+    dev = "cuda" if x.is_cuda else ("cpu" if x.is_cpu else x.device.type)   # (no device object if possible)
     ok = _CXX_READY.get(dev)
     if ok is None:
         ok = _CXX_READY[dev] = all(_ext.has_kernel(k, dev) for k in _CXX_NEEDS)
