@@ -7,7 +7,8 @@
 // layer's GEMM); these read the arguments straight from the Python objects and call the operator's typed
 // dispatcher handle, so every dispatch key (autograd, the profiler's record, Python dispatch modes) still
 // applies. A tensor argument of a subclass (which may define __torch_function__; nn.Parameter does not count),
-// or a torch function mode, sends the call to torch.ops' own entry instead. Only torch's headers are used (its bundled pybind11), with the CPython API.
+// or a torch function mode, sends the call to torch.ops' own entry instead. Only torch's headers are used (its
+// bundled pybind11), with the CPython API.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -61,7 +62,11 @@ struct Args {
     PyObject** items = PySequence_Fast_ITEMS(a[i]);
     std::vector<int64_t> out(n);
     for (Py_ssize_t k = 0; k < n; ++k) {
-      if (!PyLong_Check(items[k]) || PyBool_Check(items[k])) bad(i, "a tuple or list of ints");
+      if (!PyLong_Check(items[k]) || PyBool_Check(items[k])) {
+        throw torch::TypeError(std::string("elasticlab.") + op + ": argument " + std::to_string(i) +
+                               " must be a tuple or list of ints, got an element of type " +
+                               Py_TYPE(items[k])->tp_name);
+      }
       out[k] = PyLong_AsLongLong(items[k]);
       if (out[k] == -1 && PyErr_Occurred()) throw python_error();
     }

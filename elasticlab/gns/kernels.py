@@ -249,17 +249,46 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
     then costs only that kernel's shortfall against the weight-gradient GEMM (``row_major=False``: operands
     such as an unfolded convolution's, which go to cuBLAS)."""
     if like is not None and like.device.type == "cuda":
-        bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(like.dtype)
-        g_bytes = 2 if like.dtype == torch.bfloat16 else (8 if like.dtype == torch.float64 else 4)
-        if (fused_outer and row_major and USE_KERNELS and triton_outer.supported(like)
-                and triton_outer.shape_preferred(T, din, dout)):
-            # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
-            outer = CUDA_RATES["fused_overhead"] * 2.0 * T * din * dout / rate
-        else:
-            outer = 2.0 * din * dout * g_bytes / bw
-        if not fused_outer:
-            outer += 2.0 * T * din * dout / rate
-        gram = 2.0 * T * T * (din + dout) / rate + 16.0 * T * T / bw
-        return gram < outer
+        in_registers = bool(fused_outer and row_major and USE_KERNELS and triton_outer.supported(like)
+                            and triton_outer.shape_preferred(T, din, dout))
+        return cuda_prefers_gram(T, din, dout, like.dtype, fused_outer, in_registers, batch,
+                                 torch.cuda.memory_allocated(like.device))
     thresh = din * dout / (din + dout)
     return T < thresh / 8 if fused_outer else T < thresh
+
+
+# Issue 14's memory target: a step with norms may take at most 10% more peak memory than plain. The outer
+# form on cuBLAS materialises per-example products (chunks of up to SCRATCH_CAP bytes, csrc/cuda/blas.h),
+# which on a small model is a large share of it (W2 fp32 on the H100: +46%). When that scratch exceeds
+# SCRATCH_SHARE of the memory allocated on the device when the form is chosen (a lower bound of the plain
+# step's peak), the Gram form, whose scratch is two T×T matrices per example, is taken instead, provided its
+# modelled extra time is at most GRAM_SLOWDOWN_OK times the outer form's (otherwise time wins: e.g. G1's
+# float32 layers, T=1024).
+SCRATCH_SHARE = 0.10
+GRAM_SLOWDOWN_OK = 2.0
+SCRATCH_CAP = 256 << 20
+
+
+def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_outer: bool, in_registers: bool,
+                      batch: int, in_use: int) -> bool:
+    """The CUDA cost model of :func:`use_gram` (times in seconds a example, from :data:`CUDA_RATES`), with
+    the scratch rule above; ``in_registers``: the Triton fused kernel serves the outer form (no products
+    written), ``in_use``: bytes allocated on the device now."""
+    bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(dtype)
+    g_bytes = 2 if dtype == torch.bfloat16 else (8 if dtype == torch.float64 else 4)
+    if in_registers:
+        # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
+        outer = CUDA_RATES["fused_overhead"] * 2.0 * T * din * dout / rate
+    else:
+        outer = 2.0 * din * dout * g_bytes / bw
+    if not fused_outer:
+        outer += 2.0 * T * din * dout / rate
+    gram = 2.0 * T * T * (din + dout) / rate + 16.0 * T * T / bw
+    if gram < outer:
+        return True
+    if in_registers:
+        return False
+    scratch_outer = min(batch * din * dout * g_bytes, SCRATCH_CAP)
+    scratch_gram = min(batch * 2 * T * T * 4, SCRATCH_CAP)
+    return (scratch_outer > SCRATCH_SHARE * in_use and scratch_gram < scratch_outer
+            and gram <= GRAM_SLOWDOWN_OK * outer)

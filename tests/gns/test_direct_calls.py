@@ -117,7 +117,8 @@ def test_direct_call_names_bad_list_and_float_arguments():
     with pytest.raises(TypeError, match="layer_norm_norms: argument 3 must be a tuple or list of ints, got "
                                         "int"):
         ln(x, w, b, 5, 1e-5, buf, False)
-    with pytest.raises(TypeError, match="argument 3 must be a tuple or list of ints, got list"):
+    with pytest.raises(TypeError, match="argument 3 must be a tuple or list of ints, got an element of type "
+                                        "float"):
         ln(x, w, b, [5.0], 1e-5, buf, False)
     with pytest.raises(TypeError, match="argument 4 must be a float, got str"):
         ln(x, w, b, [5], "eps", buf, False)
