@@ -7,8 +7,9 @@
 // layer's GEMM); these read the arguments straight from the Python objects and call the operator's typed
 // dispatcher handle, so every dispatch key (autograd, the profiler's record, Python dispatch modes) still
 // applies. A tensor argument of a subclass (which may define __torch_function__; nn.Parameter does not count),
-// or a torch function mode, sends the call to torch.ops' own entry instead. Only torch's headers are used (its
-// bundled pybind11), with the CPython API.
+// or a torch function mode, or an argument of another type than the plain Python ones (a numpy scalar), sends
+// the call to torch.ops' own entry instead, so both accept and reject the same calls. CPython's API and
+// torch_python's tensor wrapping only (no pybind11 module).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -17,66 +18,67 @@
 
 #include <initializer_list>
 #include <optional>
-#include <string>
 #include <vector>
 
 namespace {
 
-// The positional arguments of one call, read by schema type; a wrong type is a TypeError naming the operator,
-// the argument and what it got.
+// Thrown by Args when an argument is not of the plain Python type the direct path reads (a numpy scalar, a
+// 0-dim tensor for a float, a wrong type): the call then goes to torch.ops' entry, which converts what it can
+// and raises its own error for the rest, so the direct calls accept and reject exactly what torch.ops does.
+struct NotPlain {};
+
+// The positional arguments of one call, read by schema type.
 struct Args {
-  const char* op;
   PyObject* const* a;
 
-  [[noreturn]] void bad(int i, const char* want) const {
-    throw torch::TypeError(std::string("elasticlab.") + op + ": argument " + std::to_string(i) + " must be " + want +
-                           ", got " + Py_TYPE(a[i])->tp_name);
-  }
   at::Tensor tensor(int i) const {
-    if (!THPVariable_Check(a[i])) bad(i, "a Tensor");
+    if (!THPVariable_Check(a[i])) throw NotPlain{};
     return THPVariable_Unpack(a[i]);
   }
   std::optional<at::Tensor> opt_tensor(int i) const {
     if (a[i] == Py_None) return std::nullopt;
     return tensor(i);
   }
-  int64_t integer(int i) const {
-    if (!PyLong_Check(a[i]) || PyBool_Check(a[i])) bad(i, "an int");
-    const int64_t v = PyLong_AsLongLong(a[i]);
-    if (v == -1 && PyErr_Occurred()) throw python_error();
+  static int64_t as_int(PyObject* o) {
+    if (!PyLong_CheckExact(o)) throw NotPlain{};
+    const int64_t v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();  // out of int64's range: torch.ops says so
+      throw NotPlain{};
+    }
     return v;
   }
+  int64_t integer(int i) const { return as_int(a[i]); }
   double real(int i) const {
-    if (!PyFloat_Check(a[i]) && !(PyLong_Check(a[i]) && !PyBool_Check(a[i]))) bad(i, "a float");
-    const double v = PyFloat_AsDouble(a[i]);
-    if (v == -1.0 && PyErr_Occurred()) throw python_error();
-    return v;
+    if (PyFloat_CheckExact(a[i])) return PyFloat_AS_DOUBLE(a[i]);
+    return static_cast<double>(as_int(a[i]));
   }
   bool flag(int i) const {
-    if (!PyBool_Check(a[i])) bad(i, "a bool");
+    if (!PyBool_Check(a[i])) throw NotPlain{};
     return a[i] == Py_True;
   }
   std::vector<int64_t> ints(int i) const {
-    if (!PyTuple_Check(a[i]) && !PyList_Check(a[i])) bad(i, "a tuple or list of ints");
+    if (!PyTuple_CheckExact(a[i]) && !PyList_CheckExact(a[i])) throw NotPlain{};
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(a[i]);
     PyObject** items = PySequence_Fast_ITEMS(a[i]);
     std::vector<int64_t> out(n);
-    for (Py_ssize_t k = 0; k < n; ++k) {
-      if (!PyLong_Check(items[k]) || PyBool_Check(items[k])) {
-        throw torch::TypeError(std::string("elasticlab.") + op + ": argument " + std::to_string(i) +
-                               " must be a tuple or list of ints, got an element of type " +
-                               Py_TYPE(items[k])->tp_name);
-      }
-      out[k] = PyLong_AsLongLong(items[k]);
-      if (out[k] == -1 && PyErr_Occurred()) throw python_error();
-    }
+    for (Py_ssize_t k = 0; k < n; ++k) out[k] = as_int(items[k]);
     return out;
   }
   std::optional<at::ScalarType> opt_dtype(int i) const {
     if (a[i] == Py_None) return std::nullopt;
-    if (!THPDtype_Check(a[i])) bad(i, "a torch.dtype or None");
+    if (!THPDtype_Check(a[i])) throw NotPlain{};
     return reinterpret_cast<THPDtype*>(a[i])->scalar_type;
   }
+};
+
+// The GIL released for the operator's run (and taken back on return or unwinding).
+struct NoGil {
+  PyThreadState* state = PyEval_SaveThread();
+  NoGil() = default;
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+  ~NoGil() { PyEval_RestoreThread(state); }
 };
 
 // torch.ops.elasticlab.<name>.default, looked up at first need (for arguments with __torch_function__).
@@ -91,26 +93,24 @@ PyObject* boxed_entry(const char* name) {
   return obj;
 }
 
-// Checks the count, sends a subclass or a torch function mode to torch.ops, else runs `call` without the GIL.
+// Runs `call` (which reads the arguments, then runs the operator without the GIL) when the call is plain:
+// the right count, exact tensors (nn.Parameter counts), no torch function mode, arguments of the types Args
+// reads. Anything else goes to torch.ops' entry: subclasses' __torch_function__, conversions, errors.
 template <class Call>
 PyObject* fast_call(const char* name, PyObject*& entry, PyObject* const* args, Py_ssize_t n, Py_ssize_t want,
                     std::initializer_list<int> tensor_args, Call&& call) {
   HANDLE_TH_ERRORS
-  if (n != want) {
-    throw torch::TypeError(std::string("elasticlab.") + name + " takes " + std::to_string(want) +
-                           " positional arguments, got " + std::to_string(n));
+  bool plain = n == want && !at::impl::torch_function_mode_enabled();
+  for (int i : tensor_args) plain = plain && (args[i] == Py_None || THPVariable_CheckExact(args[i]));
+  if (plain) {
+    try {
+      at::Tensor out = call(Args{args});
+      return THPVariable_Wrap(std::move(out));
+    } catch (const NotPlain&) {
+    }
   }
-  bool plain = !at::impl::torch_function_mode_enabled();
-  for (int i : tensor_args) {  // (a non-tensor stays here, for Args' TypeError)
-    plain = plain && (args[i] == Py_None || THPVariable_CheckExact(args[i]) || !THPVariable_Check(args[i]));
-  }
-  if (!plain) {  // a subclass or a mode: torch.ops' entry, which handles __torch_function__
-    if (entry == nullptr && (entry = boxed_entry(name)) == nullptr) return nullptr;
-    return PyObject_Vectorcall(entry, args, n, nullptr);
-  }
-  Args a{name, args};
-  at::Tensor out = call(a);
-  return THPVariable_Wrap(std::move(out));
+  if (entry == nullptr && (entry = boxed_entry(name)) == nullptr) return nullptr;
+  return PyObject_Vectorcall(entry, args, n, nullptr);
   END_HANDLE_TH_ERRORS
 }
 
@@ -131,7 +131,7 @@ PyObject* linear_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
     OptTensor b = a.opt_tensor(2);
     const int64_t form = a.integer(4);
     const auto dtype = a.opt_dtype(5);
-    pybind11::gil_scoped_release no_gil;
+    NoGil no_gil;
     return op.call(x, w, b, norms, form, dtype);
   });
 }
@@ -148,7 +148,7 @@ PyObject* conv_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
     const std::vector<int64_t> stride = a.ints(3), padding = a.ints(4), dilation = a.ints(5);
     const int64_t groups = a.integer(6), form = a.integer(8), chunk = a.integer(9);
     const auto dtype = a.opt_dtype(10);
-    pybind11::gil_scoped_release no_gil;
+    NoGil no_gil;
     return op.call(x, w, b, stride, padding, dilation, groups, norms, form, chunk, dtype);
   });
 }
@@ -164,7 +164,7 @@ PyObject* layer_norm_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
     const std::vector<int64_t> shape = a.ints(3);
     const double eps = a.real(4);
     const bool upcast = a.flag(6);
-    pybind11::gil_scoped_release no_gil;
+    NoGil no_gil;
     return op.call(x, w, b, shape, eps, norms, upcast);
   });
 }
@@ -178,7 +178,7 @@ PyObject* group_norm_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
     const int64_t groups = a.integer(3);
     const double eps = a.real(4);
     const bool upcast = a.flag(6);
-    pybind11::gil_scoped_release no_gil;
+    NoGil no_gil;
     return op.call(x, w, b, groups, eps, norms, upcast);
   });
 }

@@ -251,8 +251,9 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
     if like is not None and like.device.type == "cuda":
         in_registers = bool(fused_outer and row_major and USE_KERNELS and triton_outer.supported(like)
                             and triton_outer.shape_preferred(T, din, dout))
-        return cuda_prefers_gram(T, din, dout, like.dtype, fused_outer, in_registers, batch,
-                                 torch.cuda.memory_allocated(like.device))
+        device = like.device
+        in_use = None if torch.compiler.is_compiling() else (lambda: torch.cuda.memory_allocated(device))
+        return cuda_prefers_gram(T, din, dout, like.dtype, fused_outer, in_registers, batch, in_use)
     thresh = din * dout / (din + dout)
     return T < thresh / 8 if fused_outer else T < thresh
 
@@ -270,10 +271,11 @@ SCRATCH_CAP = 256 << 20
 
 
 def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_outer: bool, in_registers: bool,
-                      batch: int, in_use: int) -> bool:
+                      batch: int, in_use=None) -> bool:
     """The CUDA cost model of :func:`use_gram` (times in seconds a example, from :data:`CUDA_RATES`), with
     the scratch rule above; ``in_registers``: the Triton fused kernel serves the outer form (no products
-    written), ``in_use``: bytes allocated on the device now."""
+    written); ``in_use``: a callable giving the bytes allocated on the device, called only when the rule
+    applies (None: time only, e.g. while compiling, where reading the allocator would break the graph)."""
     bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(dtype)
     g_bytes = 2 if dtype == torch.bfloat16 else (8 if dtype == torch.float64 else 4)
     if in_registers:
@@ -286,9 +288,8 @@ def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_out
     gram = 2.0 * T * T * (din + dout) / rate + 16.0 * T * T / bw
     if gram < outer:
         return True
-    if in_registers:
+    if in_registers or in_use is None or gram > GRAM_SLOWDOWN_OK * outer:
         return False
     scratch_outer = min(batch * din * dout * g_bytes, SCRATCH_CAP)
     scratch_gram = min(batch * 2 * T * T * 4, SCRATCH_CAP)
-    return (scratch_outer > SCRATCH_SHARE * in_use and scratch_gram < scratch_outer
-            and gram <= GRAM_SLOWDOWN_OK * outer)
+    return scratch_gram < scratch_outer and scratch_outer > SCRATCH_SHARE * in_use()

@@ -1,8 +1,9 @@
 """``_C``'s direct calls of the fused layers' operators (csrc/bindings.cpp) against torch.ops' boxed entry
-(``kernels.USE_DIRECT_CALLS = False``): the same results, dispatch and errors, with named type errors, and
-tensor subclasses or torch function modes sent to torch.ops."""
+(``kernels.USE_DIRECT_CALLS = False``): the same results, dispatch and errors; arguments the direct path
+does not read (numpy scalars, wrong types), tensor subclasses and torch function modes go to torch.ops."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -98,34 +99,63 @@ def test_direct_call_rows_are_the_per_example_norms():
     torch.testing.assert_close(buf[1], g.pow(2).sum(1))
 
 
-@pytest.mark.parametrize("args, message", [
-    (lambda x, w, b, n: (x, w, b, n, 0.5, None), "linear_norms: argument 4 must be an int, got float"),
-    (lambda x, w, b, n: (x, w, b, n, True, None), "argument 4 must be an int, got bool"),
-    (lambda x, w, b, n: (x.numpy(), w, b, n, 0, None), "argument 0 must be a Tensor, got numpy.ndarray"),
-    (lambda x, w, b, n: (x, w, b, n, 0, "bf16"), "argument 5 must be a torch.dtype or None, got str"),
-    (lambda x, w, b, n: (x, w, b, n, 0), "linear_norms takes 6 positional arguments, got 5"),
+def _same_outcome(name, args):
+    """The direct call and torch.ops' entry on the same arguments: equal results, or the same error."""
+    outs = []
+    for op in (_ext.direct_call(name), getattr(torch.ops.elasticlab, name).default):
+        try:
+            outs.append(("ok", op(*args)))
+        except Exception as e:                                  # noqa: BLE001 - compared below
+            outs.append((type(e), str(e)))
+    (kind, got), (kind_ref, ref) = outs
+    assert kind == kind_ref, outs
+    if kind == "ok":
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    else:
+        assert got == ref
+    return kind
+
+
+@pytest.mark.parametrize("args", [
+    lambda x, w, b, n: (x, w, b, n, 0.5, None),                   # a float form
+    lambda x, w, b, n: (x.numpy(), w, b, n, 0, None),             # an array for a tensor
+    lambda x, w, b, n: (x, w, b, n, 0, "bf16"),                   # a string for a dtype
+    lambda x, w, b, n: (x, w, b, n, 0),                           # one argument short
+    lambda x, w, b, n: (x, w, b, n, 1 << 70, None),               # out of int64's range
 ])
-def test_direct_call_names_a_bad_argument(args, message):
-    with pytest.raises(TypeError, match=message):
-        _ext.direct_call("linear_norms")(*args(*_linear_args()))
+def test_bad_arguments_get_torch_ops_own_error(args):
+    assert _same_outcome("linear_norms", args(*_linear_args())) != "ok"
 
 
-def test_direct_call_names_bad_list_and_float_arguments():
+def test_bad_list_float_and_bool_arguments_get_torch_ops_own_error():
     x, w, b = torch.randn(2, 3, 5), torch.randn(5), torch.randn(5)
     buf = torch.zeros(2, 2)
-    ln = _ext.direct_call("layer_norm_norms")
-    with pytest.raises(TypeError, match="layer_norm_norms: argument 3 must be a tuple or list of ints, got "
-                                        "int"):
-        ln(x, w, b, 5, 1e-5, buf, False)
-    with pytest.raises(TypeError, match="argument 3 must be a tuple or list of ints, got an element of type "
-                                        "float"):
-        ln(x, w, b, [5.0], 1e-5, buf, False)
-    with pytest.raises(TypeError, match="argument 4 must be a float, got str"):
-        ln(x, w, b, [5], "eps", buf, False)
-    with pytest.raises(TypeError, match="argument 6 must be a bool, got int"):
-        ln(x, w, b, [5], 1e-5, buf, 0)
-    y = ln(x, w, b, [5], 1, buf, False)                                   # an int eps is a float
+    for args in [(x, w, b, [5.0], 1e-5, buf, False), (x, w, b, [5], "eps", buf, False)]:
+        assert _same_outcome("layer_norm_norms", args) != "ok", args
+    y = _ext.direct_call("layer_norm_norms")(x, w, b, [5], 1, buf, False)      # an int eps is a float
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, [5], w, b, 1.0))
+
+
+def test_other_types_torch_ops_converts_give_its_result():
+    """A bool for an int, a numpy bool or a float for a bool, an int for an int list: whatever torch.ops
+    does with them, the direct call does."""
+    _same_outcome("linear_norms", (*_linear_args(), True, None))
+    x, wl, bl = torch.randn(2, 3, 5), torch.randn(5), torch.randn(5)
+    for shape, upcast in [((5,), np.bool_(False)), (5, False), ([5], 2.5)]:
+        _same_outcome("layer_norm_norms", (x, wl, bl, shape, 1e-5, torch.zeros(2, 2), upcast))
+
+
+def test_numpy_scalars_and_int_eps_work_as_through_torch_ops():
+    """Module attributes may be numpy scalars (nn.GroupNorm(np.int64(2), C), eps=np.float32(...)): what
+    torch.ops converts, the direct call hands to it."""
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    w, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    buf = torch.zeros(2, 3, dtype=torch.float64)
+    assert _same_outcome("group_norm_norms", (x, w, b, np.int64(2), np.float32(1e-5), buf, False)) == "ok"
+    wl, bl = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    assert _same_outcome("layer_norm_norms", (x, wl, bl, [np.int64(5)], 1, buf, False)) == "ok"
+    xi, wi, bi, n = _linear_args()
+    assert _same_outcome("linear_norms", (xi, wi, bi, n, np.int64(0), None)) == "ok"
 
 
 def test_direct_call_passes_the_operators_own_checks_through():

@@ -23,37 +23,52 @@ def test_cpu_rule_crossover():
 def test_small_model_takes_gram_when_the_products_would_dominate_its_memory(din, dout):
     """W2's float32 layers (B=32, T=128): by time alone the outer form (1 MB of products an example, 32 MB
     for the batch, +46% of W2's peak on the H100); with 6 MB in use the Gram form (4 MB of scratch)."""
-    assert not cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, 10_000 * MB)
-    assert cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, 6 * MB)
+    assert not cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, lambda: 10_000 * MB)
+    assert cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, lambda: 6 * MB)
     # the boundary: products (32 MB) against 10% of what is in use
-    assert not cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, 330 * MB)
-    assert cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, 310 * MB)
+    assert not cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, lambda: 330 * MB)
+    assert cuda_prefers_gram(128, din, dout, torch.float32, True, False, 32, lambda: 310 * MB)
 
 
 def test_time_wins_when_gram_is_much_slower():
     """G1's float32 MLP and head layers (B=8, T=1024): the Gram form would cost far more than twice the
     outer form's extra time, so the outer form stays even with little memory in use."""
     for dout in (3072, 50304):
-        assert not cuda_prefers_gram(1024, 768, dout, torch.float32, True, False, 8, 1 * MB)
+        assert not cuda_prefers_gram(1024, 768, dout, torch.float32, True, False, 8, lambda: 1 * MB)
 
 
 def test_gram_with_more_scratch_is_not_taken_for_memory():
     """W3 (B=8, T=512): the Gram matrices (16 MB) would exceed the products (8 MB): outer."""
-    assert not cuda_prefers_gram(512, 256, 1024, torch.float32, True, False, 8, 1 * MB)
+    assert not cuda_prefers_gram(512, 256, 1024, torch.float32, True, False, 8, lambda: 1 * MB)
 
 
 def test_fused_kernel_writes_no_products():
     """Layers the Triton kernel serves (products in registers) are chosen by time only."""
-    assert not cuda_prefers_gram(128, 256, 1024, torch.bfloat16, True, True, 32, 1 * MB)
-    assert cuda_prefers_gram(128, 256, 1024, torch.bfloat16, True, False, 32, 1 * MB)
+    assert not cuda_prefers_gram(128, 256, 1024, torch.bfloat16, True, True, 32, lambda: 1 * MB)
+    assert cuda_prefers_gram(128, 256, 1024, torch.bfloat16, True, False, 32, lambda: 1 * MB)
+
+
+def test_memory_is_read_only_when_the_rule_applies():
+    """The allocator is asked only when the rule could change the answer (not for Triton-served layers, not
+    when Gram is far slower); without a reading (``None``, as while compiling) the choice is by time."""
+    calls = []
+
+    def in_use():
+        calls.append(1)
+        return 6 * MB
+    assert not cuda_prefers_gram(128, 256, 1024, torch.bfloat16, True, True, 32, in_use)
+    assert not cuda_prefers_gram(1024, 768, 3072, torch.float32, True, False, 8, in_use)
+    assert not calls
+    assert cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, in_use) and calls == [1]
+    assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, None)
 
 
 def test_share_and_slowdown_are_the_knobs(monkeypatch):
     monkeypatch.setattr(kernels, "SCRATCH_SHARE", 10.0)           # 10× what is in use may be scratch
-    assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, 6 * MB)
+    assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, lambda: 6 * MB)
     monkeypatch.setattr(kernels, "SCRATCH_SHARE", 0.10)
     monkeypatch.setattr(kernels, "GRAM_SLOWDOWN_OK", 1.0)         # W2's Gram form is ~1.3× the outer's
-    assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, 6 * MB)
+    assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, lambda: 6 * MB)
 
 
 def test_scratch_cap_is_the_cuda_chunk_budget():

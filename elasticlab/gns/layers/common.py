@@ -23,7 +23,8 @@ def batched(module: nn.Module, x: torch.Tensor, min_dim: int) -> None:
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype on ``t``'s device when autocast is on there and ``t`` is floating, else None."""
-    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+    if ((t.is_cuda or t.is_cpu) and not torch.compiler.is_compiling()
+            and not torch._C._is_any_autocast_enabled()):  # (that flag omits some backends, e.g. MPS)
         return None                                       # the common case, without a device lookup
     dev = t.device.type
     if t.is_floating_point() and torch.is_autocast_enabled(dev):
