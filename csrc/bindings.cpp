@@ -81,7 +81,7 @@ struct NoGil {
   ~NoGil() { PyEval_RestoreThread(state); }
 };
 
-// torch.ops.elasticlab.<name>.default, looked up at first need (for arguments with __torch_function__).
+// torch.ops.elasticlab.<name>.default, looked up at first need (for the calls fast_call does not take).
 PyObject* boxed_entry(const char* name) {
   PyObject* obj = PyImport_ImportModule("torch");
   for (const char* attr : {"ops", "elasticlab", name, "default"}) {
