@@ -10,7 +10,8 @@
 #            convolution forms (patches, grouped, Triton implicit GEMM, Gram) against cuDNN's weight
 #            gradient -> ops.log
 #   test     pytest -m gpu tests/ (240 s: the Triton tests compile a kernel per tile, loop and dtype; not
-#            fatal: the benchmark runs whatever the tests say)
+#            fatal: the benchmark runs whatever the tests say; two xdist workers where installed, so that a
+#            test that crashes its process is reported and the rest still run)
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log (top kernels, GPU
@@ -104,9 +105,13 @@ if want build; then
 fi
 
 if want test; then
-  run_stage "pytest -m gpu tests/" "${TEST_S:-240}" pytest_gpu.log \
-    $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/
-  { grep -E "^(FAILED|ERROR) " "$OUT/pytest_gpu.log" | cut -c1-200 | head -25; tail -1 "$OUT/pytest_gpu.log"; } | note
+  # Two pytest-xdist workers where the machine has it: a test that crashes its process (SIGSEGV) is then
+  # reported as failed and the worker replaced, where one process would end the run (session 10 lost a call).
+  XDIST=$($PY -c 'import xdist' > /dev/null 2>&1 && echo "-n 2")
+  run_stage "pytest -m gpu tests/ ${XDIST:-(one process)}" "${TEST_S:-240}" pytest_gpu.log \
+    $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors $XDIST tests/
+  { grep -E "^(FAILED|ERROR) |crashed while running" "$OUT/pytest_gpu.log" | cut -c1-200 | head -25
+    tail -1 "$OUT/pytest_gpu.log"; } | note
 fi
 
 if want ops; then

@@ -3,6 +3,7 @@
 // Python module in csrc/bindings.cpp.
 #pragma once
 #include <ATen/ATen.h>
+#include <string>
 #include <tuple>
 
 namespace elasticlab {
@@ -11,6 +12,16 @@ namespace elasticlab {
 // the outer form's gradient) in acc_type(input dtype).
 inline bool is_reduced_float(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 inline at::ScalarType acc_type(at::ScalarType t) { return is_reduced_float(t) ? at::kFloat : t; }
+
+// Numbers and shapes in error messages, written by std::to_string rather than by std::ostream's numeric
+// output. On the H100 machine (torch 2.11, GCC 13 build) every TORCH_CHECK of ours that streamed an int64_t or
+// a shape crashed the process with SIGSEGV instead of raising, where those streaming only text and dtypes raised.
+inline std::string int_str(int64_t v) { return std::to_string(v); }
+inline std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
 
 // Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type). The _out
 // form writes into a given (B,) tensor of acc_type (any stride, e.g. a row of the fused layers' norms buffer).

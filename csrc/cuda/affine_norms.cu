@@ -36,22 +36,23 @@ __device__ acc_t block_sum(acc_t v, acc_t* shared /* [32] */) {
 
 // pw, pb: (S, B, D) partials of the per-example gradients. Blocks [0, col_blocks): gw[j] = Σ_{s,b} pw[s,b,j]
 // (and gb), one column per thread. Blocks [col_blocks, col_blocks + B): example b's |Σ_s pw[s,b,:]|^2 into
-// norms[0, b] and |Σ_s pb[s,b,:]|^2 into norms[1, b]. With pw null (batch_sum_norms: one array, e.g. a bias'
-// per-example gradients) only gb and the pb norms, these at norms[b * b_stride].
+// norms[0, b] and |Σ_s pb[s,b,:]|^2 into norms[1, b]. Without pw (with_w false; batch_sum_norms: one array,
+// e.g. a bias' per-example gradients) only gb and the pb norms, these at norms[b * b_stride]. (A flag, not a
+// null pw: an empty batch's pw has a null data pointer, and its gw must still be written, as zeros.)
 template <typename acc_t>
 __global__ void affine_finish_kernel(const acc_t* __restrict__ pw, const acc_t* __restrict__ pb,
                                      acc_t* __restrict__ gw, acc_t* __restrict__ gb, acc_t* __restrict__ norms,
                                      int64_t S, int64_t B, int64_t D, int64_t col_blocks, int64_t row_stride,
-                                     int64_t b_stride) {
+                                     int64_t b_stride, bool with_w) {
   if (static_cast<int64_t>(blockIdx.x) < col_blocks) {
     const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (j >= D) return;
     acc_t sw = 0, sb = 0;
     for (int64_t k = 0; k < S * B; ++k) {
-      if (pw != nullptr) sw += pw[k * D + j];
+      if (with_w) sw += pw[k * D + j];
       sb += pb[k * D + j];
     }
-    if (pw != nullptr) gw[j] = sw;
+    if (with_w) gw[j] = sw;
     gb[j] = sb;
     return;
   }
@@ -60,18 +61,18 @@ __global__ void affine_finish_kernel(const acc_t* __restrict__ pw, const acc_t* 
   for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
     acc_t vw = 0, vb = 0;
     for (int64_t s = 0; s < S; ++s) {
-      if (pw != nullptr) vw += pw[(s * B + b) * D + j];
+      if (with_w) vw += pw[(s * B + b) * D + j];
       vb += pb[(s * B + b) * D + j];
     }
     qw += vw * vw;
     qb += vb * vb;
   }
   __shared__ acc_t shared[32];
-  qw = block_sum(qw, shared);  // (every thread of the block reaches both sums: pw is the same for all)
+  qw = block_sum(qw, shared);  // (every thread of the block reaches both sums: with_w is the same for all)
   qb = block_sum(qb, shared);
   if (threadIdx.x == 0) {
-    if (pw != nullptr) norms[b * b_stride] = qw;
-    norms[(pw != nullptr ? row_stride : 0) + b * b_stride] = qb;
+    if (with_w) norms[b * b_stride] = qw;
+    norms[(with_w ? row_stride : 0) + b * b_stride] = qb;
   }
 }
 
@@ -110,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> finish(const at::Tensor& pw, const at::Tensor
   AT_DISPATCH_FLOATING_TYPES(pw.scalar_type(), "affine_finish_cuda", [&] {
     affine_finish_kernel<scalar_t><<<col_blocks + B, kThreads, 0, stream>>>(
         pw.data_ptr<scalar_t>(), pb.data_ptr<scalar_t>(), gw.data_ptr<scalar_t>(), gb.data_ptr<scalar_t>(),
-        norms.data_ptr<scalar_t>(), S, B, D, col_blocks, norms.stride(0), norms.stride(1));
+        norms.data_ptr<scalar_t>(), S, B, D, col_blocks, norms.stride(0), norms.stride(1), true);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {gw, gb};
@@ -129,7 +130,7 @@ at::Tensor batch_sum_norms_cuda(const at::Tensor& x_in, at::Tensor& norms) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_sum_norms_cuda", [&] {
     affine_finish_kernel<scalar_t><<<col_blocks + B, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         nullptr, x.data_ptr<scalar_t>(), nullptr, gb.data_ptr<scalar_t>(), norms.data_ptr<scalar_t>(), 1, B, D,
-        col_blocks, 0, norms.stride(0));
+        col_blocks, 0, norms.stride(0), false);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return gb;

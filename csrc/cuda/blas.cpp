@@ -44,7 +44,7 @@ cudaDataType_t blas_type(at::ScalarType t) {
 }
 
 int as_int(int64_t v, const char* what) {
-  TORCH_CHECK(v <= std::numeric_limits<int>::max(), "batched_gemm: ", what, " too large for cuBLAS (", v, ")");
+  TORCH_CHECK(v <= std::numeric_limits<int>::max(), "batched_gemm: ", what, " too large for cuBLAS (", int_str(v), ")");
   return static_cast<int>(v);
 }
 

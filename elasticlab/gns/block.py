@@ -89,6 +89,15 @@ class NormBlock:
                         m[i, r] = float("nan")
                     elif isinstance(getattr(slot.module, p, None), torch.Tensor):
                         stray[i, r] = True              # a parameter nothing needs: its row may be written
-            self._mask = m.to(dtype=self.tensor.dtype, device=self.tensor.device)
-            self._stray = stray.view(-1, 1).to(self.tensor.device) if bool(stray.any()) else None
+            self._mask = _to_device(m.to(self.tensor.dtype), self.tensor.device)
+            self._stray = _to_device(stray.view(-1, 1), self.tensor.device) if bool(stray.any()) else None
         return self._mask
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host synchronisation: on CUDA through pinned memory and an
+    asynchronous copy (a copy from pageable memory waits for the device). The mask is rebuilt in the forward
+    of the step after its users change, so that step must not wait (``tests/gns/test_no_host_sync.py``)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -285,5 +285,9 @@ def test_cuda_grouped_conv_form_matches_the_patches(cxx, precision):
     tol = dict(rtol=1e-9, atol=1e-10) if precision == "fp64" else dict(rtol=2e-3, atol=1e-4)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], **tol)
+    # Under bf16 autocast cuDNN's grouped convolution writes each example's weight gradient in bfloat16 before
+    # the sum, the batched GEMM in float32: the gradients may differ by one bfloat16 rounding (2^-8 relative;
+    # seen on the H100: 3.8e-3 on 4 of 108 elements). The norms, accumulated in float32, keep the tight bound.
+    gtol = dict(rtol=2 ** -7, atol=1e-4) if precision == "bf16" else tol
     for k in g2:
-        torch.testing.assert_close(g1[k], g2[k], **tol)
+        torch.testing.assert_close(g1[k], g2[k], **gtol)

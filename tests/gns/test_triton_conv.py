@@ -52,7 +52,7 @@ def _inputs(conv, B, size, dtype, channels_last=False):
     g = torch.Generator().manual_seed(B * 100 + sum(size))
     x = torch.randn(B, conv.in_channels, *size, generator=g)
     with torch.no_grad():
-        out_size = conv(x).shape[2:]
+        out_size = conv(x.to(conv.weight.device)).shape[2:]
     d = torch.randn(B, conv.out_channels, *out_size, generator=g) / out_size.numel() ** 0.5
     x, d = x.to(DEV, dtype), d.to(DEV, dtype)
     if channels_last:
@@ -139,8 +139,11 @@ def test_model_norms_with_the_triton_kernel_match_the_default_path(monkeypatch):
 
 
 def _both_paths(monkeypatch, conv_rule, model, x, out, calls):
-    from elasticlab.gns import PerSampleGradNorms
+    from elasticlab.gns import PerSampleGradNorms, kernels
 
+    # The outer form for both convolutions, so that the switch sends both to the kernel: on CUDA the cost
+    # model takes the Gram form for the second one (L = 16 positions against K·Cout = 1152).
+    monkeypatch.setattr(kernels, "use_gram", lambda *a, **k: False)
     for on in (False, True):
         monkeypatch.setattr(conv_rule, "TRITON_ON_CUDA", on)
         monkeypatch.setattr(triton_outer, "FP32", True)
