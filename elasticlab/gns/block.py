@@ -100,4 +100,8 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     of the step after its users change, so that step must not wait (``tests/gns/test_no_host_sync.py``)."""
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    try:
+        pinned = t.pin_memory()
+    except RuntimeError:                     # no page-locked memory to be had: the plain (waiting) copy
+        return t.to(device)
+    return pinned.to(device, non_blocking=True)
