@@ -24,9 +24,8 @@ def _skip_string(src: str, i: int) -> int:
     return j + 1
 
 
-def _args(src: str, start: int) -> tuple[list[str], int]:
-    """The top-level arguments of the call whose '(' ends just before ``start``, and the index past its
-    ')'."""
+def _args(src: str, start: int) -> list[str]:
+    """The top-level arguments of the call whose '(' ends just before ``start``."""
     out, cur, depth, i = [], "", 1, start
     while depth:
         ch = src[i]
@@ -42,14 +41,14 @@ def _args(src: str, start: int) -> tuple[list[str], int]:
         elif depth:
             cur += ch
         i += 1
-    return out + [cur.strip()], i
+    return out + [cur.strip()]
 
 
 def bare_numbers(src: str) -> list[str]:
     """Message arguments of the TORCH_CHECKs in ``src`` that would stream a size or shape."""
     bad = []
     for m in re.finditer(r"\bTORCH_CHECK\(", src):
-        args, _ = _args(src, m.end())
+        args = _args(src, m.end())
         bad += [a for a in args[1:] if BARE.search(a) and not a.startswith(("int_str(", "shape_str("))]
     return bad
 
