@@ -24,7 +24,8 @@ DTYPES = {"bf16": "tf32", "fp16": "tf32", "fp32": "ieee", "fp32/tf32": "tf32"}  
 
 def _kernels():
     from elasticlab.gns import triton_conv, triton_outer
-    return {"outer": triton_outer._outer_norms_kernel, "conv": triton_conv._conv_outer_norms_kernel}
+    return {"outer": triton_outer._outer_norms_kernel, "outer-tma": triton_outer._outer_norms_tma_kernel,
+            "conv": triton_conv._conv_outer_norms_kernel}
 
 
 def cases() -> list[tuple]:
@@ -39,12 +40,17 @@ def cases() -> list[tuple]:
                                                                 (False, True)):
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
         out.append(("outer", dt, meta, w, s, ()))
-    for bm, bn, bk, w, s, flat in bench.SWEEP["configs"]:
+    for bm, bn, bk, w, s, flat, tma in bench.SWEEP["configs"]:
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
-        out.append(("outer", "bf16", meta, w, s, ()))
+        out.append(("outer-tma" if tma else "outer", "bf16", meta, w, s, ()))
     # as launched on a contiguous layer with one split: unit strides and SPLIT are specialised to 1
     meta = dict(BM=128, BN=128, BK=64, WITH_GRAD=True, PRECISION="tf32", FLAT=True)
     out.append(("outer", "bf16", meta, 8, 3, ("sa_i", "sd_o", "SPLIT")))
+    # the TMA form: operands through tensor descriptors, 16-bit and float32 (TF32 or exact)
+    for (bm, bn, bk, w, s), dt, flat, grad in itertools.product(sorted(outer_tiles), DTYPES, (False, True),
+                                                                (False, True)):
+        meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
+        out.append(("outer-tma", dt, meta, w, s, ()))
     layers = ((3, 64), (512, 512))
     conv_tiles = {triton_conv._config(t, cin, cout) for t in (4, 16, 32, 1024) for cin, cout in layers}
     for (bm, bn, bk, w, s), dt in itertools.product(sorted(conv_tiles), DTYPES):
@@ -70,6 +76,9 @@ def compile_case(case: tuple) -> tuple[str, str, int | None]:
         if arg in meta or arg in ones:
             sig[arg] = "constexpr"
             consts.setdefault(arg, 1)
+        elif arg.endswith("_desc"):                # [1, BK, BN] blocks of a, [1, BK, BM] of d
+            inner = meta["BN"] if arg == "a_desc" else meta["BM"]
+            sig[arg] = f"tensordesc<{dt.split('/')[0]}[1,{meta['BK']},{inner}]>"
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32" if arg in ("partial_ptr", "grad_ptr") else ptr
         else:

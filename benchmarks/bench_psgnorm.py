@@ -8,7 +8,9 @@ a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elast
 ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
 kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
 layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-tritonflat`` (the Triton kernel's flat loop
-over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-convgrouped`` (convolutions
+over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and
+``psgn-tritontmaflat`` (its operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the
+nested and the flat loop), ``psgn-convgrouped`` (convolutions
 on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
 :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16 convolutions on CUDA by
 the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`), ``psgn-py`` (the fused
@@ -233,21 +235,32 @@ def autocast(device: torch.device, prec: str):
 SEQUENCE_LINEAR = ("W2", "W3", "G1", "G3")
 CONVOLUTIONS = ("W4", "G2")
 
-# Methods that are psgn with one switch flipped: method -> (module, attribute, value, where it differs from
-# psgn (device type, workload, precision) -> bool, or None for everywhere, and what the skip line says).
+# Methods that are psgn with one switch flipped: method -> (module, attribute (or a tuple of attributes, all
+# set to the value), value, where it differs from psgn (device type, workload, precision) -> bool, or None for
+# everywhere, and what the skip line says).
+def _bf16_seq(dev: str, name: str, prec: str) -> bool:
+    """Where a switch of the Triton kernel that serves bfloat16 sequence Linear layers on CUDA applies."""
+    return dev == "cuda" and prec == "bf16" and name in SEQUENCE_LINEAR
+
+
 SWITCHED = {
     "psgn-ref": ("elasticlab.gns.kernels", "USE_KERNELS", False, None, ""),   # the compiled kernels off
     "psgn-py": ("elasticlab.gns.kernels", "USE_CXX_AUTOGRAD", False, None, ""),   # Python autograd.Functions
     "psgn-torchops": ("elasticlab.gns.kernels", "USE_DIRECT_CALLS", False, None, ""),  # torch.ops' entry
     "psgn-cublas": ("elasticlab.gns.triton_outer", "ENABLED", False, None, ""),   # no Triton: cuBLAS + fold
-    "psgn-calibrated": ("elasticlab.gns.calibrate", "ENABLED", True, None, ""),  # forms timed per layer shape
+    "psgn-calibrated": ("elasticlab.gns.calibrate", "ENABLED", True, None, ""),  # forms timed per shape
     "psgn-triton32": ("elasticlab.gns.triton_outer", "FP32", True,
                       lambda dev, name, prec: dev == "cuda" and prec == "fp32" and name in SEQUENCE_LINEAR,
                       "it changes float32 sequence Linear layers on CUDA"),
-    "psgn-tritonflat": ("elasticlab.gns.triton_outer", "FLAT", True,
-                        lambda dev, name, prec: dev == "cuda" and prec == "bf16" and name in SEQUENCE_LINEAR,
+    "psgn-tritonflat": ("elasticlab.gns.triton_outer", "FLAT", True, _bf16_seq,
                         "it changes the loop of the Triton kernel, which serves bfloat16 sequence Linear "
                         "layers on CUDA"),
+    "psgn-tritontma": ("elasticlab.gns.triton_outer", "TMA", True, _bf16_seq,
+                       "it changes how the Triton kernel, which serves bfloat16 sequence Linear layers on "
+                       "CUDA, loads its operands"),
+    "psgn-tritontmaflat": ("elasticlab.gns.triton_outer", ("TMA", "FLAT"), True, _bf16_seq,
+                           "it changes the Triton kernel, which serves bfloat16 sequence Linear layers on "
+                           "CUDA"),
     "psgn-convgrouped": ("elasticlab.gns.layers.conv", "GROUPED_ON_CUDA", True,
                          lambda dev, name, prec: dev == "cuda" and name in CONVOLUTIONS,
                          "it changes convolutions on CUDA"),
@@ -259,8 +272,8 @@ SWITCHED = {
 
 def _switch(method: str):
     import importlib
-    mod, attr, value, _, _ = SWITCHED[method]
-    return importlib.import_module(mod), attr, value
+    mod, attrs, value, _, _ = SWITCHED[method]
+    return importlib.import_module(mod), (attrs,) if isinstance(attrs, str) else attrs, value
 
 
 def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
@@ -276,16 +289,18 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
         return step
     if method in SWITCHED:
         # elasticlab with one switch flipped for the step (see SWITCHED)
-        module, attr, value = _switch(method)
+        module, attrs, value = _switch(method)
         inner = make_step("psgn", model, x, y, prec)
 
         def step():
-            before = getattr(module, attr)
-            setattr(module, attr, value)
+            before = [getattr(module, a) for a in attrs]
+            for a in attrs:
+                setattr(module, a, value)
             try:
                 return inner()
             finally:
-                setattr(module, attr, before)
+                for a, v in zip(attrs, before):
+                    setattr(module, a, v)
         step.close = inner.close
         return step
     if method in ("psgn", "psgn-hooks"):
@@ -641,7 +656,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods",
                     default="plain,psgn,psgn-ref,psgn-hooks,psgn-calibrated,psgn-triton32,psgn-tritonflat,"
-                            "psgn-convgrouped,psgn-convtriton,torch.func,opacus-ghost")
+                            "psgn-tritontma,psgn-tritontmaflat,psgn-convgrouped,psgn-convtriton,torch.func,"
+                            "opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--slow-s", type=float, default=1.0, help="a method slower than this a step is timed 3×")

@@ -4,7 +4,8 @@ For layer shapes of the GPU workloads (G1 GPT-2-small, G3 wide block, W2/W3), ea
 the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows, in the same dtype), in one run:
 ``triton`` (fused, products in registers: on tensor cores in bfloat16, exact FMA products in float32; a K
 loop per example), ``flat`` (the same kernel with one loop over (example, K step) pairs, pipelined across
-examples: ``triton_outer.FLAT``), ``cublas`` (batched GEMM + one fold pass; the
+examples: ``triton_outer.FLAT``), ``tma`` and ``tma-flat`` (both loops with the operands loaded through TMA
+descriptors and per-row partial norms: ``triton_outer.TMA``), ``cublas`` (batched GEMM + one fold pass; the
 compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
 ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
@@ -77,6 +78,9 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
         cfg = triton_outer._config(Din, Dout)[:5]
         meth["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
         meth["flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
+        if triton_outer.tma_ok(a, d):
+            meth["tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
+            meth["tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
     return meth
 
 
@@ -113,8 +117,9 @@ def _scratch_mb(fn) -> float:
 
 _TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
           (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
-# (BM, BN, BK, warps, stages, flat): each tile shape in both loops
-SWEEP = {"layers": ["G3.up", "G1.head"], "configs": [t + (f,) for t in _TILES for f in (False, True)]}
+# (BM, BN, BK, warps, stages, flat, tma): each tile shape in both loops, with pointer and with TMA loads
+SWEEP = {"layers": ["G3.up", "G1.head"],
+         "configs": [t + (f, m) for t in _TILES for m in (False, True) for f in (False, True)]}
 
 
 def _sweep_layer(name: str, iters: int) -> dict:
@@ -136,10 +141,12 @@ def sweep_triton(iters: int) -> dict:
     out = {}
     for name in SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters)
-        for flat in (False, True):                  # one line per loop: BMxBNxBK/warps/stages ratio
-            print(f"sweep {name:8s} {'flat' if flat else 'nested':6s} " + "  ".join(
-                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
-                for c, v in zip(SWEEP["configs"], row.values()) if c[5] == flat))
+        for tma in (False, True):
+            for flat in (False, True):              # one line per loop: BMxBNxBK/warps/stages ratio
+                loop = ("tma-" if tma else "") + ("flat" if flat else "nested")
+                print(f"sweep {name:8s} {loop:10s} " + "  ".join(
+                    f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
+                    for c, v in zip(SWEEP["configs"], row.values()) if c[5] == flat and c[6] == tma))
     return out
 
 
@@ -153,9 +160,9 @@ def main(argv=None) -> int:
     ceil = ceilings(args.iters)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
     rows = {}
-    cols = ("triton", "flat", "cublas", "bmm", "gram")
+    cols = ("triton", "flat", "tma", "tma-flat", "cublas", "bmm", "gram")
     print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} " + " ".join(f"{c:>8s}" for c in cols) + "   "
-          "rel.err vs fp64 (triton / flat / cublas / gram)")
+          "rel.err vs fp64 (triton / flat / tma / tma-flat / cublas / gram)")
     for name, dt in RUNS:
         res = rows[f"{name}:{str(dt).split('.')[-1]}"] = run_layer(name, dt, args.iters)
         torch.cuda.empty_cache()

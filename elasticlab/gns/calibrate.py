@@ -12,7 +12,10 @@ compiled forms, the rule's Python one for the Triton kernels). Only the first st
 
 A form's result is (per-example squared norms (B,), weight gradient), so every candidate is interchangeable;
 one that raises (say, a Triton tile too large for the device's shared memory) is left out of the choice, with
-a warning.
+a warning. Memory counts as well as time (issue 14's target: at most 10% more peak memory than plain): given
+the forms' modelled scratch, a form whose scratch exceeds :func:`elasticlab.gns.kernels.scratch_limit` (the
+default path's memory rule) is not run at all, unless every form does (then the one with the least scratch);
+:func:`left_out` lists what was so left out.
 """
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ from collections.abc import Callable
 
 import torch
 
+from elasticlab.gns import kernels
+
 ENABLED = False
 REPEATS = 3
 
 _CHOSEN: dict[tuple, str] = {}
 _TIMES: dict[tuple, dict[str, float]] = {}
+_LEFT_OUT: dict[tuple, dict[str, int]] = {}
 
 
 def active() -> bool:
@@ -89,13 +95,33 @@ def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.devi
     return best_name, best_out
 
 
-def run(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.device) -> tuple:
+def within_memory(key: tuple, forms: dict[str, Callable[[], tuple]], scratch: dict[str, int] | None,
+                  device: torch.device) -> dict[str, Callable[[], tuple]]:
+    """``forms`` less those whose ``scratch`` (bytes, modelled; a form not named takes none) exceeds
+    :func:`elasticlab.gns.kernels.scratch_limit` on ``device``; if that leaves none, the one with the least
+    scratch. What it drops is recorded for :func:`left_out`."""
+    limit = kernels.scratch_limit(device) if scratch else None
+    if limit is None:
+        return forms
+    kept = {n: f for n, f in forms.items() if scratch.get(n, 0) <= limit}
+    if not kept:
+        least = min(forms, key=lambda n: scratch.get(n, 0))
+        kept = {least: forms[least]}
+    dropped = {n: int(scratch[n]) for n in forms if n not in kept}
+    if dropped:
+        _LEFT_OUT[key] = dropped
+    return kept
+
+
+def run(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.device,
+        scratch: dict[str, int] | None = None) -> tuple:
     """The result of the form measured fastest for ``key``: the remembered one, or on the first call the
-    fastest of :func:`choose`'s measurements (whose result it keeps)."""
+    fastest of :func:`choose`'s measurements (whose result it keeps) among the forms :func:`within_memory`
+    keeps for their ``scratch`` (bytes per form, modelled)."""
     name = chosen(key)
     if name in forms:
         return forms[name]()
-    return choose(key, forms, device)[1]
+    return choose(key, within_memory(key, forms, scratch, device), device)[1]
 
 
 def timings() -> dict[tuple, dict[str, float]]:
@@ -103,7 +129,13 @@ def timings() -> dict[tuple, dict[str, float]]:
     return {k: dict(v) for k, v in _TIMES.items()}
 
 
+def left_out() -> dict[tuple, dict[str, int]]:
+    """{layer key: {form: modelled scratch bytes}} of the forms :func:`within_memory` kept out of a choice."""
+    return {k: dict(v) for k, v in _LEFT_OUT.items()}
+
+
 def reset() -> None:
     """Forgets every choice: the next backward of each shape measures again."""
     _CHOSEN.clear()
     _TIMES.clear()
+    _LEFT_OUT.clear()

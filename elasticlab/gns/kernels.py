@@ -290,6 +290,26 @@ def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_out
         return True
     if in_registers or in_use is None or gram > GRAM_SLOWDOWN_OK * outer:
         return False
-    scratch_outer = min(batch * din * dout * g_bytes, SCRATCH_CAP)
-    scratch_gram = min(batch * 2 * T * T * 4, SCRATCH_CAP)
+    scratch_outer = scratch_bytes("outer", batch, T, din, dout, dtype)
+    scratch_gram = scratch_bytes("gram", batch, T, din, dout, dtype)
     return scratch_gram < scratch_outer and scratch_outer > SCRATCH_SHARE * in_use()
+
+
+def scratch_bytes(form: str, batch: int, T: int, din: int, dout: int, dtype: torch.dtype) -> int:
+    """The memory rule's model of a form's scratch on CUDA, in bytes: ``outer`` (cuBLAS per-example products,
+    bfloat16 ones for bfloat16 inputs, else float32; in chunks of at most :data:`SCRATCH_CAP`), ``gram`` (two
+    T×T float32 Grams per example, likewise chunked)."""
+    if form == "outer":
+        g_bytes = 2 if dtype == torch.bfloat16 else (8 if dtype == torch.float64 else 4)
+        return min(batch * din * dout * g_bytes, SCRATCH_CAP)
+    if form == "gram":
+        return min(batch * 2 * T * T * 4, SCRATCH_CAP)
+    raise ValueError(f"scratch_bytes: no model for form {form!r} (outer, gram)")
+
+
+def scratch_limit(device: torch.device) -> float | None:
+    """The scratch a form may take under the memory rule: :data:`SCRATCH_SHARE` of the memory allocated on
+    ``device`` now (a lower bound of the plain step's peak); None off CUDA or while compiling (no rule)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    return SCRATCH_SHARE * torch.cuda.memory_allocated(device)

@@ -24,6 +24,12 @@ try:  # pragma: no cover - depends on the torch build
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
+try:  # pragma: no cover - Triton 3.4 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_TMA = HAS_TRITON
+except ImportError:  # pragma: no cover
+    HAS_TMA = False
 
 # Switch for comparisons (benchmarks): False sends every call to the cuBLAS operator.
 ENABLED = True
@@ -36,6 +42,12 @@ FP32 = False
 # loop measured on an H100 in session 5). Off until the flat loop is measured there
 # (benchmarks/bench_seq_linear_cuda.py, column ``flat``; bench_psgnorm.py, ``psgn-tritonflat``).
 FLAT = False
+# Hopper's tensor-memory accelerator for the operand tiles (:func:`tma_ok` inputs: 16-bit, 16-byte aligned
+# rows): the kernel :func:`_outer_norms_tma_kernel` loads each example's (BK × tile) blocks through TMA
+# descriptors (zero fill past T, no masks or address arithmetic in the loop) and writes per-row partial norms
+# (a row reduction within each warp instead of a whole-tile reduction across warps and a barrier per example).
+# Off until measured on a GPU (bench_seq_linear_cuda.py column ``tma``; bench_psgnorm.py ``psgn-tritontma``).
+TMA = False
 
 if HAS_TRITON:
     @triton.jit
@@ -98,6 +110,57 @@ if HAS_TRITON:
             tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+    @triton.jit
+    def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, B, T, Din, Dout, SPLIT,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
+                                PRECISION: tl.constexpr, FLAT: tl.constexpr):
+        """:func:`_outer_norms_kernel` with operands from TMA descriptors over a (B, T, Din) and d (B, T,
+        Dout) (blocks [1, BK, BN] and [1, BK, BM]) and a partial norm per gradient row: partial is (B, tiles,
+        BM)."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_n = tl.cdiv(Din, BN)
+        num_tiles = tl.num_programs(0)
+        m0 = (pid // num_n) * BM
+        n0 = (pid % num_n) * BN
+        rows = tl.arange(0, BM)
+        gacc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if FLAT:
+            k_tiles = tl.cdiv(T, BK)
+            n_b = tl.cdiv(B - split, SPLIT)
+            for it in range(0, n_b * k_tiles):
+                eb = it // k_tiles
+                ki = it - eb * k_tiles
+                b = split + eb * SPLIT
+                dt = d_desc.load([b, ki * BK, m0]).reshape(BK, BM)      # rows past T arrive as zeros
+                at = a_desc.load([b, ki * BK, n0]).reshape(BK, BN)
+                acc = tl.dot(dt.T, at, acc, input_precision=PRECISION)
+                if ki == k_tiles - 1:
+                    base = (tl.cast(b, tl.int64) * num_tiles + pid) * BM
+                    tl.store(partial_ptr + base + rows, tl.sum(acc * acc, axis=1))
+                    if WITH_GRAD:
+                        gacc += acc
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+        else:
+            for b in range(split, B, SPLIT):
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for t0 in range(0, T, BK):
+                    dt = d_desc.load([b, t0, m0]).reshape(BK, BM)
+                    at = a_desc.load([b, t0, n0]).reshape(BK, BN)
+                    acc = tl.dot(dt.T, at, acc, input_precision=PRECISION)
+                base = (tl.cast(b, tl.int64) * num_tiles + pid) * BM
+                tl.store(partial_ptr + base + rows, tl.sum(acc * acc, axis=1))   # rows past Dout: zeros
+                if WITH_GRAD:
+                    gacc += acc
+        if WITH_GRAD:
+            offs_m = m0 + rows
+            offs_n = n0 + tl.arange(0, BN)
+            g_ptrs = (grad_ptr + tl.cast(split, tl.int64) * Dout * Din + offs_m[:, None] * Din
+                      + offs_n[None, :])
+            tl.store(g_ptrs, gacc, mask=(offs_m < Dout)[:, None] & (offs_n < Din)[None, :])
+
+
 # Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
 # 2026-11-26): layers with at least this many 128×128 gradient tiles (G1's 768→50304 head: 1.71× the weight
 # GEMM against 2.26×; G3's 1024↔4096 at B=64: 1.94× against 2.2×) or short sequences (T=128: 2.86× against
@@ -155,6 +218,17 @@ def _config(Din: int, Dout: int) -> tuple[int, int, int, int, int, bool]:
     return bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4, 3, FLAT
 
 
+def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tuple | None = None,
+                  tma: bool = False) -> int:
+    """Bytes :func:`outer_norms` allocates beyond its results: the partial norms (B × tiles floats, × BM for
+    the TMA form's per-row partials) and, when the examples are split, the splits' gradient slices beyond
+    the first."""
+    bm, bn = (config or _config(Din, Dout))[:2]
+    tiles = -(-Dout // bm) * -(-Din // bn)
+    split = max(1, min(B, (2 * _sm_count(device)) // tiles))
+    return 4 * (B * tiles * (bm if tma else 1) + (split - 1) * Dout * Din)
+
+
 def _precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision: for float32, exact unless torch allows TF32 matmuls (then as the layer's
     own GEMM runs); half-precision operands multiply exactly on tensor cores either way."""
@@ -165,8 +239,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
     """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
-    ``config``: (BM, BN, BK, num_warps, num_stages[, flat]) instead of :func:`_config`'s (for tuning sweeps;
-    without ``flat``, the loop of :data:`FLAT`).
+    ``config``: (BM, BN, BK, num_warps, num_stages[, flat[, tma]]) instead of :func:`_config`'s (for tuning
+    sweeps; without ``flat``, the loop of :data:`FLAT`; without ``tma``, :data:`TMA`, which takes effect where
+    :func:`tma_ok`).
     With ``with_grad=False`` no gradient buffer is allocated and the kernel stores no gradient tile (the
     partial-norm buffer, B × tiles floats, is all it writes)."""
     B, T, Din = a.shape
@@ -176,27 +251,46 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout)
     flat = bool(rest[0]) if rest else FLAT
+    tma = bool(rest[1]) if len(rest) > 1 else TMA
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
     meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
                 FLAT=flat, num_warps=warps, num_stages=stages)
+    if tma and tma_ok(a, d):
+        operands = (TensorDescriptor(a, list(a.shape), list(a.stride()), [1, bk, bn]),
+                    TensorDescriptor(d, list(d.shape), list(d.stride()), [1, bk, bm]))
+        return run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, Dout, Din, with_grad, meta,
+                         operands=operands, rows_per_tile=bm)
     return run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, Dout, Din,
                      with_grad, meta)
 
 
+def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these operands: Triton's descriptors present, one floating dtype of
+    2 or 4 bytes, unit last strides, and 16-byte aligned bases and outer strides (else the pointer kernel)."""
+    if not HAS_TMA or a.dtype != d.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    for t in (a, d):
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
 def run_tiles(kernel, a: torch.Tensor, d: torch.Tensor, scalars: tuple, tiles: int, rows: int, cols: int,
-              with_grad: bool, meta: dict):
+              with_grad: bool, meta: dict, operands: tuple | None = None, rows_per_tile: int = 1):
     """Launches a fused per-example-norm kernel ``kernel(a, d, partial, grad, *scalars, SPLIT, **meta)`` on a
     (tiles, split) grid, the B examples of ``a`` split over enough programs for two per SM, and returns
-    (‖G_b‖² (B,) float32, the (rows, cols) float32 gradient or None): the partial norms (B, tiles) summed
-    over tiles, the splits' gradient slices over splits (both deterministic)."""
+    (‖G_b‖² (B,) float32, the (rows, cols) float32 gradient or None): the partial norms (B, tiles ×
+    ``rows_per_tile``) summed over tiles, the splits' gradient slices over splits (both deterministic).
+    ``operands``: what the kernel takes in place of (a, d), e.g. TMA descriptors over them."""
     B = a.shape[0]
     split = max(1, min(B, (2 * _sm_count(a.device)) // tiles))     # enough programs for two per SM
-    partial = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
+    partial = torch.empty(B, tiles * rows_per_tile, device=a.device, dtype=torch.float32)
     # norms only: the kernel never touches grad_ptr (WITH_GRAD is a compile-time constant), so it gets the
     # partial buffer as a placeholder
     grad = torch.empty(split, rows, cols, device=a.device, dtype=torch.float32) if with_grad else partial
     launch = kernel[(tiles, split)]
-    args = (a, d, partial, grad, *scalars, split)
+    args = (*(operands or (a, d)), partial, grad, *scalars, split)
     if a.device.index is None or a.device.index == torch.cuda.current_device():
         launch(*args, **meta)
     else:

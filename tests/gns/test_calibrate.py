@@ -175,9 +175,54 @@ def test_cuda_bf16_calibration_times_every_form_and_matches_the_default_path():
             torch.testing.assert_close(g, w, rtol=2e-2, atol=1e-3 * float(w.abs().max()))
     t = calibrate.timings()
     assert {k[0] for k in t} == {"linear", "conv"} and len(t) == 3
+    out = calibrate.left_out()                   # forms over the memory rule's limit are not run
     if triton_outer.HAS_TRITON:
-        assert all({"triton", "triton-flat"} <= set(v) for k, v in t.items() if k[0] == "linear")
-        assert all("triton" in v for k, v in t.items() if k[0] == "conv")
+        tma = {"triton-tma", "triton-tma-flat"} if triton_outer.HAS_TMA else set()
+        assert all({"triton", "triton-flat"} | tma <= set(v) | set(out.get(k, {}))
+                   for k, v in t.items() if k[0] == "linear")
+        assert all("triton" in set(v) | set(out.get(k, {})) for k, v in t.items() if k[0] == "conv")
+
+
+@pytest.mark.parametrize("limit,want", [(3000.0, "outer"), (0.0, "outer")])
+def test_forms_over_the_memory_limit_are_not_run(monkeypatch, limit, want):
+    """The memory rule (issue 14's 10% peak-memory target) binds calibration as it binds the default path:
+    with a scratch limit below the Gram form's modelled 3200 bytes (B=4, T=10: two 10×10 float32 Grams per
+    example), the Gram form, though fastest, is not run, and the layers take the outer form; with a limit
+    that no form meets, the one with the least scratch (outer: 4·6·12 and 4·12·3 float64 products)."""
+    _slowed(monkeypatch, linear_rule, "seq_forms", "gram")
+    monkeypatch.setattr(kernels, "scratch_limit", lambda device: limit)
+    model, x = _seq_model(), torch.randn(4, 10, 6, dtype=torch.float64)
+    y = torch.randn(4, 10, 3, dtype=torch.float64)
+    _step_and_check(model, x, y, _mse)
+    _step_and_check(model, x, y, _mse)
+    t, out = calibrate.timings(), calibrate.left_out()
+    assert len(t) == 2 and all(set(v) == {want} for v in t.values())
+    assert sorted(out.values(), key=str) == [{"gram": 3200}, {"gram": 3200}]
+    assert {calibrate.chosen(k) for k in t} == {want}
+    calibrate.reset()
+    assert calibrate.left_out() == {}
+
+
+def test_convolution_scratch_models_and_the_limit(monkeypatch):
+    """The conv forms' modelled scratch: the patches form's per-example products (B·G·K·Cout/G float64), the
+    Gram form's L×L Grams, the grouped form's chunk of per-example gradients and expanded weight; a limit
+    between them keeps out exactly the forms above it."""
+    m = nn.Conv2d(4, 6, 3, padding=1).double()
+    x = torch.randn(5, 4, 8, 8, dtype=torch.float64)
+    g = torch.randn(5, 6, 8, 8, dtype=torch.float64)
+    sc = conv_rule.conv_scratch(m, x, g, m.weight)
+    assert sc == {"patches": 5 * 36 * 6 * 8, "gram": 5 * 2 * 64 * 64 * 4, "grouped": 5 * 6 * 36 * 16}
+    monkeypatch.setattr(kernels, "scratch_limit", lambda device: 20000.0)
+    forms = conv_rule.conv_forms(m, x, g, m.weight)
+    kept = calibrate.within_memory(("conv", 0), forms, sc, x.device)
+    assert set(kept) == {"patches", "grouped"} and calibrate.left_out() == {("conv", 0): {"gram": 163840}}
+
+
+def test_the_memory_limit_is_a_share_of_the_allocated_memory_on_cuda_only():
+    assert kernels.scratch_limit(torch.device("cpu")) is None
+    assert calibrate.within_memory(("x",), {"a": int}, {"a": 10 ** 12}, torch.device("cpu")) == {"a": int}
+    with pytest.raises(ValueError, match="no model for form 'triton'"):
+        kernels.scratch_bytes("triton", 1, 1, 1, 1, torch.float32)
 
 
 def test_when_every_form_raises_the_error_propagates():

@@ -95,6 +95,58 @@ def test_the_loop_switch_chooses_the_kernel_loop(monkeypatch, flat):
     torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-6)
 
 
+# aligned for TMA descriptors (Din, Dout multiples of 8): edges cut, T off the K step, examples split
+TMA_CASES = [
+    (3, 70, 40, 136, None),
+    (5, 33, 72, 24, (32, 32, 16, 4, 2)),
+    (9, 16, 48, 64, (32, 32, 16, 4, 2)),
+]
+
+
+@pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,Din,Dout,config", TMA_CASES)
+def test_tma_kernel_matches_float64(monkeypatch, B, T, Din, Dout, config, dtype, flat):
+    """The TMA form (:func:`triton_outer._outer_norms_tma_kernel`: descriptor loads with zero fill past T,
+    a partial norm per gradient row) against float64, both loops, with and without the gradient; it is the
+    kernel launched (spied), and it gives the pointer kernel's norms."""
+    launched = []
+    real = triton_outer._outer_norms_tma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_outer, "_outer_norms_tma_kernel", Spy())
+    a, d = _inputs(B, T, Din, Dout, dtype)
+    assert triton_outer.tma_ok(a, d)
+    cfg = _with_loop(config, Din, Dout, flat)
+    n = _check(a, d, cfg + (True,))
+    torch.testing.assert_close(_check(a, d, cfg + (True,), with_grad=False), n, rtol=1e-6, atol=0)
+    assert len(launched) == 2
+    torch.testing.assert_close(_check(a, d, cfg + (False,)), n, rtol=1e-5, atol=0)
+    assert len(launched) == 2                                   # tma=False: the pointer kernel
+
+
+@pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")
+def test_tma_switch_falls_back_where_descriptors_cannot_address_the_operands(monkeypatch):
+    """With :data:`triton_outer.TMA` on, rows whose byte length is not a multiple of 16 (fp16 Dout = 130)
+    and views with an odd offset take the pointer kernel, and still give the float64 norms."""
+    monkeypatch.setattr(triton_outer, "TMA", True)
+    a, d = _inputs(3, 20, 40, 130, torch.float16)
+    assert not triton_outer.tma_ok(a, d)
+    _check(a, d, None)
+    a, d = _inputs(3, 20, 41, 24, torch.float16)
+    a = a[..., 1:]                                              # base 2 bytes past an aligned one
+    assert a.shape[2] == 40 and not triton_outer.tma_ok(a, d)
+    _check(a, d, None)
+    a, d = _inputs(3, 20, 40, 24, torch.float16)
+    assert triton_outer.tma_ok(a, d) and not triton_outer.tma_ok(a.double(), d.double())
+    _check(a, d, None)
+
+
 def test_the_examples_are_split_when_the_tiles_are_few(monkeypatch):
     """With one tile and 7 examples on a 4-SM device the kernel runs 7 programs, each summing its own
     examples' gradient slice (the slices then summed): the result is the same as one program's."""

@@ -254,9 +254,24 @@ def _conv_key(m: nn.Module, shape, dtype: torch.dtype, device: torch.device) -> 
                             m.padding, m.dilation, m.groups, dtype, device)
 
 
+def conv_scratch(m: nn.Module, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> dict[str, int]:
+    """Modelled scratch bytes of :func:`conv_forms`' forms beyond the unfolded input they share (calibration's
+    memory rule): the outer form's per-example products and the Gram form's Grams as
+    :func:`elasticlab.gns.kernels.scratch_bytes` models them (per group), the grouped form's per-example
+    gradients and expanded weight of a chunk; the Triton kernel's partial norms are negligible."""
+    B, G, cout = x.shape[0], m.groups, w.shape[0]
+    K, L = w[0].numel(), g[0, 0].numel()
+    acc = torch.empty(0, dtype=kernels.acc_dtype(x.dtype)).element_size()
+    chunk = max(1, min(B, 32, _chunk_elems(x) // w.numel()))
+    return {"patches": kernels.scratch_bytes("outer", B * G, L, K, cout // G, x.dtype),
+            "gram": kernels.scratch_bytes("gram", B * G, L, K, cout // G, x.dtype),
+            "grouped": chunk * w.numel() * (acc + x.element_size())}
+
+
 def _calibrated(m, x, g, w):
     """(‖G_b‖², Σ_b G_b) by the form measured fastest for this layer's shape (measured at the first call)."""
-    return calibrate.run(_conv_key(m, x.shape, x.dtype, x.device), conv_forms(m, x, g, w), x.device)
+    return calibrate.run(_conv_key(m, x.shape, x.dtype, x.device), conv_forms(m, x, g, w), x.device,
+                         conv_scratch(m, x, g, w))
 
 
 def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:

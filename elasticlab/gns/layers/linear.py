@@ -52,16 +52,30 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
     """The fused forms of a sequence Linear's weight norms for a (B,T,Din), d (B,T,Dout), each a call
     returning (‖G_b‖² (B,), Σ_b G_b): ``outer`` (the compiled operator: cuBLAS batched GEMMs and the fold on
     CUDA), ``gram`` (Gram form, plus the weight-gradient GEMM), and where the Triton kernel takes the inputs,
-    ``triton`` and ``triton-flat`` (its two loops). The candidates of :mod:`elasticlab.gns.calibrate`."""
+    ``triton`` and ``triton-flat`` (its two loops), and where TMA descriptors address them, ``triton-tma``
+    and ``triton-tma-flat``. The candidates of :mod:`elasticlab.gns.calibrate`."""
     compiled = kernels.compiled("seq_linear_outer_norms", a)
     forms = {"outer": lambda: kernels.seq_linear_outer_norms(a, d, with_grad=True, use_kernel=compiled),
              "gram": lambda: (kernels.seq_linear_gram_norms(a, d),
                               d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2])))}
     if triton_outer.supported(a) and a.stride(-1) == 1 and d.stride(-1) == 1:
         cfg = triton_outer._config(a.shape[2], d.shape[2])[:5]
-        forms["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
-        forms["triton-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
+        forms["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, False))
+        forms["triton-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, False))
+        if triton_outer.tma_ok(a, d):
+            forms["triton-tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
+            forms["triton-tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
     return forms
+
+
+def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
+    """Modelled scratch bytes of each of :func:`seq_forms`' ``forms`` (for calibration's memory rule)."""
+    (B, T, din), dout = a.shape, d.shape[2]
+    out = {f: kernels.scratch_bytes(f, B, T, din, dout, a.dtype) for f in ("outer", "gram")}
+    for f in forms:
+        if f.startswith("triton"):
+            out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f)
+    return out
 
 
 def _seq_key(B: int, T: int, din: int, dout: int, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -70,7 +84,9 @@ def _seq_key(B: int, T: int, din: int, dout: int, dtype: torch.dtype, device: to
 
 def _calibrated(a: torch.Tensor, d: torch.Tensor):
     """(‖G_b‖², Σ_b G_b) by the form measured fastest for this shape (measuring it on the first call)."""
-    return calibrate.run(_seq_key(*a.shape, d.shape[2], a.dtype, a.device), seq_forms(a, d), a.device)
+    forms = seq_forms(a, d)
+    return calibrate.run(_seq_key(*a.shape, d.shape[2], a.dtype, a.device), forms, a.device,
+                         seq_scratch(a, d, forms))
 
 
 class _LinearNorms(torch.autograd.Function):
