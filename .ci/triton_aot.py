@@ -34,10 +34,13 @@ def cases() -> list[tuple]:
 
     from elasticlab.gns import triton_conv, triton_outer
     out = []
-    wide = itertools.product((64, 4096), repeat=2)
-    outer_tiles = {triton_outer._config(din, dout)[:5] for din, dout in wide}
-    for (bm, bn, bk, w, s), dt, flat, grad in itertools.product(sorted(outer_tiles), DTYPES, (False, True),
-                                                                (False, True)):
+    import torch
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                   "fp32/tf32": torch.float32}
+    # (tile, dtype) as the wrappers choose them: the tile and its pipeline depth depend on the dtype
+    outer_tiles = sorted({(triton_outer._config(din, dout, torch_dtype[dt])[:5], dt)
+                          for din, dout in itertools.product((64, 4096), repeat=2) for dt in DTYPES})
+    for ((bm, bn, bk, w, s), dt), flat, grad in itertools.product(outer_tiles, (False, True), (False, True)):
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
         out.append(("outer", dt, meta, w, s, ()))
     for bm, bn, bk, w, s, flat, tma in bench.SWEEP["configs"]:
@@ -47,8 +50,7 @@ def cases() -> list[tuple]:
     meta = dict(BM=128, BN=128, BK=64, WITH_GRAD=True, PRECISION="tf32", FLAT=True)
     out.append(("outer", "bf16", meta, 8, 3, ("sa_i", "sd_o", "SPLIT")))
     # the TMA form: operands through tensor descriptors, 16-bit and float32 (TF32 or exact)
-    for (bm, bn, bk, w, s), dt, flat, grad in itertools.product(sorted(outer_tiles), DTYPES, (False, True),
-                                                                (False, True)):
+    for ((bm, bn, bk, w, s), dt), flat, grad in itertools.product(outer_tiles, (False, True), (False, True)):
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
         out.append(("outer-tma", dt, meta, w, s, ()))
     layers = ((3, 64), (512, 512))

@@ -75,7 +75,7 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
     if kernels.compiled("seq_linear_gram_norms", a) and name != "G1.head":  # T×T Grams beside a 50304-wide
         meth["gram"] = lambda: (torch.ops.elasticlab.seq_linear_gram_norms(a, d), d2.t() @ a2)  # GEMM: slow
     if triton_outer.HAS_TRITON:
-        cfg = triton_outer._config(Din, Dout)[:5]
+        cfg = triton_outer._config(Din, Dout, a.dtype)[:5]
         meth["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
         meth["flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
         if triton_outer.tma_ok(a, d):

@@ -59,8 +59,8 @@ def _check(a, d, config, with_grad=True):
     return n
 
 
-def _with_loop(config, Din, Dout, flat):
-    return (config or triton_outer._config(Din, Dout))[:5] + (flat,)
+def _with_loop(config, Din, Dout, flat, dtype=None):
+    return (config or triton_outer._config(Din, Dout, dtype))[:5] + (flat,)
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
@@ -68,7 +68,7 @@ def _with_loop(config, Din, Dout, flat):
 @pytest.mark.parametrize("B,T,Din,Dout,config", CASES)
 def test_fused_outer_norms_match_float64(B, T, Din, Dout, config, dtype, flat):
     a, d = _inputs(B, T, Din, Dout, dtype)
-    config = _with_loop(config, Din, Dout, flat)
+    config = _with_loop(config, Din, Dout, flat, dtype)
     n = _check(a, d, config)
     # norms only (no gradient buffer, WITH_GRAD off): the same norms
     torch.testing.assert_close(_check(a, d, config, with_grad=False), n, rtol=1e-6, atol=0)
@@ -122,7 +122,7 @@ def test_tma_kernel_matches_float64(monkeypatch, B, T, Din, Dout, config, dtype,
     monkeypatch.setattr(triton_outer, "_outer_norms_tma_kernel", Spy())
     a, d = _inputs(B, T, Din, Dout, dtype)
     assert triton_outer.tma_ok(a, d)
-    cfg = _with_loop(config, Din, Dout, flat)
+    cfg = _with_loop(config, Din, Dout, flat, dtype)
     n = _check(a, d, cfg + (True,))
     torch.testing.assert_close(_check(a, d, cfg + (True,), with_grad=False), n, rtol=1e-6, atol=0)
     assert len(launched) == 2

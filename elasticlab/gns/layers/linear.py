@@ -59,7 +59,7 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
              "gram": lambda: (kernels.seq_linear_gram_norms(a, d),
                               d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2])))}
     if triton_outer.supported(a) and a.stride(-1) == 1 and d.stride(-1) == 1:
-        cfg = triton_outer._config(a.shape[2], d.shape[2])[:5]
+        cfg = triton_outer._config(a.shape[2], d.shape[2], a.dtype)[:5]
         forms["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, False))
         forms["triton-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, False))
         if triton_outer.tma_ok(a, d):
@@ -74,7 +74,7 @@ def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
     out = {f: kernels.scratch_bytes(f, B, T, din, dout, a.dtype) for f in ("outer", "gram")}
     for f in forms:
         if f.startswith("triton"):
-            out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f)
+            out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
     return out
 
 
