@@ -4,7 +4,11 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <tuple>
+
+#define EL_CHECK(cond, ...) TORCH_CHECK(cond, ::elasticlab::message(__VA_ARGS__))
 
 namespace elasticlab {
 
@@ -13,14 +17,36 @@ namespace elasticlab {
 inline bool is_reduced_float(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 inline at::ScalarType acc_type(at::ScalarType t) { return is_reduced_float(t) ? at::kFloat : t; }
 
-// Numbers and shapes in error messages, written by std::to_string rather than by std::ostream's numeric
-// output. On the H100 machine (torch 2.11, GCC 13 build) every TORCH_CHECK of ours that streamed an int64_t or
-// a shape crashed the process with SIGSEGV instead of raising, where those streaming only text and dtypes raised.
-inline std::string int_str(int64_t v) { return std::to_string(v); }
+// Error messages: EL_CHECK(cond, parts...) is TORCH_CHECK(cond, message(parts...)), where message() writes
+// integers and floats by std::to_string, shapes (anything an IntArrayRef takes) as "[2, 3]", and passes the
+// rest (text, dtypes, devices) to c10::str. No number reaches std::ostream's numeric output: on the H100
+// machine (torch 2.11, its GCC 13 build) every TORCH_CHECK of ours that streamed an int64_t or a shape crashed
+// the process with SIGSEGV instead of raising, where those streaming only text and dtypes raised (session 10).
+// Like TORCH_CHECK's, the parts are evaluated only when the check fails. Every check in csrc/ is an EL_CHECK
+// (tests/test_csrc_messages.py).
 inline std::string shape_str(at::IntArrayRef s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + "]";
+}
+
+template <typename T>
+std::string message_part(const T& v) {
+  if constexpr (std::is_integral_v<T> || std::is_floating_point_v<T>) {
+    return std::to_string(v);
+  } else if constexpr (std::is_convertible_v<const T&, at::IntArrayRef> &&
+                       !std::is_convertible_v<const T&, std::string_view>) {
+    return shape_str(v);
+  } else {
+    return c10::str(v);
+  }
+}
+
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string out;
+  ((out += message_part(parts)), ...);
+  return out;
 }
 
 // Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type). The _out

@@ -167,14 +167,14 @@ at::Tensor conv_norms_autograd(const at::Tensor& x, const at::Tensor& weight, co
                                at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                int64_t groups, const at::Tensor& norms, int64_t form, int64_t chunk_elems,
                                std::optional<at::ScalarType> dtype) {
-  TORCH_CHECK(form == kConvOuter || form == kConvGram || form == kConvGrouped,
-              "conv_norms: form must be 0 (outer), 1 (Gram) or 2 (grouped convolution), got ", int_str(form));
-  TORCH_CHECK(x.dim() == weight.dim() && (x.dim() == 3 || x.dim() == 4),
-              "conv_norms: expected a batched 1-d or 2-d convolution input, got shape ", shape_str(x.sizes()),
-              " for weight ", shape_str(weight.sizes()));
-  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
-              "conv_norms: norms must be (2, B) = (2, ", int_str(x.size(0)), "), got ", shape_str(norms.sizes()));
-  TORCH_CHECK(chunk_elems > 0, "conv_norms: chunk_elems must be positive, got ", int_str(chunk_elems));
+  EL_CHECK(form == kConvOuter || form == kConvGram || form == kConvGrouped,
+           "conv_norms: form must be 0 (outer), 1 (Gram) or 2 (grouped convolution), got ", form);
+  EL_CHECK(x.dim() == weight.dim() && (x.dim() == 3 || x.dim() == 4),
+           "conv_norms: expected a batched 1-d or 2-d convolution input, got shape ", x.sizes(),
+           " for weight ", weight.sizes());
+  EL_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
+           "conv_norms: norms must be (2, B) = (2, ", x.size(0), "), got ", norms.sizes());
+  EL_CHECK(chunk_elems > 0, "conv_norms: chunk_elems must be positive, got ", chunk_elems);
   std::optional<at::Tensor> b = (bias.has_value() && bias->defined()) ? bias : std::nullopt;
   return ConvNorms::apply(x, weight, norms, b, stride.vec(), padding.vec(), dilation.vec(), groups, form,
                           chunk_elems, dtype);

@@ -75,12 +75,12 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
 
 at::Tensor linear_norms_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const at::Tensor& norms, int64_t form, std::optional<at::ScalarType> dtype) {
-  TORCH_CHECK(form == kOuter || form == kGram, "linear_norms: form must be 0 (outer) or 1 (Gram), got ",
-              int_str(form));
-  TORCH_CHECK(x.dim() >= 2, "linear_norms: per-example norms need a batch dimension first, got shape ",
-              shape_str(x.sizes()));
-  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
-              "linear_norms: norms must be (2, B) = (2, ", int_str(x.size(0)), "), got ", shape_str(norms.sizes()));
+  EL_CHECK(form == kOuter || form == kGram, "linear_norms: form must be 0 (outer) or 1 (Gram), got ",
+           form);
+  EL_CHECK(x.dim() >= 2, "linear_norms: per-example norms need a batch dimension first, got shape ",
+           x.sizes());
+  EL_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
+           "linear_norms: norms must be (2, B) = (2, ", x.size(0), "), got ", norms.sizes());
   std::optional<at::Tensor> b = (bias.has_value() && bias->defined()) ? bias : std::nullopt;
   return LinearNorms::apply(x, weight, norms, b, form, dtype);
 }

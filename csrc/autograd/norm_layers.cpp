@@ -129,10 +129,10 @@ struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
 at::Tensor layer_norm_norms_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                      const std::optional<at::Tensor>& bias, at::IntArrayRef shape, double eps,
                                      const at::Tensor& norms, bool upcast) {
-  TORCH_CHECK(x.dim() > static_cast<int64_t>(shape.size()),
-              "layer_norm_norms: per-example norms need a batch dimension first, got shape ", shape_str(x.sizes()));
-  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
-              "layer_norm_norms: norms must be (2, B) = (2, ", int_str(x.size(0)), "), got ", shape_str(norms.sizes()));
+  EL_CHECK(x.dim() > static_cast<int64_t>(shape.size()),
+           "layer_norm_norms: per-example norms need a batch dimension first, got shape ", x.sizes());
+  EL_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
+           "layer_norm_norms: norms must be (2, B) = (2, ", x.size(0), "), got ", norms.sizes());
   std::optional<at::Tensor> w = (weight.has_value() && weight->defined()) ? weight : std::nullopt;
   std::optional<at::Tensor> b = (bias.has_value() && bias->defined()) ? bias : std::nullopt;
   return LayerNormNorms::apply(x, norms, w, b, shape.vec(), eps, upcast);
@@ -147,10 +147,10 @@ at::Tensor layer_norm_norms_forward_only(const at::Tensor& x, const std::optiona
 
 at::Tensor group_norm_norms_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                      int64_t groups, double eps, const at::Tensor& norms, bool upcast) {
-  TORCH_CHECK(x.dim() >= 2, "group_norm_norms: per-example norms need a batch dimension first, got shape ",
-              shape_str(x.sizes()));
-  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
-              "group_norm_norms: norms must be (2, B) = (2, ", int_str(x.size(0)), "), got ", shape_str(norms.sizes()));
+  EL_CHECK(x.dim() >= 2, "group_norm_norms: per-example norms need a batch dimension first, got shape ",
+           x.sizes());
+  EL_CHECK(norms.dim() == 2 && norms.size(0) == 2 && norms.size(1) == x.size(0),
+           "group_norm_norms: norms must be (2, B) = (2, ", x.size(0), "), got ", norms.sizes());
   return GroupNormNorms::apply(x, norms, weight, bias, groups, eps, upcast);
 }
 

@@ -39,25 +39,25 @@ cudaDataType_t blas_type(at::ScalarType t) {
     case at::kFloat: return CUDA_R_32F;
     case at::kBFloat16: return CUDA_R_16BF;
     case at::kHalf: return CUDA_R_16F;
-    default: TORCH_CHECK(false, "batched_gemm: unsupported dtype ", t);
+    default: EL_CHECK(false, "batched_gemm: unsupported dtype ", t);
   }
 }
 
 int as_int(int64_t v, const char* what) {
-  TORCH_CHECK(v <= std::numeric_limits<int>::max(), "batched_gemm: ", what, " too large for cuBLAS (", int_str(v), ")");
+  EL_CHECK(v <= std::numeric_limits<int>::max(), "batched_gemm: ", what, " too large for cuBLAS (", v, ")");
   return static_cast<int>(v);
 }
 
 }  // namespace
 
 void batched_gemm(const at::Tensor& A_in, bool trans_a, const at::Tensor& B_in, bool trans_b, at::Tensor& C) {
-  TORCH_CHECK(A_in.dim() == 3 && B_in.dim() == 3 && C.dim() == 3 && C.is_contiguous(), "batched_gemm: bad operands");
-  TORCH_CHECK(A_in.scalar_type() == B_in.scalar_type(), "batched_gemm: operands must share a dtype");
+  EL_CHECK(A_in.dim() == 3 && B_in.dim() == 3 && C.dim() == 3 && C.is_contiguous(), "batched_gemm: bad operands");
+  EL_CHECK(A_in.scalar_type() == B_in.scalar_type(), "batched_gemm: operands must share a dtype");
   const int64_t batch = A_in.size(0);
   const int64_t M = trans_a ? A_in.size(2) : A_in.size(1), K = trans_a ? A_in.size(1) : A_in.size(2);
   const int64_t N = trans_b ? B_in.size(1) : B_in.size(2);
-  TORCH_CHECK((trans_b ? B_in.size(2) : B_in.size(1)) == K && C.size(0) == batch && C.size(1) == M && C.size(2) == N,
-              "batched_gemm: shapes do not match");
+  EL_CHECK((trans_b ? B_in.size(2) : B_in.size(1)) == K && C.size(0) == batch && C.size(1) == M && C.size(2) == N,
+           "batched_gemm: shapes do not match");
   if (batch == 0 || M == 0 || N == 0) return;
   if (K == 0) {
     C.zero_();

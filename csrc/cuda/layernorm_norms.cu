@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor> layernorm_partials(const at::Tensor& x_in, co
     return {z, z.clone()};
   }
   const int64_t cb = (D + 31) / 32;
-  TORCH_CHECK(cb <= 65535, "layernorm_per_example: D too large for the CUDA grid (", int_str(D), ")");
+  EL_CHECK(cb <= 65535, "layernorm_per_example: D too large for the CUDA grid (", D, ")");
   // Row splits: about four blocks per SM in all, each walking at least 64 rows.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = std::max<int64_t>(1, (4 * sms + B * cb - 1) / (B * cb));

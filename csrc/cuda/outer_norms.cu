@@ -49,12 +49,12 @@ void fold_products(const at::Tensor& G, at::Tensor norms, at::Tensor grad, bool 
   const int64_t bx1 = std::max<int64_t>(1, (nv + kThreads - 1) / kThreads);
   const int R = bx1 >= 4 * target ? 4 : 1;
   const int64_t bx = std::max<int64_t>(1, (nv + kThreads * R - 1) / (kThreads * R));
-  TORCH_CHECK(bx <= 0x7fffffff, "fold_products: product too large (", int_str(n), " elements)");
+  EL_CHECK(bx <= 0x7fffffff, "fold_products: product too large (", n, " elements)");
   int64_t groups = bx1 >= target ? 1 : std::min<int64_t>((target + bx - 1) / bx, (c + 3) / 4);
   groups = std::max<int64_t>(groups, (c + kFoldMaxGroup - 1) / kFoldMaxGroup);
   const int64_t group = (c + groups - 1) / groups;
   groups = (c + group - 1) / group;
-  TORCH_CHECK(groups <= 65535, "fold_products: too many examples in one chunk (", int_str(c), ")");
+  EL_CHECK(groups <= 65535, "fold_products: too many examples in one chunk (", c, ")");
   const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(groups));
   auto partial = at::empty({c, bx}, norms.options());
   const bool with_grad = grad.defined() && grad.numel() > 0;
@@ -82,7 +82,7 @@ void fold_products(const at::Tensor& G, at::Tensor norms, at::Tensor grad, bool 
         else launch_fold_r<c10::Half, float, 1>(G, partial, pg, acc_in_kernel, c, n, grid, group, R);
         break;
       default:
-        TORCH_CHECK(false, "fold_products: unsupported dtype ", G.scalar_type());
+        EL_CHECK(false, "fold_products: unsupported dtype ", G.scalar_type());
     }
   }
   at::sum_out(norms, partial, {1});
