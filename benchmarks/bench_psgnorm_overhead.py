@@ -2,7 +2,8 @@
 
 Two stacks of 24 layers with tiny batches, so that a step is dominated by per-layer dispatch rather than
 arithmetic: ``mlp24`` (24 × Linear(D, D) + tanh on (B, D) inputs: the product-of-norms path) and ``seq24``
-(24 × LayerNorm → Linear → GELU on (B, T, D): LayerNorm's rule and the sequence Linear). Methods, timed
+(24 × LayerNorm → Linear → GELU on (B, T, D): LayerNorm's rule and the sequence Linear) and ``conv24`` (24 ×
+Conv2d 3×3 → GroupNorm → ReLU on (B, C, 4, 4): G2's layer families). Methods, timed
 interleaved in the same run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``, fused
 backward, ``sq_norms()`` read each step), ``psgn-torchops`` (the same, but the fused layers' operators called
 through torch.ops' boxed entry rather than ``_C``'s direct one: ``kernels.USE_DIRECT_CALLS = False``) and
@@ -60,12 +61,28 @@ class SeqStack(nn.Module):
         return x
 
 
+class ConvStack(nn.Module):
+    """G2's layer families (ResNet-18 with GroupNorm): Conv2d 3×3 → GroupNorm → ReLU, 24 times."""
+
+    def __init__(self, C: int):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in range(LAYERS))
+        self.norms = nn.ModuleList(nn.GroupNorm(2, C) for _ in range(LAYERS))
+
+    def forward(self, x):
+        for conv, gn in zip(self.convs, self.norms):
+            x = torch.relu(gn(conv(x)))
+        return x
+
+
 def workload(name: str):
     torch.manual_seed(0)
     if name == "mlp24":
         return MLP(32), torch.randn(4, 32)
     if name == "seq24":
         return SeqStack(32), torch.randn(2, 8, 32)
+    if name == "conv24":
+        return ConvStack(8), torch.randn(2, 8, 4, 4)
     raise ValueError(f"unknown workload {name!r}")
 
 

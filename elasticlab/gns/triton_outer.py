@@ -269,11 +269,22 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
                      with_grad, meta)
 
 
+_HOPPER: dict[int, bool] = {}
+
+
 def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
-    """Whether TMA descriptors can address these operands: Triton's descriptors present, one floating dtype of
-    2 or 4 bytes, unit last strides, and 16-byte aligned bases and outer strides (else the pointer kernel)."""
+    """Whether TMA descriptors can address these operands: Triton's descriptors present, a GPU with the tensor
+    memory accelerator (compute capability 9 or later; CPU tensors: Triton's interpreter), one floating
+    dtype of 2 or 4 bytes, unit last strides, and 16-byte aligned bases and outer strides (else the pointer
+    kernel)."""
     if not HAS_TMA or a.dtype != d.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
+    if a.is_cuda:
+        idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        if idx not in _HOPPER:
+            _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+        if not _HOPPER[idx]:
+            return False
     for t in (a, d):
         es = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):

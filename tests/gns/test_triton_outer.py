@@ -59,6 +59,19 @@ def _check(a, d, config, with_grad=True):
     return n
 
 
+def _spy_launches(monkeypatch, kernel: str) -> list:
+    """The grid of each launch of ``triton_outer.<kernel>`` from now on (the kernel still runs)."""
+    launches, real = [], getattr(triton_outer, kernel)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_outer, kernel, Spy())
+    return launches
+
+
 def _with_loop(config, Din, Dout, flat, dtype=None):
     return (config or triton_outer._config(Din, Dout, dtype))[:5] + (flat,)
 
@@ -111,15 +124,7 @@ def test_tma_kernel_matches_float64(monkeypatch, B, T, Din, Dout, config, dtype,
     """The TMA form (:func:`triton_outer._outer_norms_tma_kernel`: descriptor loads with zero fill past T,
     a partial norm per gradient row) against float64, both loops, with and without the gradient; it is the
     kernel launched (spied), and it gives the pointer kernel's norms."""
-    launched = []
-    real = triton_outer._outer_norms_tma_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_outer, "_outer_norms_tma_kernel", Spy())
+    launched = _spy_launches(monkeypatch, "_outer_norms_tma_kernel")
     a, d = _inputs(B, T, Din, Dout, dtype)
     assert triton_outer.tma_ok(a, d)
     cfg = _with_loop(config, Din, Dout, flat, dtype)
@@ -150,15 +155,7 @@ def test_tma_switch_falls_back_where_descriptors_cannot_address_the_operands(mon
 def test_the_examples_are_split_when_the_tiles_are_few(monkeypatch):
     """With one tile and 7 examples on a 4-SM device the kernel runs 7 programs, each summing its own
     examples' gradient slice (the slices then summed): the result is the same as one program's."""
-    launches = []
-    real = triton_outer._outer_norms_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_outer, "_outer_norms_kernel", Spy())
+    launches = _spy_launches(monkeypatch, "_outer_norms_kernel")
     a, d = _inputs(7, 9, 16, 16, torch.float32)
     n = _check(a, d, (32, 32, 16, 4, 2))
     assert launches[-1] == (1, 7)
