@@ -32,6 +32,15 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+def autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device (as :func:`autocast_dtype`, without a device lookup in the
+    common case)."""
+    if ((t.is_cuda or t.is_cpu) and not torch.compiler.is_compiling()
+            and not torch._C._is_any_autocast_enabled()):
+        return False
+    return torch.is_autocast_enabled(t.device.type)
+
+
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """``t`` in ``dtype`` (no copy when it already is; None passes through)."""
     if t is None or dtype is None or t.dtype == dtype:

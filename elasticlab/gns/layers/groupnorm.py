@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, batched, cast, wider
+from elasticlab.gns.layers.common import affine_norms, autocast_on, batched, cast, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -108,6 +108,7 @@ class _GroupNormNorms(torch.autograd.Function):
 def groupnorm_forward(module: nn.GroupNorm, slot):
     if not module.affine:
         return None
+    params = module._parameters                # (a dict lookup, not nn.Module.__getattr__, per call)
 
     def forward(x):
         if x.dim() < 2:
@@ -119,10 +120,10 @@ def groupnorm_forward(module: nn.GroupNorm, slot):
         slot.called()
         op = kernels.cxx_autograd("group_norm_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            upcast = torch.is_autocast_enabled(x.device.type)
+            upcast = autocast_on(x)
             dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
-            return op(x, module.weight, module.bias, module.num_groups, module.eps, buf, upcast)
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x)
+            return op(x, params["weight"], params["bias"], module.num_groups, module.eps, buf, upcast)
         return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot)
     return forward
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, batched, cast, wider
+from elasticlab.gns.layers.common import affine_norms, autocast_on, batched, cast, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -78,6 +78,7 @@ class _LayerNormNorms(torch.autograd.Function):
 
 def layernorm_forward(module: nn.LayerNorm, slot):
     shape = list(module.normalized_shape)
+    params = module._parameters                # (a dict lookup, not nn.Module.__getattr__, per call)
 
     def forward(x):
         if x.dim() < len(shape) + 1:
@@ -86,10 +87,10 @@ def layernorm_forward(module: nn.LayerNorm, slot):
         slot.called()
         op = kernels.cxx_autograd("layer_norm_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            upcast = torch.is_autocast_enabled(x.device.type)
+            upcast = autocast_on(x)
             dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
-            return op(x, module.weight, module.bias, shape, module.eps, buf, upcast)
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x)
+            return op(x, params.get("weight"), params.get("bias"), shape, module.eps, buf, upcast)
         return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot)
     return forward
 
