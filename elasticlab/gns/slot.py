@@ -47,22 +47,20 @@ class Slot:
             if pname in self.need:
                 self.norms[pname] = v if not v.requires_grad else v.detach()
 
-    def buffer(self, batch: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    def buffer(self, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This step's (2, B) norms buffer for a fused layer's C++ backward, which writes row 0 (weight) and
         row 1 (bias); recorded now, valid after the backward. Normally rows of the owner's block shared by all
         slots (one reset and one read a step for the whole model); a slot whose batch, dtype or device differs
         from the block's gets its own. Kept across steps of one shape (reset to NaN at each forward, so a read
-        before the backward gives NaN; results never alias it). ``like``: a tensor on the layer's device (its
-        input; the device object is made only when the buffer is)."""
+        before the backward gives NaN; results never alias it)."""
         block = self.owner._block
-        key = (batch, dtype, like.is_cuda, like.get_device(), block.gen)
+        key = (batch, dtype, device, block.gen)
         if key != self._buf_key:
-            device = like.device
             rows = block.rows(self, batch, dtype, device)
             self.buf = rows if rows is not None else torch.full((2, batch), float("nan"), dtype=dtype,
                                                                 device=device)
             self._views = {p: r for p, r in zip(ROWS, self.buf.unbind(0)) if p in self.need}
-            self._buf_key = (batch, dtype, like.is_cuda, like.get_device(), block.gen)
+            self._buf_key = (batch, dtype, device, block.gen)
             self._in_block = rows is not None
             self.owner._bufs = None
         self.batch = batch

@@ -323,7 +323,7 @@ def conv_forward(module: nn.Module, slot):
                 if form is _MISSING:
                     form = forms[key] = _cxx_form(module, x, dtype)
             if form is not None:
-                buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x)
+                buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
                 return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x),
                           dtype)
         return _ConvNorms.apply(x, module.weight, module.bias, module, slot, dtype)

@@ -122,7 +122,7 @@ def groupnorm_forward(module: nn.GroupNorm, slot):
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             upcast = autocast_on(x)
             dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x)
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
             return op(x, params["weight"], params["bias"], module.num_groups, module.eps, buf, upcast)
         return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot)
     return forward

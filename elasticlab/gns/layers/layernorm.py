@@ -89,7 +89,7 @@ def layernorm_forward(module: nn.LayerNorm, slot):
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             upcast = autocast_on(x)
             dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x)
+            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
             return op(x, params.get("weight"), params.get("bias"), shape, module.eps, buf, upcast)
         return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot)
     return forward

@@ -194,7 +194,7 @@ def linear_forward(module: nn.Linear, slot):
                 if form is _MISSING:
                     form = forms[key] = _cxx_form(module, x, dtype)
             if form is not None:               # the C++ backward fills the slot's (weight, bias) rows
-                buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x)
+                buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
                 return op(x, params["weight"], params.get("bias"), buf, form, dtype)
         return _LinearNorms.apply(x, module.weight, module.bias, slot, dtype)
     return forward
