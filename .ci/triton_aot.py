@@ -40,19 +40,17 @@ def cases() -> list[tuple]:
     # (tile, dtype) as the wrappers choose them: the tile and its pipeline depth depend on the dtype
     outer_tiles = sorted({(triton_outer._config(din, dout, torch_dtype[dt])[:5], dt)
                           for din, dout in itertools.product((64, 4096), repeat=2) for dt in DTYPES})
-    for ((bm, bn, bk, w, s), dt), flat, grad in itertools.product(outer_tiles, (False, True), (False, True)):
+    # both forms (pointer loads; TMA descriptors), both loops, with and without the gradient
+    for kernel, ((bm, bn, bk, w, s), dt), flat, grad in itertools.product(
+            ("outer", "outer-tma"), outer_tiles, (False, True), (False, True)):
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
-        out.append(("outer", dt, meta, w, s, ()))
+        out.append((kernel, dt, meta, w, s, ()))
     for bm, bn, bk, w, s, flat, tma in bench.SWEEP["configs"]:
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma" if tma else "outer", "bf16", meta, w, s, ()))
     # as launched on a contiguous layer with one split: unit strides and SPLIT are specialised to 1
     meta = dict(BM=128, BN=128, BK=64, WITH_GRAD=True, PRECISION="tf32", FLAT=True)
     out.append(("outer", "bf16", meta, 8, 3, ("sa_i", "sd_o", "SPLIT")))
-    # the TMA form: operands through tensor descriptors, 16-bit and float32 (TF32 or exact)
-    for ((bm, bn, bk, w, s), dt), flat, grad in itertools.product(outer_tiles, (False, True), (False, True)):
-        meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
-        out.append(("outer-tma", dt, meta, w, s, ()))
     layers = ((3, 64), (512, 512))
     conv_tiles = {triton_conv._config(t, cin, cout) for t in (4, 16, 32, 1024) for cin, cout in layers}
     for (bm, bn, bk, w, s), dt in itertools.product(sorted(conv_tiles), DTYPES):

@@ -277,7 +277,7 @@ def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_out
     written); ``in_use``: a callable giving the bytes allocated on the device, called only when the rule
     applies (None: time only, e.g. while compiling, where reading the allocator would break the graph)."""
     bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(dtype)
-    g_bytes = 2 if dtype == torch.bfloat16 else (8 if dtype == torch.float64 else 4)
+    g_bytes = _product_bytes(dtype)
     if in_registers:
         # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
         outer = CUDA_RATES["fused_overhead"] * 2.0 * T * din * dout / rate
@@ -295,13 +295,18 @@ def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_out
     return scratch_gram < scratch_outer and scratch_outer > SCRATCH_SHARE * in_use()
 
 
+def _product_bytes(dtype: torch.dtype) -> int:
+    """Bytes of one per-example product element the cuBLAS outer form writes: bfloat16 ones for bfloat16
+    inputs, float64 for float64, else float32."""
+    return 2 if dtype == torch.bfloat16 else (8 if dtype == torch.float64 else 4)
+
+
 def scratch_bytes(form: str, batch: int, T: int, din: int, dout: int, dtype: torch.dtype) -> int:
     """The memory rule's model of a form's scratch on CUDA, in bytes: ``outer`` (cuBLAS per-example products,
     bfloat16 ones for bfloat16 inputs, else float32; in chunks of at most :data:`SCRATCH_CAP`), ``gram`` (two
     T×T float32 Grams per example, likewise chunked)."""
     if form == "outer":
-        g_bytes = 2 if dtype == torch.bfloat16 else (8 if dtype == torch.float64 else 4)
-        return min(batch * din * dout * g_bytes, SCRATCH_CAP)
+        return min(batch * din * dout * _product_bytes(dtype), SCRATCH_CAP)
     if form == "gram":
         return min(batch * 2 * T * T * 4, SCRATCH_CAP)
     raise ValueError(f"scratch_bytes: no model for form {form!r} (outer, gram)")

@@ -42,11 +42,12 @@ FP32 = False
 # loop measured on an H100 in session 5). Off until the flat loop is measured there
 # (benchmarks/bench_seq_linear_cuda.py, column ``flat``; bench_psgnorm.py, ``psgn-tritonflat``).
 FLAT = False
-# Hopper's tensor-memory accelerator for the operand tiles (:func:`tma_ok` inputs: 16-bit, 16-byte aligned
-# rows): the kernel :func:`_outer_norms_tma_kernel` loads each example's (BK × tile) blocks through TMA
-# descriptors (zero fill past T, no masks or address arithmetic in the loop) and writes per-row partial norms
-# (a row reduction within each warp instead of a whole-tile reduction across warps and a barrier per example).
-# Off until measured on a GPU (bench_seq_linear_cuda.py column ``tma``; bench_psgnorm.py ``psgn-tritontma``).
+# Hopper's tensor-memory accelerator for the operand tiles (where :func:`tma_ok`: 16-byte aligned rows on a
+# GPU of compute capability 9 or later): the kernel :func:`_outer_norms_tma_kernel` loads each example's
+# (BK × tile) blocks through TMA descriptors (zero fill past T, no masks or address arithmetic in the loop)
+# and writes per-row partial norms (a row reduction within each warp instead of a whole-tile reduction
+# across warps and a barrier per example). Off until measured on a GPU (bench_seq_linear_cuda.py column
+# ``tma``; bench_psgnorm.py ``psgn-tritontma``).
 TMA = False
 
 if HAS_TRITON:
@@ -166,7 +167,7 @@ if HAS_TRITON:
 # GEMM against 2.26×; G3's 1024↔4096 at B=64: 1.94× against 2.2×) or short sequences (T=128: 2.86× against
 # 4.02×). On G1's block layers (36–144 tiles, T=1024) cuBLAS won (2.07–2.23× against 2.27–2.77×).
 MIN_TILES, MAX_SHORT_T = 200, 128
-_SMS: dict[int, int] = {}
+_PROPS: dict[int, object] = {}                     # CUDA device index -> torch.cuda.get_device_properties
 
 
 def supported(a: torch.Tensor) -> bool:
@@ -201,13 +202,22 @@ def shape_preferred(T: int, din: int, dout: int) -> bool:
 def _sm_count(dev: torch.device) -> int:
     """Streaming multiprocessors of ``dev``; 4 for a CPU tensor (Triton's interpreter, ``TRITON_INTERPRET=1``,
     where tests run the kernel without a GPU and this count only sets how the examples are split)."""
-    if dev.type != "cuda":
-        return 4
+    return _props(dev).multi_processor_count if dev.type == "cuda" else 4
+
+
+def _props(dev: torch.device):
+    """``dev``'s CUDA device properties, read once per device."""
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    n = _SMS.get(idx)
-    if n is None:
-        n = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return n
+    p = _PROPS.get(idx)
+    if p is None:
+        p = _PROPS[idx] = torch.cuda.get_device_properties(idx)
+    return p
+
+
+def _split(B: int, tiles: int, dev: torch.device) -> int:
+    """How many groups the B examples are split into over the grid's second axis: enough programs for two
+    per SM."""
+    return max(1, min(B, (2 * _sm_count(dev)) // tiles))
 
 
 def _config(Din: int, Dout: int, dtype: torch.dtype | None = None) -> tuple[int, int, int, int, int, bool]:
@@ -230,7 +240,7 @@ def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tup
     the first."""
     bm, bn = (config or _config(Din, Dout, dtype))[:2]
     tiles = -(-Dout // bm) * -(-Din // bn)
-    split = max(1, min(B, (2 * _sm_count(device)) // tiles))
+    split = _split(B, tiles, device)
     return 4 * (B * tiles * (bm if tma else 1) + (split - 1) * Dout * Din)
 
 
@@ -269,9 +279,6 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
                      with_grad, meta)
 
 
-_HOPPER: dict[int, bool] = {}
-
-
 def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
     """Whether TMA descriptors can address these operands: Triton's descriptors present, a GPU with the tensor
     memory accelerator (compute capability 9 or later; CPU tensors: Triton's interpreter), one floating
@@ -279,12 +286,8 @@ def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
     kernel)."""
     if not HAS_TMA or a.dtype != d.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    if a.is_cuda:
-        idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        if idx not in _HOPPER:
-            _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-        if not _HOPPER[idx]:
-            return False
+    if a.is_cuda and _props(a.device).major < 9:
+        return False
     for t in (a, d):
         es = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
@@ -300,7 +303,7 @@ def run_tiles(kernel, a: torch.Tensor, d: torch.Tensor, scalars: tuple, tiles: i
     ``rows_per_tile``) summed over tiles, the splits' gradient slices over splits (both deterministic).
     ``operands``: what the kernel takes in place of (a, d), e.g. TMA descriptors over them."""
     B = a.shape[0]
-    split = max(1, min(B, (2 * _sm_count(a.device)) // tiles))     # enough programs for two per SM
+    split = _split(B, tiles, a.device)
     partial = torch.empty(B, tiles * rows_per_tile, device=a.device, dtype=torch.float32)
     # norms only: the kernel never touches grad_ptr (WITH_GRAD is a compile-time constant), so it gets the
     # partial buffer as a placeholder

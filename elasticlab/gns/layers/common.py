@@ -21,24 +21,19 @@ def batched(module: nn.Module, x: torch.Tensor, min_dim: int) -> None:
                          f"input of shape {tuple(x.shape)}")
 
 
-def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype on ``t``'s device when autocast is on there and ``t`` is floating, else None."""
+def autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device, without a device lookup in the common case (off)."""
     if ((t.is_cuda or t.is_cpu) and not torch.compiler.is_compiling()
             and not torch._C._is_any_autocast_enabled()):  # (that flag omits some backends, e.g. MPS)
-        return None                                       # the common case, without a device lookup
-    dev = t.device.type
-    if t.is_floating_point() and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return None
-
-
-def autocast_on(t: torch.Tensor) -> bool:
-    """Whether autocast is on for ``t``'s device (as :func:`autocast_dtype`, without a device lookup in the
-    common case)."""
-    if ((t.is_cuda or t.is_cpu) and not torch.compiler.is_compiling()
-            and not torch._C._is_any_autocast_enabled()):
         return False
     return torch.is_autocast_enabled(t.device.type)
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype on ``t``'s device when autocast is on there and ``t`` is floating, else None."""
+    if autocast_on(t) and t.is_floating_point():
+        return torch.get_autocast_dtype(t.device.type)
+    return None
 
 
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
