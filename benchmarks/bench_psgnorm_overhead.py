@@ -7,13 +7,16 @@ Conv2d 3×3 → GroupNorm → ReLU on (B, C, 4, 4): G2's layer families). Method
 interleaved in the same run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``, fused
 backward, ``sq_norms()`` read each step), ``psgn-torchops`` (the same, but the fused layers' operators called
 through torch.ops' boxed entry rather than ``_C``'s direct one: ``kernels.USE_DIRECT_CALLS = False``) and
-``psgn-hooks`` (hooks only). Each round times ``--steps`` steps
+``psgn-hooks`` (hooks only). ``--conv-form outer|gram`` sends conv24's convolutions to the C++ function's
+CUDA forms (the batched GEMM or the Gram form over the patches) on the CPU, so that their host work is
+counted here. Each round times ``--steps`` steps
 of one method, by the CPU time of the calling thread (``time.thread_time``: with one intra-op thread the
 forward, the backward and the kernels all run there, and other processes on a shared machine barely move
 it; ``--clock wall`` for wall time); the minimum over ``--rounds`` rounds of the mean step is reported (the
 median too, as ``*_med``), with the ratio to plain and the extra microseconds per layer ((psgn − plain) /
 24). Timings on a loaded machine move by ±20%, so each workload also gets two deterministic counts per
-step and method: ATen operators dispatched (``torch.profiler``, CPU) and Python function calls
+step and method: ATen operators dispatched (``torch.profiler``, CPU; and those outside elasticlab's kernel
+operators, whose inner ATen calls are the device's own) and Python function calls
 (``cProfile``), under ``counts``. ``--profile``: cProfile of ``psgn`` steps, the top functions by own time.
 Last line: ``RESULT {json}``.
 
@@ -36,6 +39,7 @@ from torch import nn
 from elasticlab.gns import PerSampleGradNorms, kernels
 
 LAYERS = 24
+CONV_FORMS = {"auto": None, "outer": 0, "gram": 1, "grouped": 2}     # --conv-form: the C++ function's forms
 
 
 class MLP(nn.Module):
@@ -155,6 +159,7 @@ def counts(name: str, methods, steps: int = 5) -> dict:
                 for _ in range(steps):
                     step()
             ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+            host = sum(1 for e in prof.events() if e.name.startswith("aten::") and not _in_kernel(e))
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(steps):
@@ -163,8 +168,24 @@ def counts(name: str, methods, steps: int = 5) -> dict:
             calls = sum(v[1] for v in pstats.Stats(pr).stats.values())
         finally:
             step.close()
-        out[m] = {"aten_ops": round(ops / steps), "py_calls": round(calls / steps)}
+        out[m] = {"aten_ops": round(ops / steps), "host_ops": round(host / steps),
+                  "py_calls": round(calls / steps)}
     return out
+
+
+# elasticlab's kernel operators: the ATen ops they dispatch inside are the device's own (a CPU kernel's GEMMs
+# are ATen calls, a CUDA kernel's are cuBLAS calls), so ``host_ops`` leaves them out: what is left is the host
+# work both devices share.
+_KERNEL_OPS = frozenset(f"elasticlab::{k.split('.')[0]}" for k in kernels._CXX_NEEDS if k != "conv_patches")
+
+
+def _in_kernel(e) -> bool:
+    p = e.cpu_parent
+    while p is not None:
+        if p.name in _KERNEL_OPS:
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def profile(name: str, steps: int, top: int) -> None:
@@ -191,9 +212,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--conv-form", choices=tuple(CONV_FORMS), default="auto",
+                    help="the C++ convolution's form for conv24 (CUDA's outer and Gram forms on the CPU)")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.conv_form != "auto":             # every shape to one form (the rule's per-shape choice replaced)
+        from elasticlab.gns.layers import conv as conv_rule
+        conv_rule._cxx_form = lambda module, x, dtype, form=CONV_FORMS[args.conv_form]: form
     methods = [m for m in args.methods.split(",") if m]
     if "plain" not in methods:
         methods.insert(0, "plain")
@@ -207,8 +233,9 @@ def main(argv=None) -> int:
         line = "  ".join(f"{m} {r[m]['us']:.0f} us ({r[m]['ratio']:.2f}x, median {r[m]['ratio_med']:.2f}x; "
                          f"+{r[m]['extra_us_per_layer']:.1f} us/layer)" for m in methods if m != "plain")
         print(f"{name}: plain {r['plain_us']:.0f} us  {line}", flush=True)
-        print("   per step: " + "  ".join(f"{m} {c['aten_ops']} aten ops, {c['py_calls']} Python calls"
-                                         for m, c in r["counts"].items()), flush=True)
+        print("   per step: " + "  ".join(f"{m} {c['aten_ops']} aten ops ({c['host_ops']} outside kernels), "
+                                         f"{c['py_calls']} Python calls" for m, c in r["counts"].items()),
+              flush=True)
         if args.profile:
             profile(name, args.steps, args.top)
     print("RESULT " + json.dumps(res))

@@ -15,6 +15,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include "ops.h"
 
 #include <initializer_list>
 #include <optional>
@@ -138,18 +139,19 @@ PyObject* linear_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
 
 PyObject* conv_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
   static PyObject* entry = nullptr;
-  return fast_call("conv_norms", entry, args, n, 11, {0, 1, 2, 7}, [](const Args& a) {
+  return fast_call("conv_norms", entry, args, n, 12, {0, 1, 2, 7}, [](const Args& a) {
     static const auto op = handle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                              c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t,
-                                             const at::Tensor&, int64_t, int64_t, std::optional<at::ScalarType>)>(
-        "elasticlab::conv_norms");
+                                             const at::Tensor&, int64_t, int64_t, std::optional<at::ScalarType>,
+                                             bool)>("elasticlab::conv_norms");
     at::Tensor x = a.tensor(0), w = a.tensor(1), norms = a.tensor(7);
     OptTensor b = a.opt_tensor(2);
     const std::vector<int64_t> stride = a.ints(3), padding = a.ints(4), dilation = a.ints(5);
     const int64_t groups = a.integer(6), form = a.integer(8), chunk = a.integer(9);
     const auto dtype = a.opt_dtype(10);
+    const bool tf32 = a.flag(11);
     NoGil no_gil;
-    return op.call(x, w, b, stride, padding, dilation, groups, norms, form, chunk, dtype);
+    return op.call(x, w, b, stride, padding, dilation, groups, norms, form, chunk, dtype, tf32);
   });
 }
 
@@ -183,6 +185,20 @@ PyObject* group_norm_norms(PyObject*, PyObject* const* args, Py_ssize_t n) {
   });
 }
 
+// tf32_mode (ops.h) of the calling thread set to the given int (-1, 0 or 1); returns the previous one. For the
+// Python autograd functions of convolutions, whose kernels run on the thread that calls them.
+PyObject* set_tf32_mode(PyObject*, PyObject* arg) {
+  const long mode = PyLong_AsLong(arg);
+  if (mode == -1 && PyErr_Occurred()) return nullptr;
+  if (mode < -1 || mode > 1) {
+    PyErr_Format(PyExc_ValueError, "set_tf32_mode: expected -1 (torch's matmul setting), 0 or 1, got %ld", mode);
+    return nullptr;
+  }
+  const int prev = elasticlab::tf32_mode;
+  elasticlab::tf32_mode = static_cast<int>(mode);
+  return PyLong_FromLong(prev);
+}
+
 PyMethodDef methods[] = {
     {"linear_norms", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(linear_norms)), METH_FASTCALL,
      "torch.ops.elasticlab.linear_norms, called directly (same arguments, positional)"},
@@ -192,6 +208,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "torch.ops.elasticlab.layer_norm_norms, called directly (same arguments, positional)"},
     {"group_norm_norms", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(group_norm_norms)),
      METH_FASTCALL, "torch.ops.elasticlab.group_norm_norms, called directly (same arguments, positional)"},
+    {"set_tf32_mode", set_tf32_mode, METH_O,
+     "Sets TF32 for float32 per-example GEMMs on this thread (-1: torch's matmul setting, 0: off, 1: on); "
+     "returns the previous mode"},
     {nullptr, nullptr, 0, nullptr},
 };
 

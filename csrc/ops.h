@@ -49,6 +49,29 @@ std::string message(const Parts&... parts) {
   return out;
 }
 
+// TF32 tensor cores for float32 per-example GEMMs (cuBLAS, csrc/cuda/blas.cpp), per thread: -1 (the default) as
+// torch's matmul setting says, since a Linear's weight gradient is a cuBLAS matmul; 0 off, 1 on. A convolution's
+// backward sets it while it runs (Tf32Scope) from cuDNN's convolution setting, which its weight gradient follows
+// (TF32 by default), so that its norms take the precision and speed of the gradient they measure.
+inline thread_local int tf32_mode = -1;
+
+class Tf32Scope {
+ public:
+  explicit Tf32Scope(int mode) : prev_(tf32_mode) { tf32_mode = mode; }
+  ~Tf32Scope() { tf32_mode = prev_; }
+  Tf32Scope(const Tf32Scope&) = delete;
+  Tf32Scope& operator=(const Tf32Scope&) = delete;
+
+ private:
+  int prev_;
+};
+
+// Examples [b0, b0 + c) of a batch-first tensor: the tensor itself when that is all of them (a chunked loop's
+// only chunk, the common case, then dispatches no narrow).
+inline at::Tensor batch_rows(const at::Tensor& t, int64_t b0, int64_t c) {
+  return (b0 == 0 && c == t.size(0)) ? t : t.narrow(0, b0, c);
+}
+
 // Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type). The _out
 // form writes into a given (B,) tensor of acc_type (any stride, e.g. a row of the fused layers' norms buffer).
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
@@ -97,6 +120,18 @@ std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cpu(const at::Tensor& 
                                                               const at::Tensor& mean, const at::Tensor& rstd,
                                                               int64_t groups, at::Tensor& norms);
 
+// im2col of a zero-padded Conv1d/Conv2d input x (B, C, [H,] W), any strides, as (B, L, C·k) contiguous and
+// position-major (the layout of a sequence Linear's input; columns ordered (channel, kernel offsets) like
+// weight.view(Cout, -1)), in one pass: out[b, l, (c, i, j)] = x[b, c, oh·sh − ph + i·dh, ow·sw − pw + j·dw], zero
+// outside. The geometry lists have one entry per spatial dimension.
+struct PatchGeometry {
+  int64_t B, C, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw;
+  int64_t L() const { return Ho * Wo; }
+  int64_t K() const { return C * kh * kw; }
+};
+at::Tensor conv_patches_cpu(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation);
+
 // Shared argument checks (csrc/cpu/checks.cpp), raising errors that name the bad shapes.
 void check_row_sq_args(const at::Tensor& x);
 void check_row_sq_out(const at::Tensor& x, const at::Tensor& out);
@@ -108,8 +143,12 @@ void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
 void check_norms_buffer(const char* op, const at::Tensor& x, const at::Tensor& norms);
 void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norms);
 void check_batch_sum_args(const at::Tensor& x, const at::Tensor& norms);
+PatchGeometry check_patches_args(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, at::IntArrayRef dilation);
 
 #ifdef ELASTICLAB_WITH_CUDA
+at::Tensor conv_patches_cuda(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                             at::IntArrayRef padding, at::IntArrayRef dilation);
 at::Tensor row_sq_norms_cuda(const at::Tensor& x);
 at::Tensor& row_sq_norms_out_cuda(const at::Tensor& x, at::Tensor& out);
 at::Tensor& product_norms_out_cuda(const at::Tensor& a, const at::Tensor& d, at::Tensor& out);

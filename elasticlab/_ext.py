@@ -5,6 +5,7 @@ pure-PyTorch reference path; :func:`kernel` returns ``None`` and one warning say
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -43,6 +44,12 @@ def _register_fakes() -> None:
         shape = (d.shape[2], a.shape[2]) if with_grad else (0,)
         return a.new_empty((a.shape[0],), dtype=_acc(a.dtype)), a.new_empty(shape, dtype=_acc(a.dtype))
 
+    @torch.library.register_fake(lib + "conv_patches")
+    def _patches(x, kernel, stride, padding, dilation):
+        out = [(n + 2 * p - dl * (k - 1) - 1) // s + 1
+               for n, k, s, p, dl in zip(x.shape[2:], kernel, stride, padding, dilation)]
+        return x.new_empty((x.shape[0], math.prod(out), x.shape[1] * math.prod(kernel)))
+
     @torch.library.register_fake(lib + "layernorm_per_example")
     def _layernorm(x, d, mean, rstd):
         shape = (x.shape[0], x.shape[2])
@@ -51,6 +58,14 @@ def _register_fakes() -> None:
 
 if HAS_C:
     _register_fakes()
+
+
+def set_tf32_mode(mode: int) -> int | None:
+    """``_C``'s per-thread TF32 mode for float32 per-example GEMMs (-1: torch's matmul setting, 0: off, 1: on;
+    ``tf32_mode`` in csrc/ops.h) set; returns the previous mode, or None when ``_C`` (or a build with this
+    setting) is absent."""
+    setter = getattr(_C, "set_tf32_mode", None) if HAS_C else None
+    return None if setter is None else setter(mode)
 
 
 def _warn_once() -> None:

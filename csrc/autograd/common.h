@@ -46,6 +46,15 @@ inline std::tuple<at::Tensor, at::Tensor> outer_norms(const at::Tensor& a, const
   return op.call(a, d, true);
 }
 
+inline at::Tensor patches(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                          at::IntArrayRef padding, at::IntArrayRef dilation) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("elasticlab::conv_patches", "")
+                       .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef,
+                                         at::IntArrayRef)>();
+  return op.call(x, kernel, stride, padding, dilation);
+}
+
 // Affine gradients (batch sums) of a LayerNorm / GroupNorm with the per-example norms written into `norms`.
 inline std::tuple<at::Tensor, at::Tensor> layernorm_affine(const at::Tensor& x, const at::Tensor& d,
                                                            const at::Tensor& mean, const at::Tensor& rstd,

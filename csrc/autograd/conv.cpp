@@ -2,41 +2,11 @@
 #include "common.h"
 
 #include <algorithm>
-#include <limits>
 #include <vector>
 
 namespace elasticlab {
 namespace fused {
 namespace {
-
-// im2col of a zero-padded Conv1d/Conv2d input as (B, L, Cin·k), position-major, from one strided view of the
-// padded input and one copy (ATen's im2col on CUDA runs one kernel per example). Columns are ordered
-// (channel, kernel offsets) like weight.view(Cout, -1), so group g owns columns [g·K, (g+1)·K).
-at::Tensor conv_patches(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
-                        at::IntArrayRef padding, at::IntArrayRef dilation) {
-  const int64_t nd = static_cast<int64_t>(kernel.size());
-  at::Tensor win = x;
-  bool padded = false;
-  for (auto p : padding) padded = padded || p != 0;
-  if (padded) {
-    std::vector<int64_t> pad;
-    for (int64_t i = nd - 1; i >= 0; --i) pad.insert(pad.end(), {padding[i], padding[i]});
-    win = at::constant_pad_nd(x, pad, 0);
-  }
-  for (int64_t i = 0; i < nd; ++i) {  // (B, C, L1[, L2], k1[, k2]): windows along each spatial dimension
-    win = win.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i]);
-    if (dilation[i] > 1) win = win.slice(-1, 0, std::numeric_limits<int64_t>::max(), dilation[i]);
-  }
-  std::vector<int64_t> perm{0};
-  int64_t L = 1;
-  for (int64_t i = 0; i < nd; ++i) {
-    perm.push_back(2 + i);
-    L *= win.size(2 + i);
-  }
-  perm.push_back(1);
-  for (int64_t i = 0; i < nd; ++i) perm.push_back(2 + nd + i);
-  return win.permute(perm).reshape({x.size(0), L, -1});
-}
 
 // How a convolution's per-example weight norms are formed (the Python rule's choice, per shape).
 enum ConvForm : int64_t { kConvOuter = 0, kConvGram = 1, kConvGrouped = 2 };
@@ -51,7 +21,7 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
                             const at::Tensor& norms, const std::optional<at::Tensor>& bias_opt,
                             std::vector<int64_t> stride, std::vector<int64_t> padding,
                             std::vector<int64_t> dilation, int64_t groups, int64_t form, int64_t chunk_elems,
-                            std::optional<at::ScalarType> dtype) {
+                            std::optional<at::ScalarType> dtype, bool tf32) {
     const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
     at::Tensor xc = x, wc = weight, bc = bias;
     if (dtype.has_value()) {
@@ -67,7 +37,7 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;
-    ctx->saved_data["ints"] = std::vector<int64_t>{groups, form, chunk_elems};
+    ctx->saved_data["ints"] = std::vector<int64_t>{groups, form, chunk_elems, tf32};
     ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x.scalar_type()),
                                                      static_cast<int64_t>(weight.scalar_type()),
                                                      bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : -1};
@@ -85,10 +55,11 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     const auto ints = ctx->saved_data["ints"].toIntVector();
     const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
     const int64_t G = ints[0], form = ints[1], chunk_elems = ints[2];
+    const Tf32Scope tf32(static_cast<int>(ints[3]));         // float32 per-example GEMMs as the caller said
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
                need_b = dtypes[2] >= 0 && ctx->needs_input_grad(3);
     const at::Tensor g = cast(grads[0], x.scalar_type());
-    const int64_t B = x.size(0), cout = w.size(0), K = w[0].numel(), cog = cout / G;
+    const int64_t B = x.size(0), cout = w.size(0), K = w.numel() / std::max<int64_t>(cout, 1), cog = cout / G;
     const auto acc = acc_type(x.scalar_type());
     std::vector<int64_t> out_pad(stride.size(), 0);
     const bool gram = need_w && form == kConvGram;
@@ -100,13 +71,11 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     const int64_t step = std::max<int64_t>(1, chunk_elems / std::max<int64_t>(K * G * L, 1));
     if (need_w && form != kConvGrouped && G == 1 && step >= B) {
       // one group, one chunk (the common case): the kernels' results are the norms and the gradient
-      at::Tensor a = conv_patches(x, kernel, stride, padding, dilation), dt = d3.transpose(1, 2);
+      at::Tensor a = patches(x, kernel, stride, padding, dilation), dt = d3.transpose(1, 2);
       if (form == kConvGram) {
         put(norms, 0, gram_norms(a, dt));
       } else {
-        auto [n, s] = outer_norms(a, dt);
-        put(norms, 0, n);
-        gw = s.view(w.sizes());
+        gw = outer_norms_into(a, dt, norms, 0).view(w.sizes());
       }
     } else if (need_w && form != kConvGrouped) {
       at::Tensor per = at::zeros({B}, x.options().dtype(acc));
@@ -114,7 +83,7 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
       for (int64_t b0 = 0; b0 < B; b0 += step) {
         const int64_t c = std::min(step, B - b0);
         at::Tensor dg = d3.narrow(0, b0, c).view({c, G, cog, L});
-        at::Tensor P = conv_patches(x.narrow(0, b0, c), kernel, stride, padding, dilation);
+        at::Tensor P = patches(x.narrow(0, b0, c), kernel, stride, padding, dilation);
         at::Tensor pc = per.narrow(0, b0, c);
         for (int64_t gi = 0; gi < G; ++gi) {
           at::Tensor a = P.narrow(2, gi * K, K), dgi = dg.select(1, gi).transpose(1, 2);
@@ -159,14 +128,14 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
     if (gw.defined()) gw = cast(gw, static_cast<at::ScalarType>(dtypes[1]));
     if (!need_w) gw = at::Tensor();
     return {gx, gw, at::Tensor(), gb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor conv_norms_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                int64_t groups, const at::Tensor& norms, int64_t form, int64_t chunk_elems,
-                               std::optional<at::ScalarType> dtype) {
+                               std::optional<at::ScalarType> dtype, bool tf32) {
   EL_CHECK(form == kConvOuter || form == kConvGram || form == kConvGrouped,
            "conv_norms: form must be 0 (outer), 1 (Gram) or 2 (grouped convolution), got ", form);
   EL_CHECK(x.dim() == weight.dim() && (x.dim() == 3 || x.dim() == 4),
@@ -177,13 +146,13 @@ at::Tensor conv_norms_autograd(const at::Tensor& x, const at::Tensor& weight, co
   EL_CHECK(chunk_elems > 0, "conv_norms: chunk_elems must be positive, got ", chunk_elems);
   std::optional<at::Tensor> b = (bias.has_value() && bias->defined()) ? bias : std::nullopt;
   return ConvNorms::apply(x, weight, norms, b, stride.vec(), padding.vec(), dilation.vec(), groups, form,
-                          chunk_elems, dtype);
+                          chunk_elems, dtype, tf32);
 }
 
 at::Tensor conv_norms_forward_only(const at::Tensor& x, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                                   const at::Tensor&, int64_t, int64_t, std::optional<at::ScalarType> dtype) {
+                                   const at::Tensor&, int64_t, int64_t, std::optional<at::ScalarType> dtype, bool) {
   std::vector<int64_t> out_pad(stride.size(), 0);
   if (!dtype.has_value()) return at::convolution(x, weight, bias, stride, padding, dilation, false, out_pad, groups);
   std::optional<at::Tensor> bc = bias.has_value() ? std::optional<at::Tensor>(cast(*bias, *dtype)) : std::nullopt;
@@ -197,7 +166,7 @@ at::Tensor conv_norms_forward_only(const at::Tensor& x, const at::Tensor& weight
 
 TORCH_LIBRARY_FRAGMENT(elasticlab, m) {
   m.def("conv_norms(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
-        "Tensor norms, int form, int chunk_elems, ScalarType? dtype) -> Tensor");
+        "Tensor norms, int form, int chunk_elems, ScalarType? dtype, bool tf32=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(elasticlab, Autograd, m) {

@@ -1,6 +1,8 @@
 // Argument checks shared by the CPU and CUDA kernels (errors name the offending shapes and dtypes).
 #include "../ops.h"
 
+#include <vector>
+
 namespace elasticlab {
 
 void check_row_sq_args(const at::Tensor& x) {
@@ -103,6 +105,35 @@ void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norm
   EL_CHECK(norms.scalar_type() == acc_type(x.scalar_type()), op, ": norms must be ", acc_type(x.scalar_type()),
            " for ", x.scalar_type(), " inputs, got ", norms.scalar_type());
   EL_CHECK(norms.device() == x.device(), op, ": norms on ", norms.device(), ", inputs on ", x.device());
+}
+
+
+PatchGeometry check_patches_args(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, at::IntArrayRef dilation) {
+  EL_CHECK(x.dim() == 3 || x.dim() == 4, "conv_patches: expected a batched Conv1d/Conv2d input (B, C, [H,] W), ",
+           "got shape ", x.sizes());
+  const int64_t nd = x.dim() - 2;
+  EL_CHECK(static_cast<int64_t>(kernel.size()) == nd && static_cast<int64_t>(stride.size()) == nd &&
+               static_cast<int64_t>(padding.size()) == nd && static_cast<int64_t>(dilation.size()) == nd,
+           "conv_patches: kernel, stride, padding and dilation need ", nd, " entries for an input of shape ",
+           x.sizes(), ", got ", kernel, ", ", stride, ", ", padding, ", ", dilation);
+  EL_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || is_reduced_float(x.scalar_type()),
+           "conv_patches: expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
+  std::vector<int64_t> out(nd);
+  for (int64_t i = 0; i < nd; ++i) {
+    EL_CHECK(kernel[i] >= 1 && stride[i] >= 1 && dilation[i] >= 1 && padding[i] >= 0,
+             "conv_patches: kernel, stride and dilation must be positive and padding non-negative, got kernel ",
+             kernel, ", stride ", stride, ", padding ", padding, ", dilation ", dilation);
+    const int64_t span = dilation[i] * (kernel[i] - 1) + 1, padded = x.size(2 + i) + 2 * padding[i];
+    EL_CHECK(padded >= span, "conv_patches: the kernel spans ", span, " positions along spatial dimension ", i,
+             " but the padded input has ", padded, " (input shape ", x.sizes(), ", padding ", padding, ")");
+    out[i] = (padded - span) / stride[i] + 1;
+  }
+  // Conv1d as a Conv2d of height 1
+  const bool two = nd == 2;
+  return {x.size(0), x.size(1), two ? x.size(2) : 1, x.size(-1), two ? out[0] : 1, out[nd - 1],
+          two ? kernel[0] : 1, kernel[nd - 1], two ? stride[0] : 1, stride[nd - 1],
+          two ? padding[0] : 0, padding[nd - 1], two ? dilation[0] : 1, dilation[nd - 1]};
 }
 
 }  // namespace elasticlab

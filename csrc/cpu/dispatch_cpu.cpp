@@ -13,5 +13,6 @@ TORCH_LIBRARY_IMPL(elasticlab, CPU, m) {
   m.impl("seq_linear_gram_norms", &elasticlab::seq_linear_gram_norms_cpu);
   m.impl("seq_linear_outer_norms", &elasticlab::seq_linear_outer_norms_cpu);
   m.impl("seq_linear_outer_norms.out", &elasticlab::seq_linear_outer_norms_out_cpu);
+  m.impl("conv_patches", &elasticlab::conv_patches_cpu);
   m.impl("layernorm_per_example", &elasticlab::layernorm_per_example_cpu);
 }

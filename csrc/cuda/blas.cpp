@@ -72,7 +72,7 @@ void batched_gemm(const at::Tensor& A_in, bool trans_a, const at::Tensor& B_in, 
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (in == at::kDouble) {
     compute = CUBLAS_COMPUTE_64F;
-  } else if (in == at::kFloat && at::globalContext().allowTF32CuBLAS()) {
+  } else if (in == at::kFloat && (tf32_mode < 0 ? at::globalContext().allowTF32CuBLAS() : tf32_mode == 1)) {
     compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   }
   const float one_f = 1.f, zero_f = 0.f;

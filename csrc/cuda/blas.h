@@ -1,5 +1,6 @@
 // Batched GEMMs of per-example sequence matrices through cuBLAS (strided-batched, tensor cores for half
-// inputs and, when torch allows TF32, for float32), with float32 output for half inputs.
+// inputs and, for float32, when TF32 is allowed: torch's matmul setting, or the caller's, tf32_mode in ops.h),
+// with float32 output for half inputs.
 #pragma once
 #include <ATen/ATen.h>
 

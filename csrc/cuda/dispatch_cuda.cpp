@@ -13,5 +13,6 @@ TORCH_LIBRARY_IMPL(elasticlab, CUDA, m) {
   m.impl("seq_linear_gram_norms", &elasticlab::seq_linear_gram_norms_cuda);
   m.impl("seq_linear_outer_norms", &elasticlab::seq_linear_outer_norms_cuda);
   m.impl("seq_linear_outer_norms.out", &elasticlab::seq_linear_outer_norms_out_cuda);
+  m.impl("conv_patches", &elasticlab::conv_patches_cuda);
   m.impl("layernorm_per_example", &elasticlab::layernorm_per_example_cuda);
 }

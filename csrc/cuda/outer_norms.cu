@@ -115,10 +115,10 @@ at::Tensor outer_norms_into(const at::Tensor& a, const at::Tensor& d, bool with_
   auto G = at::empty({chunk, Dout, Din}, a.options().dtype(g_type));
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     const int64_t c = std::min(chunk, B - b0);
-    auto Gc = G.narrow(0, 0, c);
+    auto Gc = batch_rows(G, 0, c);
     // Gc_b = d_b^T a_b: (Dout x T)(T x Din).
-    cuda::batched_gemm(d.narrow(0, b0, c), /*trans_a=*/true, a.narrow(0, b0, c), /*trans_b=*/false, Gc);
-    cuda::fold_products(Gc, norms.narrow(0, b0, c), grad, /*accumulate=*/b0 > 0);
+    cuda::batched_gemm(batch_rows(d, b0, c), /*trans_a=*/true, batch_rows(a, b0, c), /*trans_b=*/false, Gc);
+    cuda::fold_products(Gc, batch_rows(norms, b0, c), grad, /*accumulate=*/b0 > 0);
   }
   return grad;
 }

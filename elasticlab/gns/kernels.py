@@ -10,6 +10,9 @@ their norms (and the outer form's gradient) come back in float32.
 """
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from elasticlab import _ext
@@ -94,7 +97,7 @@ _CXX_OPS: dict[tuple[str, bool], object] = {}    # (name, direct) -> the callabl
 _CXX_NEEDS = ("row_sq_norms", "row_sq_norms.out", "product_norms.out", "product_bias_norms",
               "batch_sum_norms", "seq_linear_gram_norms", "seq_linear_outer_norms",
               "seq_linear_outer_norms.out", "layernorm_affine_norms",
-              "groupnorm_affine_norms")
+              "groupnorm_affine_norms", "conv_patches")
 
 
 def cxx_autograd(name: str, x: torch.Tensor):
@@ -158,6 +161,23 @@ def layernorm_per_example_ref(x: torch.Tensor, d: torch.Tensor, mean: torch.Tens
     return (d * xhat).sum(1), d.sum(1)
 
 
+def conv_patches_ref(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
+    """im2col of a zero-padded Conv1d/Conv2d input (B, C, [H,] W) as (B, L, C·k), position-major (a sequence
+    Linear's layout; columns ordered (channel, kernel offsets) like ``weight.view(Cout, -1)``): one strided
+    view of the padded input and one copy."""
+    nd = x.dim() - 2
+    if any(padding):
+        x = torch.nn.functional.pad(x, [p for p in reversed(padding) for _ in range(2)])
+    win = x
+    for i in range(nd):                    # (B, C, L1[, L2], k1[, k2]): windows along each spatial dim
+        win = win.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
+        if dilation[i] > 1:
+            win = win[..., ::dilation[i]]
+    L = win.shape[2:2 + nd]
+    perm = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))            # (B, L…, C, k…)
+    return win.permute(perm).reshape(x.shape[0], math.prod(L), x.shape[1] * math.prod(kernel))
+
+
 def row_sq_ref(x: torch.Tensor) -> torch.Tensor:
     """‖x_b‖² per row of x viewed as (B, -1), accumulated (and returned) in :func:`acc_dtype`."""
     x = x.reshape(x.shape[0], -1)
@@ -174,6 +194,15 @@ def row_sq(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
         return row_sq_ref(x)
     # no detach where grad mode is off (inside the fused forwards and backwards): no graph is built there
     return op(x.detach() if x.requires_grad and torch.is_grad_enabled() else x)
+
+
+def conv_patches(x: torch.Tensor, kernel, stride, padding, dilation, use_kernel: bool | None = None):
+    """:func:`conv_patches_ref`'s patches in one pass (kernel ``conv_patches``: one launch on CUDA, where the
+    strided view costs a padding fill and two copies). Geometry as lists, one entry per spatial dimension."""
+    op = _op("conv_patches", x, use_kernel)
+    if op is None:
+        return conv_patches_ref(x, kernel, stride, padding, dilation)
+    return op(_plain(x), list(kernel), list(stride), list(padding), list(dilation))
 
 
 def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
@@ -227,14 +256,14 @@ CUDA_RATES = {"bandwidth": 2.8e12, "fused_overhead": 0.6,
                         torch.float64: 5e13}}
 
 
-def _gemm_rate(dtype: torch.dtype) -> float:
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+def _gemm_rate(dtype: torch.dtype, tf32: bool | None = None) -> float:
+    if dtype == torch.float32 and (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32):
         return CUDA_RATES["flops"]["tf32"]
     return CUDA_RATES["flops"].get(dtype, CUDA_RATES["flops"][torch.float32])
 
 
 def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch.Tensor | None = None,
-             batch: int = 1, row_major: bool = True) -> bool:
+             batch: int = 1, row_major: bool = True, tf32: bool | None = None) -> bool:
     """Per-layer choice between the two forms (Bu, Mao & Xu 2022, "mixed ghost clipping").
 
     CPU: unfused, the outer product costs a second weight-gradient GEMM (T·Din·Dout per example) against the
@@ -247,13 +276,14 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
     float32 Gram matrices per example. Rates in :data:`CUDA_RATES`. Half-precision row-major operands that
     :func:`elasticlab.gns.triton_outer.preferred` sends to the fused kernel write no products: the outer form
     then costs only that kernel's shortfall against the weight-gradient GEMM (``row_major=False``: operands
-    such as an unfolded convolution's, which go to cuBLAS)."""
+    such as an unfolded convolution's, which go to cuBLAS). ``tf32``: whether float32 GEMMs run on TF32 tensor
+    cores (None: torch's matmul setting; a convolution passes :func:`conv_tf32`)."""
     if like is not None and like.device.type == "cuda":
         in_registers = bool(fused_outer and row_major and USE_KERNELS and triton_outer.supported(like)
                             and triton_outer.shape_preferred(T, din, dout))
         device = like.device
         in_use = None if torch.compiler.is_compiling() else (lambda: torch.cuda.memory_allocated(device))
-        return cuda_prefers_gram(T, din, dout, like.dtype, fused_outer, in_registers, batch, in_use)
+        return cuda_prefers_gram(T, din, dout, like.dtype, fused_outer, in_registers, batch, in_use, tf32)
     thresh = din * dout / (din + dout)
     return T < thresh / 8 if fused_outer else T < thresh
 
@@ -271,12 +301,13 @@ SCRATCH_CAP = 256 << 20
 
 
 def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_outer: bool, in_registers: bool,
-                      batch: int, in_use=None) -> bool:
+                      batch: int, in_use=None, tf32: bool | None = None) -> bool:
     """The CUDA cost model of :func:`use_gram` (times in seconds a example, from :data:`CUDA_RATES`), with
     the scratch rule above; ``in_registers``: the Triton fused kernel serves the outer form (no products
     written); ``in_use``: a callable giving the bytes allocated on the device, called only when the rule
-    applies (None: time only, e.g. while compiling, where reading the allocator would break the graph)."""
-    bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(dtype)
+    applies (None: time only, e.g. while compiling, where reading the allocator would break the graph);
+    ``tf32``: as :func:`use_gram`'s."""
+    bw, rate = CUDA_RATES["bandwidth"], _gemm_rate(dtype, tf32)
     g_bytes = _product_bytes(dtype)
     if in_registers:
         # products stay in registers: what remains is the fused GEMM's shortfall against cuBLAS's
@@ -293,6 +324,31 @@ def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_out
     scratch_outer = scratch_bytes("outer", batch, T, din, dout, dtype)
     scratch_gram = scratch_bytes("gram", batch, T, din, dout, dtype)
     return scratch_gram < scratch_outer and scratch_outer > SCRATCH_SHARE * in_use()
+
+
+_FP32_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)     # (torch >= 2.9; 0.25 µs a call)
+
+
+def conv_tf32() -> bool:
+    """Whether float32 convolutions on CUDA run on TF32 tensor cores: cuDNN's convolution setting
+    (``torch.backends.cudnn.conv.fp32_precision``, "tf32" by default; ``torch.backends.cudnn.allow_tf32`` in
+    torch before 2.9). A convolution's per-example GEMMs follow it, as its weight gradient (cuDNN's) does."""
+    if _FP32_PRECISION is not None:
+        return _FP32_PRECISION("cuda", "conv") == "tf32"
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+@contextlib.contextmanager
+def tf32_mode(on: bool):
+    """Float32 per-example GEMMs of the compiled kernels (cuBLAS) on this thread with TF32 (``on``) or exact,
+    whatever torch's matmul setting: what the C++ convolution backward sets for itself, for the Python
+    autograd path of a convolution. No effect while compiling (a traced call would not run it)."""
+    prev = None if torch.compiler.is_compiling() else _ext.set_tf32_mode(int(bool(on)))
+    try:
+        yield
+    finally:
+        if prev is not None:
+            _ext.set_tf32_mode(prev)
 
 
 def _product_bytes(dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from elasticlab.gns import triton_outer
+from elasticlab.gns import kernels, triton_outer
 from elasticlab.gns.triton_outer import HAS_TRITON
 
 if HAS_TRITON:  # pragma: no cover - depends on the torch build
@@ -130,7 +130,8 @@ def conv_outer_norms(module: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, 
     bm, bn, bk, warps, stages = config or _config(T, Din, Cout)
     tiles = triton.cdiv(Cout, bm) * triton.cdiv(Din, bn)
     meta = dict(KH=kh, KW=kw, BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad),
-                PRECISION=triton_outer._precision(x.dtype), num_warps=warps, num_stages=stages)
+                PRECISION=triton_outer._precision(x.dtype, tf32=x.is_cuda and kernels.conv_tf32()),
+                num_warps=warps, num_stages=stages)
     scalars = (B, Cin, H, W, Cout, Ho, Wo, *x.stride(), *d.stride(), sh, sw, ph, pw, dh, dw)
     norms, grad = triton_outer.run_tiles(_conv_outer_norms_kernel, x, d, scalars, tiles, Cout, Din, with_grad,
                                          meta)

@@ -244,10 +244,11 @@ def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tup
     return 4 * (B * tiles * (bm if tma else 1) + (split - 1) * Dout * Din)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision: for float32, exact unless torch allows TF32 matmuls (then as the layer's
-    own GEMM runs); half-precision operands multiply exactly on tensor cores either way."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+def _precision(dtype: torch.dtype, tf32: bool | None = None) -> str:
+    """``tl.dot``'s input precision: for float32, exact unless TF32 is allowed (``tf32``; None: torch's matmul
+    setting, as a Linear's own GEMM runs); half-precision operands multiply exactly on tensor cores either
+    way."""
+    if dtype == torch.float32 and not (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32):
         return "ieee"
     return "tf32"
 

@@ -63,7 +63,7 @@ def _spy_forms(monkeypatch, name: str) -> list:
             return op
 
         def call(*args):
-            seen.append(args[-2] if name == "linear_norms" else args[-3])   # form (before chunk, dtype)
+            seen.append(args[-2] if name == "linear_norms" else args[-4])   # form (before chunk, dtype, tf32)
             return op(*args)
         return call
     monkeypatch.setattr(kernels, "cxx_autograd", spy)

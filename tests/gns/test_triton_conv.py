@@ -27,6 +27,16 @@ pytestmark = [] if INTERPRET else [pytest.mark.gpu]
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 SMALL = (32, 32, 16, 4, 2)                     # small tiles: several tiles and K steps on small layers
 
+
+@pytest.fixture(autouse=True)
+def _exact_float32_convolutions():
+    """float32 cases are held to float64 at 2e-5: exact products. The kernel multiplies float32 as cuDNN's
+    convolution setting says (TF32 by default), so that setting is off here."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
 # (conv, B, spatial input size, config)
 CASES = [
     (lambda: nn.Conv2d(3, 5, 3, padding=1), 3, (6, 7), None),                      # padding at every edge
@@ -128,7 +138,8 @@ def test_model_norms_with_the_triton_kernel_match_the_default_path(monkeypatch):
     x = torch.randn(6, 3, 10, 10, device=DEV)
     out = {}
     before = torch.backends.cuda.matmul.allow_tf32        # (a property of torch's cuBLAS settings)
-    torch.backends.cuda.matmul.allow_tf32 = False          # exact float32 on both paths
+    torch.backends.cuda.matmul.allow_tf32 = False          # exact float32 on both paths (the Linear's; the
+    #                                                        convolutions' follow cuDNN's setting, off here)
     try:
         _both_paths(monkeypatch, conv_rule, model, x, out, calls)
     finally:

@@ -12,8 +12,6 @@ the C++ autograd function ``elasticlab::conv_norms`` (the Gram, patch and groupe
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,28 +58,17 @@ def conv_unfold(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def conv_patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """im2col as (B, L, Cin·k), position-major (the layout of a sequence Linear's input), from one strided
-    view of the padded input and one copy. ATen's ``F.unfold`` on CUDA launches one im2col kernel per
-    example (on an H100 it took 66% of G2's kernel time); this is a single elementwise copy. Columns are
-    ordered (channel, kernel offsets) like ``weight.view(Cout, -1)``, so group g owns the columns
-    [g·K/G, (g+1)·K/G)."""
-    nd = 1 if isinstance(module, nn.Conv1d) else 2
+    """im2col as (B, L, Cin·k), position-major (the layout of a sequence Linear's input), by
+    :func:`elasticlab.gns.kernels.conv_patches` (one pass; ATen's ``F.unfold`` on CUDA launches one im2col
+    kernel per example, which took 66% of G2's kernel time on an H100). Columns are ordered (channel, kernel
+    offsets) like ``weight.view(Cout, -1)``, so group g owns the columns [g·K/G, (g+1)·K/G). Padding modes
+    other than zeros, and string paddings, are applied first."""
     padding = module.padding
     if module.padding_mode != "zeros" or isinstance(padding, str):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-    elif any(padding):
-        x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
-    B, C = x.shape[:2]
-    win = x
-    for i in range(nd):                    # (B, C, L1[, L2], k1[, k2]): windows along each spatial dim
-        k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
-        win = win.unfold(2 + i, dil * (k - 1) + 1, s)
-        if dil > 1:
-            win = win[..., ::dil]
-    L = win.shape[2:2 + nd]
-    perm = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))            # (B, L…, C, k…)
-    return win.permute(perm).reshape(B, math.prod(L), -1)
+        padding = (0,) * len(module.kernel_size)
+    return kernels.conv_patches(x, module.kernel_size, module.stride, padding, module.dilation)
 
 
 def conv_norms(module: nn.Module, inputs, d: torch.Tensor, need) -> dict:
@@ -130,24 +117,17 @@ class _ConvNorms(torch.autograd.Function):
         L = d3.shape[2]
         K = w[0].numel()                                    # Cin/G · k
         measured = need_w and calibrate.active()
+        tf32 = _tf32(x)
         gram = need_w and not measured and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x,
-                                                            batch=B * G, row_major=False)
+                                                            batch=B * G, row_major=False, tf32=tf32)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(
             g, x, w, None, list(m.stride), list(m.padding), list(m.dilation), False,
             [0] * len(m.stride), G, [need_x, bool(gram), False])
         norms = {}
         gw = gw_native
         if need_w:
-            if measured:
-                norms["weight"], gw = _calibrated(m, x, g, w)
-            elif gram:
-                norms["weight"] = _conv_gram_norms(m, x, d3, G, K, L)
-            elif TRITON_ON_CUDA and triton_conv.supported(m, x):
-                norms["weight"], gw = triton_conv.conv_outer_norms(m, x, g, with_grad=True)
-            elif x.device.type == "cuda" and not GROUPED_ON_CUDA:
-                norms["weight"], gw = _conv_outer_unfolded(m, x, d3, w)
-            else:
-                norms["weight"], gw = _conv_per_example(m, x, g, w)
+            with kernels.tf32_mode(tf32):
+                norms["weight"], gw = _weight_norms(m, x, g, w, d3, gram, measured, gw)
         gb = None
         if need_b:
             db = d3.sum(2, dtype=kernels.acc_dtype(d3.dtype))
@@ -155,6 +135,27 @@ class _ConvNorms(torch.autograd.Function):
             norms["bias"] = kernels.row_sq(db)
         ctx.slot.record(norms, B)
         return cast(gx, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None, None
+
+
+def _tf32(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether a convolution computed in float32 (``dtype``, else ``x``'s) takes TF32 for its per-example
+    GEMMs: on CUDA, as cuDNN's convolution setting says (:func:`elasticlab.gns.kernels.conv_tf32`; its weight
+    gradient runs so)."""
+    return x.is_cuda and (dtype or x.dtype) == torch.float32 and kernels.conv_tf32()
+
+
+def _weight_norms(m, x, g, w, d3, gram, measured, gw_native):
+    """(‖G_b‖² (B,), the weight gradient) by the form :class:`_ConvNorms` chose."""
+    G, K, L = m.groups, w[0].numel(), d3.shape[2]
+    if measured:
+        return _calibrated(m, x, g, w)
+    if gram:
+        return _conv_gram_norms(m, x, d3, G, K, L), gw_native
+    if TRITON_ON_CUDA and triton_conv.supported(m, x):
+        return triton_conv.conv_outer_norms(m, x, g, with_grad=True)
+    if x.device.type == "cuda" and not GROUPED_ON_CUDA:
+        return _conv_outer_unfolded(m, x, d3, w)
+    return _conv_per_example(m, x, g, w)
 
 
 def _patches(m, x: torch.Tensor, G: int, K: int) -> list[torch.Tensor]:
@@ -289,7 +290,7 @@ def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> 
         L *= (n + 2 * p - dil * (k - 1) - 1) // s + 1
     K, G = module.weight[0].numel(), module.groups
     if kernels.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
-                        row_major=False):
+                        row_major=False, tf32=_tf32(x, like.dtype)):
         return 1
     if TRITON_ON_CUDA and triton_conv.supported(module, like):
         return None
@@ -315,17 +316,18 @@ def conv_forward(module: nn.Module, slot):
         dtype = autocast_dtype(x)
         op = kernels.cxx_autograd("conv_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
+            tf32 = _tf32(x, dtype)
             if calibrate.ENABLED:          # not cached: the choice is made at the shape's first backward
                 form = _cxx_form(module, x, dtype)
             else:
-                key = (x.shape, x.dtype, x.is_cuda, dtype, TRITON_ON_CUDA, GROUPED_ON_CUDA)
+                key = (x.shape, x.dtype, x.is_cuda, dtype, TRITON_ON_CUDA, GROUPED_ON_CUDA, tf32)
                 form = forms.get(key, _MISSING)
                 if form is _MISSING:
                     form = forms[key] = _cxx_form(module, x, dtype)
             if form is not None:
                 buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
                 return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x),
-                          dtype)
+                          dtype, tf32)
         return _ConvNorms.apply(x, module.weight, module.bias, module, slot, dtype)
     return forward
 
