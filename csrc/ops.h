@@ -72,6 +72,13 @@ inline at::Tensor batch_rows(const at::Tensor& t, int64_t b0, int64_t c) {
   return (b0 == 0 && c == t.size(0)) ? t : t.narrow(0, b0, c);
 }
 
+// The product of a (B, C, *spatial) tensor's spatial sizes.
+inline int64_t spatial_size(const at::Tensor& x) {
+  int64_t S = 1;
+  for (int64_t i = 2; i < x.dim(); ++i) S *= x.size(i);
+  return S;
+}
+
 // Per-row squared L2 norm of a tensor viewed as (B, -1): out[b] = sum_j x[b, j]^2 (in acc_type). The _out
 // form writes into a given (B,) tensor of acc_type (any stride, e.g. a row of the fused layers' norms buffer).
 at::Tensor row_sq_norms_cpu(const at::Tensor& x);
@@ -112,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> layernorm_per_example_cpu(const at::Tensor& x
 // (gw, gb) (D,) or (C,) in acc_type are returned, and norms (2, B) of acc_type gets row 0 |pw_b|^2 and row 1
 // |pb_b|^2 of the per-example gradients pw_b, pb_b (never returned). LayerNorm (Gray et al. 2024): x, d
 // (B,T,D), mean, rstd (B,T). GroupNorm (Wu & He 2018): x, d (B,C,S) (S the spatial size), mean, rstd (B,G)
-// of acc_type, pw_{b,c} = sum_s d x_hat, pb_{b,c} = sum_s d.
+// of acc_type, pw_{b,c} = sum_s d x_hat, pb_{b,c} = sum_s d (x, d may also be (B,C,H,W...): S their product).
 std::tuple<at::Tensor, at::Tensor> layernorm_affine_norms_cpu(const at::Tensor& x, const at::Tensor& d,
                                                               const at::Tensor& mean, const at::Tensor& rstd,
                                                               at::Tensor& norms);

@@ -117,8 +117,10 @@ struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
         rstd = at::rsqrt(var + ctx->saved_data["eps"].toDouble());
       }
       // the batch sums, and both norm rows written (a row the layer does not need is not read)
-      auto [sw, sb] = groupnorm_affine(x.reshape({B, C, -1}), g.reshape({B, C, -1}), mean.reshape({B, G}),
-                                       rstd.reshape({B, G}), G, norms);
+      // (B, C, *spatial) as they are; ATen's statistics are already (B, G): no reshape dispatched
+      auto rows = [&](const at::Tensor& t) { return t.dim() >= 3 ? t : t.reshape({B, C, -1}); };
+      auto per_group = [&](const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({B, G}); };
+      auto [sw, sb] = groupnorm_affine(rows(x), rows(g), per_group(mean), per_group(rstd), G, norms);
       if (need_w) gw = cast(sw, static_cast<at::ScalarType>(dtypes[1]));
       if (need_b) gb = cast(sb, static_cast<at::ScalarType>(dtypes[2]));
     }

@@ -30,8 +30,8 @@ std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cpu(const at::Tensor& 
   check_groupnorm_args(x_in, d_in, mean, rstd, groups);
   check_norms_buffer("groupnorm_affine_norms", x_in, norms);
   const auto acc = acc_type(x_in.scalar_type());
-  const int64_t B = x_in.size(0), C = x_in.size(1), S = x_in.size(2);
-  const at::Tensor x = x_in.to(acc), d = d_in.to(acc);
+  const int64_t B = x_in.size(0), C = x_in.size(1), S = spatial_size(x_in);
+  const at::Tensor x = x_in.to(acc).reshape({B, C, S}), d = d_in.to(acc).reshape({B, C, S});
   // x_hat per (example, group): the group's channels and positions share its statistics
   at::Tensor xg = x.reshape({B, groups, C / groups * S});
   at::Tensor xhat = ((xg - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape({B, C, S});

@@ -73,7 +73,7 @@ void check_layernorm_args(const at::Tensor& x, const at::Tensor& d, const at::Te
 
 void check_groupnorm_args(const at::Tensor& x, const at::Tensor& d, const at::Tensor& mean, const at::Tensor& rstd,
                           int64_t groups) {
-  EL_CHECK(x.dim() == 3 && d.sizes() == x.sizes(), "groupnorm_affine_norms: expected x and d (B,C,S), got ",
+  EL_CHECK(x.dim() >= 3 && d.sizes() == x.sizes(), "groupnorm_affine_norms: expected x and d (B,C,*spatial), got ",
            x.sizes(), " and ", d.sizes());
   EL_CHECK(groups >= 1 && x.size(1) % groups == 0, "groupnorm_affine_norms: ", groups,
            " groups do not divide C = ", x.size(1));

@@ -153,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cuda(const at::Tensor&
   check_norms_buffer("groupnorm_affine_norms", x_in, norms);
   c10::cuda::CUDAGuard guard(x_in.device());
   auto x = x_in.contiguous(), d = d_in.contiguous(), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
-  const int64_t B = x.size(0), C = x.size(1), S = x.size(2);
+  const int64_t B = x.size(0), C = x.size(1), S = spatial_size(x);   // (B, C, S) rows, S contiguous
   const auto acc = acc_type(x.scalar_type());
   auto pw = at::empty({1, B, C}, x.options().dtype(acc)), pb = at::empty_like(pw);
   if (B * C > 0) {  // (S = 0: the blocks sum nothing and write zeros)

@@ -84,7 +84,8 @@ class GNNet(nn.Module):
 
 
 @pytest.mark.parametrize("shape,channels_last", [((4, 6, 5, 3), False), ((4, 6, 5, 3), True),
-                                                 ((5, 6, 7), False), ((3, 6), False)])
+                                                 ((5, 6, 7), False), ((3, 6), False),
+                                                 ((3, 6, 2, 3, 4), False)])
 def test_group_norm_cxx_matches_python_and_torch_func(shape, channels_last):
     torch.manual_seed(5)
     model = GNNet().double()
