@@ -52,10 +52,13 @@ struct LayerNormNorms : public torch::autograd::Function<LayerNormNorms> {
       const int64_t B = x.size(0);
       auto acc = acc_type(x.scalar_type());
       // the batch sums, and both norm rows written (a row the layer does not need is not read)
-      auto [sw, sb] = layernorm_affine(x.reshape({B, -1, D}), g.reshape({B, -1, D}),
-                                       cast(mean.reshape({B, -1}), acc), cast(rstd.reshape({B, -1}), acc), norms);
-      if (need_w) gw = cast(sw.view(shape), w.scalar_type());
-      if (need_b) gb = cast(sb.view(shape), b.scalar_type());
+      // (B, T, D) inputs and a 1-d shape (a sequence model's LayerNorm) pass as they are: no reshape dispatched
+      const bool seq = x.dim() == 3 && shape.size() == 1;
+      auto rows = [&](const at::Tensor& t) { return seq ? t : t.reshape({B, -1, D}); };
+      auto [sw, sb] = layernorm_affine(rows(x), rows(g), cast(mean.reshape({B, -1}), acc),
+                                       cast(rstd.reshape({B, -1}), acc), norms);
+      if (need_w) gw = cast(shape.size() == 1 ? sw : sw.view(shape), w.scalar_type());
+      if (need_b) gb = cast(shape.size() == 1 ? sb : sb.view(shape), b.scalar_type());
     }
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
