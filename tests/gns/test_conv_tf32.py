@@ -108,7 +108,8 @@ def test_cuda_float32_conv_norms_take_tf32_as_cudnn_says(cudnn_tf32, cxx):
         torch.backends.cuda.matmul.allow_tf32 = False    # the matmul setting must not decide
         cudnn_tf32(False)
         got, exact = _norms_of_a_constant_input(cxx)
-        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
+        # exact entries; only the fold's float32 squares and sums round (≤ 1e-6 over 36864 entries)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0)
         cudnn_tf32(True)
         got, exact = _norms_of_a_constant_input(cxx)
         rel = (got.double() / exact - 1).abs()
