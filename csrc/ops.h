@@ -133,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor> groupnorm_affine_norms_cpu(const at::Tensor& 
 // outside. The geometry lists have one entry per spatial dimension.
 struct PatchGeometry {
   int64_t B, C, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw;
+  int64_t xb, xc, xy, xx;  // the input's element strides over (B, C, H, W); xy = 0 for a Conv1d input
   int64_t L() const { return Ho * Wo; }
   int64_t K() const { return C * kh * kw; }
 };

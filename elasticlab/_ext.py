@@ -26,6 +26,13 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def conv_out_sizes(sizes, kernel, stride, padding, dilation) -> list[int]:
+    """A convolution's output extent along each spatial dimension (the formula of ``torch.nn.Conv2d``'s
+    documentation): what ``conv_patches`` computes in C++, for its fake and the Python forms."""
+    dims = zip(sizes, kernel, stride, padding, dilation)
+    return [(n + 2 * p - dl * (k - 1) - 1) // s + 1 for n, k, s, p, dl in dims]
+
+
 def _register_fakes() -> None:
     """Fake (meta) implementations: output shapes and dtypes only, so that ``torch.compile`` and
     ``torch.export`` can trace through the operators without running them."""
@@ -46,8 +53,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(lib + "conv_patches")
     def _patches(x, kernel, stride, padding, dilation):
-        out = [(n + 2 * p - dl * (k - 1) - 1) // s + 1
-               for n, k, s, p, dl in zip(x.shape[2:], kernel, stride, padding, dilation)]
+        out = conv_out_sizes(x.shape[2:], kernel, stride, padding, dilation)
         return x.new_empty((x.shape[0], math.prod(out), x.shape[1] * math.prod(kernel)))
 
     @torch.library.register_fake(lib + "layernorm_per_example")

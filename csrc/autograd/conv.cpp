@@ -82,9 +82,9 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
       at::Tensor gsum = form == kConvOuter ? at::zeros({G, cog, K}, x.options().dtype(acc)) : at::Tensor();
       for (int64_t b0 = 0; b0 < B; b0 += step) {
         const int64_t c = std::min(step, B - b0);
-        at::Tensor dg = d3.narrow(0, b0, c).view({c, G, cog, L});
-        at::Tensor P = patches(x.narrow(0, b0, c), kernel, stride, padding, dilation);
-        at::Tensor pc = per.narrow(0, b0, c);
+        at::Tensor dg = batch_rows(d3, b0, c).view({c, G, cog, L});
+        at::Tensor P = patches(batch_rows(x, b0, c), kernel, stride, padding, dilation);
+        at::Tensor pc = batch_rows(per, b0, c);
         for (int64_t gi = 0; gi < G; ++gi) {
           at::Tensor a = P.narrow(2, gi * K, K), dgi = dg.select(1, gi).transpose(1, 2);
           if (form == kConvGram) {
@@ -110,12 +110,12 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
         ws.insert(ws.end(), w.sizes().begin() + 1, w.sizes().end());
         std::vector<int64_t> we{c};
         we.insert(we.end(), w.sizes().begin(), w.sizes().end());
-        at::Tensor xg = x.narrow(0, b0, c).reshape(xs), gg = g.narrow(0, b0, c).reshape(gs);
+        at::Tensor xg = batch_rows(x, b0, c).reshape(xs), gg = batch_rows(g, b0, c).reshape(gs);
         at::Tensor wg = w.unsqueeze(0).expand(we).reshape(ws);
         at::Tensor pe = std::get<1>(at::convolution_backward(gg, xg, wg, std::nullopt, stride, padding, dilation,
                                                              false, out_pad, c * G, {false, true, false}))
                             .view(we);
-        per.narrow(0, b0, c).copy_(row_sq(pe));
+        batch_rows(per, b0, c).copy_(row_sq(pe));
         gw.add_(pe.sum({0}));
       }
       put(norms, 0, per);

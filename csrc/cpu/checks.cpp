@@ -107,7 +107,6 @@ void check_norms_row(const char* op, const at::Tensor& x, const at::Tensor& norm
   EL_CHECK(norms.device() == x.device(), op, ": norms on ", norms.device(), ", inputs on ", x.device());
 }
 
-
 PatchGeometry check_patches_args(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
                                  at::IntArrayRef padding, at::IntArrayRef dilation) {
   EL_CHECK(x.dim() == 3 || x.dim() == 4, "conv_patches: expected a batched Conv1d/Conv2d input (B, C, [H,] W), ",
@@ -133,7 +132,8 @@ PatchGeometry check_patches_args(const at::Tensor& x, at::IntArrayRef kernel, at
   const bool two = nd == 2;
   return {x.size(0), x.size(1), two ? x.size(2) : 1, x.size(-1), two ? out[0] : 1, out[nd - 1],
           two ? kernel[0] : 1, kernel[nd - 1], two ? stride[0] : 1, stride[nd - 1],
-          two ? padding[0] : 0, padding[nd - 1], two ? dilation[0] : 1, dilation[nd - 1]};
+          two ? padding[0] : 0, padding[nd - 1], two ? dilation[0] : 1, dilation[nd - 1],
+          x.stride(0), x.stride(1), two ? x.stride(2) : 0, x.stride(-1)};
 }
 
 }  // namespace elasticlab

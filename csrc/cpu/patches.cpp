@@ -11,8 +11,6 @@ at::Tensor conv_patches_cpu(const at::Tensor& x, at::IntArrayRef kernel, at::Int
   const PatchGeometry g = check_patches_args(x, kernel, stride, padding, dilation);
   auto out = at::empty({g.B, g.L(), g.K()}, x.options());
   if (out.numel() == 0) return out;
-  const int64_t x4 = x.dim() == 4;
-  const int64_t sb = x.stride(0), sc = x.stride(1), sy = x4 ? x.stride(2) : 0, sx = x.stride(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "conv_patches_cpu", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     scalar_t* po = out.data_ptr<scalar_t>();
@@ -22,13 +20,13 @@ at::Tensor conv_patches_cpu(const at::Tensor& x, at::IntArrayRef kernel, at::Int
         const int64_t b = r / L, l = r % L, oh = l / g.Wo, ow = l % g.Wo;
         scalar_t* row = po + r * K;
         for (int64_t c = 0; c < g.C; ++c) {
-          const scalar_t* plane = px + b * sb + c * sc;
+          const scalar_t* plane = px + b * g.xb + c * g.xc;
           for (int64_t i = 0; i < g.kh; ++i) {
             const int64_t y = oh * g.sh - g.ph + i * g.dh;
             const bool y_in = y >= 0 && y < g.H;
             for (int64_t j = 0; j < g.kw; ++j) {
               const int64_t xx = ow * g.sw - g.pw + j * g.dw;
-              *row++ = (y_in && xx >= 0 && xx < g.W) ? plane[y * sy + xx * sx] : scalar_t(0);
+              *row++ = (y_in && xx >= 0 && xx < g.W) ? plane[y * g.xy + xx * g.xx] : scalar_t(0);
             }
           }
         }

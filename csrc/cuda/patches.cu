@@ -47,7 +47,7 @@ __global__ void conv_patches_kernel(const scalar_t* __restrict__ x, scalar_t* __
 }
 
 template <typename scalar_t, typename index_t>
-void launch(const at::Tensor& x, at::Tensor& out, const PatchGeometry& g, int64_t sy) {
+void launch(const at::Tensor& x, at::Tensor& out, const PatchGeometry& g) {
   const int64_t total = out.numel();
   constexpr int kThreads = 256;
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -55,8 +55,7 @@ void launch(const at::Tensor& x, at::Tensor& out, const PatchGeometry& g, int64_
   auto div = [](int64_t v) { return Divider<index_t>(static_cast<index_t>(v)); };
   conv_patches_kernel<scalar_t, index_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), static_cast<index_t>(total), div(g.K()), div(g.L()),
-      div(g.Wo), div(g.kw), div(g.kh), g.H, g.W, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, x.stride(0), x.stride(1), sy,
-      x.stride(-1));
+      div(g.Wo), div(g.kw), div(g.kh), g.H, g.W, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.xb, g.xc, g.xy, g.xx);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -68,14 +67,13 @@ at::Tensor conv_patches_cuda(const at::Tensor& x, at::IntArrayRef kernel, at::In
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({g.B, g.L(), g.K()}, x.options());
   if (out.numel() == 0) return out;
-  const int64_t sy = x.dim() == 4 ? x.stride(2) : 0;
   // 32-bit indices when the element count and every signed coordinate (down to −padding, up to the padded
   // extent plus a grid step) fit
   const int64_t bound = std::max<int64_t>({out.numel(), g.H + 2 * g.ph + g.sh * g.Ho, g.W + 2 * g.pw + g.sw * g.Wo});
   const bool small = bound < (int64_t(1) << 30);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "conv_patches_cuda", [&] {
-    if (small) launch<scalar_t, uint32_t>(x, out, g, sy);
-    else launch<scalar_t, uint64_t>(x, out, g, sy);
+    if (small) launch<scalar_t, uint32_t>(x, out, g);
+    else launch<scalar_t, uint64_t>(x, out, g);
   });
   return out;
 }

@@ -338,6 +338,12 @@ def conv_tf32() -> bool:
     return bool(torch.backends.cudnn.allow_tf32)
 
 
+def conv_takes_tf32(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether a convolution computed in float32 (``dtype``, else ``x``'s) takes TF32 for its per-example
+    GEMMs: on CUDA, as :func:`conv_tf32` says (its weight gradient, cuDNN's, runs so)."""
+    return x.is_cuda and (dtype or x.dtype) == torch.float32 and conv_tf32()
+
+
 @contextlib.contextmanager
 def tf32_mode(on: bool):
     """Float32 per-example GEMMs of the compiled kernels (cuBLAS) on this thread with TF32 (``on``) or exact,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from elasticlab._ext import conv_out_sizes
 from elasticlab.gns import kernels, triton_outer
 from elasticlab.gns.triton_outer import HAS_TRITON
 
@@ -112,8 +113,7 @@ def conv_outer_norms(module: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, 
         raise ValueError(f"conv_outer_norms: {type(module).__name__}(in_channels={module.in_channels}) got "
                          f"an input of shape {tuple(x.shape)}")
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _geometry(module)
-    dims = zip(x.shape[2:], (kh, kw)[-nd:], (sh, sw)[-nd:], (ph, pw)[-nd:], (dh, dw)[-nd:])
-    out = [(n + 2 * p - dl * (k - 1) - 1) // s + 1 for n, k, s, p, dl in dims]
+    out = conv_out_sizes(x.shape[2:], (kh, kw)[-nd:], (sh, sw)[-nd:], (ph, pw)[-nd:], (dh, dw)[-nd:])
     want = (x.shape[0], module.out_channels, *out)
     if tuple(d.shape) != want:
         raise ValueError(f"conv_outer_norms: output gradient of shape {tuple(d.shape)}, expected {want} for "
@@ -130,7 +130,7 @@ def conv_outer_norms(module: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, 
     bm, bn, bk, warps, stages = config or _config(T, Din, Cout)
     tiles = triton.cdiv(Cout, bm) * triton.cdiv(Din, bn)
     meta = dict(KH=kh, KW=kw, BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad),
-                PRECISION=triton_outer._precision(x.dtype, tf32=x.is_cuda and kernels.conv_tf32()),
+                PRECISION=triton_outer._precision(x.dtype, tf32=kernels.conv_takes_tf32(x)),
                 num_warps=warps, num_stages=stages)
     scalars = (B, Cin, H, W, Cout, Ho, Wo, *x.stride(), *d.stride(), sh, sw, ph, pw, dh, dw)
     norms, grad = triton_outer.run_tiles(_conv_outer_norms_kernel, x, d, scalars, tiles, Cout, Din, with_grad,

@@ -12,11 +12,14 @@ the C++ autograd function ``elasticlab::conv_norms`` (the Gram, patch and groupe
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from elasticlab._ext import conv_out_sizes
 from elasticlab.gns import calibrate, kernels, triton_conv
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.layers.linear import seq_weight_norms
@@ -117,7 +120,7 @@ class _ConvNorms(torch.autograd.Function):
         L = d3.shape[2]
         K = w[0].numel()                                    # Cin/G · k
         measured = need_w and calibrate.active()
-        tf32 = _tf32(x)
+        tf32 = kernels.conv_takes_tf32(x)
         gram = need_w and not measured and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x,
                                                             batch=B * G, row_major=False, tf32=tf32)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(
@@ -135,13 +138,6 @@ class _ConvNorms(torch.autograd.Function):
             norms["bias"] = kernels.row_sq(db)
         ctx.slot.record(norms, B)
         return cast(gx, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None, None
-
-
-def _tf32(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
-    """Whether a convolution computed in float32 (``dtype``, else ``x``'s) takes TF32 for its per-example
-    GEMMs: on CUDA, as cuDNN's convolution setting says (:func:`elasticlab.gns.kernels.conv_tf32`; its weight
-    gradient runs so)."""
-    return x.is_cuda and (dtype or x.dtype) == torch.float32 and kernels.conv_tf32()
 
 
 def _weight_norms(m, x, g, w, d3, gram, measured, gw_native):
@@ -284,13 +280,11 @@ def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> 
     if calibrate.ENABLED:
         return _CONV_CXX.get(calibrate.chosen(_conv_key(module, x.shape, dtype or x.dtype, x.device)))
     like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
-    L = 1
-    for i, n in enumerate(x.shape[2:]):
-        k, s, p, dil = module.kernel_size[i], module.stride[i], module.padding[i], module.dilation[i]
-        L *= (n + 2 * p - dil * (k - 1) - 1) // s + 1
+    L = math.prod(conv_out_sizes(x.shape[2:], module.kernel_size, module.stride, module.padding,
+                                 module.dilation))
     K, G = module.weight[0].numel(), module.groups
     if kernels.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
-                        row_major=False, tf32=_tf32(x, like.dtype)):
+                        row_major=False, tf32=kernels.conv_takes_tf32(x, like.dtype)):
         return 1
     if TRITON_ON_CUDA and triton_conv.supported(module, like):
         return None
@@ -316,7 +310,7 @@ def conv_forward(module: nn.Module, slot):
         dtype = autocast_dtype(x)
         op = kernels.cxx_autograd("conv_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            tf32 = _tf32(x, dtype)
+            tf32 = kernels.conv_takes_tf32(x, dtype)
             if calibrate.ENABLED:          # not cached: the choice is made at the shape's first backward
                 form = _cxx_form(module, x, dtype)
             else:
