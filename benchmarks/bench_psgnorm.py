@@ -7,8 +7,10 @@ on CUDA), methods interleaved round by round so that drift hits all alike; a met
 a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused backward),
 ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
 kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
-layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-tritonflat`` (the Triton kernel's flat loop
-over (example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and
+layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-untuned`` (the Triton kernel's variant fixed,
+not timed per shape by :mod:`elasticlab.gns.triton_tune`: its nested loop, pointer loads; the tuner's
+timings are printed under each workload as ``tuned``), ``psgn-tritonflat`` (fixed to the flat loop over
+(example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and
 ``psgn-tritontmaflat`` (its operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the
 nested and the flat loop), ``psgn-convgrouped`` (convolutions
 on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
@@ -56,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns import PerSampleGradNorms, triton_tune
 from elasticlab.gns.reference import func_sq_norms
 
 try:
@@ -235,45 +237,49 @@ def autocast(device: torch.device, prec: str):
 SEQUENCE_LINEAR = ("W2", "W3", "G1", "G3")
 CONVOLUTIONS = ("W4", "G2")
 
-# Methods that are psgn with one switch flipped: method -> (module, attribute (or a tuple of attributes, all
-# set to the value), value, where it differs from psgn (device type, workload, precision) -> bool, or None for
-# everywhere, and what the skip line says).
+# Methods that are psgn with switches flipped: method -> (settings: "module:attribute=value" joined by
+# spaces, where it differs from psgn (device type, workload, precision) -> bool, or None for everywhere, and
+# what the skip line says).
 def _bf16_seq(dev: str, name: str, prec: str) -> bool:
     """Where a switch of the Triton kernel that serves bfloat16 sequence Linear layers on CUDA applies."""
     return dev == "cuda" and prec == "bf16" and name in SEQUENCE_LINEAR
 
 
+_KERNEL_VARIANT = ("it changes the Triton kernel's variant, which serves bfloat16 sequence Linear layers on "
+                   "CUDA")
 SWITCHED = {
-    "psgn-ref": ("elasticlab.gns.kernels", "USE_KERNELS", False, None, ""),   # the compiled kernels off
-    "psgn-py": ("elasticlab.gns.kernels", "USE_CXX_AUTOGRAD", False, None, ""),   # Python autograd.Functions
-    "psgn-torchops": ("elasticlab.gns.kernels", "USE_DIRECT_CALLS", False, None, ""),  # torch.ops' entry
-    "psgn-cublas": ("elasticlab.gns.triton_outer", "ENABLED", False, None, ""),   # no Triton: cuBLAS + fold
-    "psgn-calibrated": ("elasticlab.gns.calibrate", "ENABLED", True, None, ""),  # forms timed per shape
-    "psgn-triton32": ("elasticlab.gns.triton_outer", "FP32", True,
+    "psgn-ref": ("kernels:USE_KERNELS=False", None, ""),                 # the compiled kernels off
+    "psgn-py": ("kernels:USE_CXX_AUTOGRAD=False", None, ""),             # Python autograd.Functions
+    "psgn-torchops": ("kernels:USE_DIRECT_CALLS=False", None, ""),       # torch.ops' boxed entry
+    "psgn-cublas": ("triton_outer:ENABLED=False", None, ""),             # no Triton: cuBLAS + fold
+    "psgn-calibrated": ("calibrate:ENABLED=True", None, ""),             # forms timed per shape
+    "psgn-triton32": ("triton_outer:FP32=True",
                       lambda dev, name, prec: dev == "cuda" and prec == "fp32" and name in SEQUENCE_LINEAR,
                       "it changes float32 sequence Linear layers on CUDA"),
-    "psgn-tritonflat": ("elasticlab.gns.triton_outer", "FLAT", True, _bf16_seq,
-                        "it changes the loop of the Triton kernel, which serves bfloat16 sequence Linear "
-                        "layers on CUDA"),
-    "psgn-tritontma": ("elasticlab.gns.triton_outer", "TMA", True, _bf16_seq,
-                       "it changes how the Triton kernel, which serves bfloat16 sequence Linear layers on "
-                       "CUDA, loads its operands"),
-    "psgn-tritontmaflat": ("elasticlab.gns.triton_outer", ("TMA", "FLAT"), True, _bf16_seq,
-                           "it changes the Triton kernel, which serves bfloat16 sequence Linear layers on "
-                           "CUDA"),
-    "psgn-convgrouped": ("elasticlab.gns.layers.conv", "GROUPED_ON_CUDA", True,
+    # the Triton kernel's variants, fixed instead of tuned per shape (elasticlab.gns.triton_tune)
+    "psgn-untuned": ("triton_tune:ENABLED=False", _bf16_seq, _KERNEL_VARIANT),
+    "psgn-tritonflat": ("triton_tune:ENABLED=False triton_outer:FLAT=True", _bf16_seq, _KERNEL_VARIANT),
+    "psgn-tritontma": ("triton_tune:ENABLED=False triton_outer:TMA=True", _bf16_seq, _KERNEL_VARIANT),
+    "psgn-tritontmaflat": ("triton_tune:ENABLED=False triton_outer:TMA=True triton_outer:FLAT=True",
+                           _bf16_seq, _KERNEL_VARIANT),
+    "psgn-convgrouped": ("layers.conv:GROUPED_ON_CUDA=True",
                          lambda dev, name, prec: dev == "cuda" and name in CONVOLUTIONS,
                          "it changes convolutions on CUDA"),
-    "psgn-convtriton": ("elasticlab.gns.layers.conv", "TRITON_ON_CUDA", True,
+    "psgn-convtriton": ("layers.conv:TRITON_ON_CUDA=True",
                         lambda dev, name, prec: dev == "cuda" and prec == "bf16" and name in CONVOLUTIONS,
                         "it changes bfloat16 convolutions on CUDA"),
 }
 
 
-def _switch(method: str):
+def _switch(method: str) -> list[tuple]:
+    """[(module, attribute, value)] of a switched method's settings (modules under elasticlab.gns)."""
     import importlib
-    mod, attrs, value, _, _ = SWITCHED[method]
-    return importlib.import_module(mod), (attrs,) if isinstance(attrs, str) else attrs, value
+    out = []
+    for item in SWITCHED[method][0].split():
+        where, value = item.split("=")
+        mod, attr = where.split(":")
+        out.append((importlib.import_module(f"elasticlab.gns.{mod}"), attr, value == "True"))
+    return out
 
 
 def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
@@ -288,19 +294,19 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
             loss.backward()
         return step
     if method in SWITCHED:
-        # elasticlab with one switch flipped for the step (see SWITCHED)
-        module, attrs, value = _switch(method)
+        # elasticlab with switches flipped for the step (see SWITCHED)
+        settings = _switch(method)
         inner = make_step("psgn", model, x, y, prec)
 
         def step():
-            before = [getattr(module, a) for a in attrs]
-            for a in attrs:
-                setattr(module, a, value)
+            before = [getattr(mod, a) for mod, a, _ in settings]
+            for mod, a, v in settings:
+                setattr(mod, a, v)
             try:
                 return inner()
             finally:
-                for a, v in zip(attrs, before):
-                    setattr(module, a, v)
+                for (mod, a, _), v in zip(settings, before):
+                    setattr(mod, a, v)
         step.close = inner.close
         return step
     if method in ("psgn", "psgn-hooks"):
@@ -582,10 +588,13 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
     if "reference" in failed:
         entry["check_error"] = failed["reference"]
     run = list(methods)
-    for m in [m for m in run if m in SWITCHED and SWITCHED[m][3] is not None]:
-        if not SWITCHED[m][3](device.type, name, prec):
-            entry["skipped"][m] = f"= psgn here ({SWITCHED[m][4]})"
+    for m in [m for m in run if m in SWITCHED and SWITCHED[m][1] is not None]:
+        if not SWITCHED[m][1](device.type, name, prec):
+            entry["skipped"][m] = f"= psgn here ({SWITCHED[m][2]})"
             run.remove(m)
+    for m in [m for m in run if "tma" in m and not triton_tune.TMA]:
+        entry["skipped"][m] = "TMA kept out (ELASTICLAB_TRITON_TMA=0)"
+        run.remove(m)
     if "torch.func" in run:
         model, x, _ = _built(name, device, quick)
         why = func_skip_reason(model, x.shape[0], device)
@@ -593,8 +602,13 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
             entry["skipped"]["torch.func"] = why
             run.remove("torch.func")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    tuned_before = set(triton_tune.tunings())
     med, terr = time_methods(name, run, device, args.iters, args.warmup, quick, prec, clock, args.slow_s)
     entry["errors"].update(terr)
+    # the Triton kernel's variants timed for this workload's shapes (psgn's first steps; triton_tune)
+    entry["tuned_us"] = {"{}x{}x{}->{}".format(*k[:4]) + ("" if k[6] else " norms only"):
+                         {v: t * 1e6 for v, t in times.items()}
+                         for k, times in triton_tune.tunings().items() if k not in tuned_before}
     if "plain" not in med:
         raise RuntimeError(f"plain step failed: {terr.get('plain')}")
     base = med["plain"]
@@ -638,6 +652,10 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
             if m in entry["errors"]:
                 line += f"  [{entry['errors'][m]}]"
         print(f"  {m:16s} {line}")
+    for shape, times in entry["tuned_us"].items():
+        best = min(times, key=times.get)
+        print(f"  tuned {shape}: " + ", ".join(f"{v} {t:.0f} us" + ("*" if v == best else "")
+                                              for v, t in times.items()))
     if "bf16_vs_fp32" in entry:
         b = entry["bf16_vs_fp32"]
         print("  bf16 vs fp32 psgn norms (same batch): " + (b["error"] if "error" in b else
@@ -655,7 +673,8 @@ def main(argv=None) -> int:
                     help=f"entries NAME or NAME:PREC[+PREC] (default {DEFAULT_CPU}; on cuda {DEFAULT_CUDA})")
     ap.add_argument("--precision", default="fp32", help="precisions of entries without one: fp32,bf16")
     ap.add_argument("--methods",
-                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-calibrated,psgn-triton32,psgn-tritonflat,"
+                    default="plain,psgn,psgn-ref,psgn-hooks,psgn-calibrated,psgn-triton32,psgn-untuned,"
+                            "psgn-tritonflat,"
                             "psgn-tritontma,psgn-tritontmaflat,psgn-convgrouped,psgn-convtriton,torch.func,"
                             "opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)

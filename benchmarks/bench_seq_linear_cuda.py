@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from elasticlab.gns import kernels, triton_outer
+from elasticlab.gns import kernels, triton_outer, triton_tune
 
 SHAPES = {  # name: (B, T, Din, Dout, dtype)
     "G1.qkv": (8, 1024, 768, 2304), "G1.proj": (8, 1024, 768, 768), "G1.fc": (8, 1024, 768, 3072),
@@ -78,7 +78,7 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
         cfg = triton_outer._config(Din, Dout, a.dtype)[:5]
         meth["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False,))
         meth["flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True,))
-        if triton_outer.tma_ok(a, d):
+        if triton_tune.TMA and triton_outer.tma_ok(a, d):          # ELASTICLAB_TRITON_TMA=0: left out
             meth["tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
             meth["tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
     return meth
@@ -119,7 +119,8 @@ _TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128
           (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
 # (BM, BN, BK, warps, stages, flat, tma): each tile shape in both loops, with pointer and with TMA loads
 SWEEP = {"layers": ["G3.up", "G1.head"],
-         "configs": [t + (f, m) for t in _TILES for m in (False, True) for f in (False, True)]}
+         "configs": [t + (f, m) for t in _TILES for m in (False, True)[:1 + triton_tune.TMA]
+                     for f in (False, True)]}
 
 
 def _sweep_layer(name: str, iters: int) -> dict:

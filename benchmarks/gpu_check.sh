@@ -11,7 +11,8 @@
 #            gradient -> ops.log
 #   test     pytest -m gpu tests/ (240 s: the Triton tests compile a kernel per tile, loop and dtype; not
 #            fatal: the benchmark runs whatever the tests say; two xdist workers where installed, so that a
-#            test that crashes its process is reported and the rest still run)
+#            test that crashes its process is reported and the rest still run; a failed TMA test sets
+#            ELASTICLAB_TRITON_TMA=0 for the later stages)
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log (top kernels, GPU
@@ -112,6 +113,12 @@ if want test; then
     $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors $XDIST tests/
   { grep -E "^(FAILED|ERROR) |crashed while running" "$OUT/pytest_gpu.log" | cut -c1-200 | head -25
     tail -1 "$OUT/pytest_gpu.log"; } | note
+  # The TMA kernel had never run on a GPU before this script first ran it: if one of its tests failed or
+  # crashed, the later stages leave its variants out (a CUDA fault would end their process).
+  if grep -i -E "^(FAILED|ERROR) .*tma|crashed while running.*tma" "$OUT/pytest_gpu.log" > /dev/null; then
+    export ELASTICLAB_TRITON_TMA=0
+    say "   a TMA test failed: ops, bench and profile run with ELASTICLAB_TRITON_TMA=0 (no TMA variants)"
+  fi
 fi
 
 if want ops; then

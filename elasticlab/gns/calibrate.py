@@ -19,13 +19,12 @@ default path's memory rule) is not run at all, unless every form does (then the 
 """
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from elasticlab.gns import kernels
+from elasticlab.gns import kernels, timing
 
 ENABLED = False
 REPEATS = 3
@@ -51,25 +50,6 @@ def chosen(key: tuple) -> str | None:
     return _CHOSEN.get(key) if ENABLED else None
 
 
-def _elapsed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call: the best of :data:`REPEATS`, between CUDA events on a GPU, by the wall clock
-    elsewhere."""
-    best = float("inf")
-    for _ in range(max(1, REPEATS)):
-        if device.type == "cuda":
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            fn()
-            t1.record()
-            t1.synchronize()
-            best = min(best, t0.elapsed_time(t1) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-    return best
-
-
 def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.device) -> tuple[str, tuple]:
     """Times each of ``forms`` (name → call returning the form's result), records the fastest for ``key`` and
     returns (its name, its result). A form that raises is left out, with a RuntimeWarning naming it and its
@@ -78,7 +58,7 @@ def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.devi
     for name, fn in forms.items():
         try:
             out = fn()                                   # warm-up (Triton compiles here)
-            t = _elapsed(fn, device)
+            t = timing.elapsed(fn, device, REPEATS)
         except Exception as e:       # e.g. Triton's OutOfResources for this tile, CUDA out of memory
             err, failed[name] = e, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue

@@ -16,7 +16,7 @@ import math
 import torch
 
 from elasticlab import _ext
-from elasticlab.gns import triton_outer
+from elasticlab.gns import triton_outer, triton_tune
 
 # Global switch: False makes every call with use_kernel=None take the reference path (for comparisons).
 USE_KERNELS = True
@@ -221,7 +221,7 @@ def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = F
     ``use_kernel=True``, the compiled ``seq_linear_outer_norms`` (cuBLAS batched GEMMs on CUDA)."""
     _check_seq(a, d, "seq_linear_outer_norms")
     if use_kernel is None and USE_KERNELS and triton_outer.preferred(a, d):
-        return triton_outer.outer_norms(_plain(a), _plain(d), with_grad)       # fused on tensor cores
+        return triton_tune.outer_norms(_plain(a), _plain(d), with_grad)        # fused on tensor cores
     op = _op("seq_linear_outer_norms", a, use_kernel)
     if op is None:
         return seq_linear_outer_norms_ref(a, d, with_grad)

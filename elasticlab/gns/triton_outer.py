@@ -39,14 +39,14 @@ ENABLED = True
 FP32 = False
 # The kernel's loop: True, one loop over (example, K step) pairs, pipelined across examples (the flattened
 # loop of Triton's persistent-matmul tutorial); False, a K loop per example inside a loop over examples (the
-# loop measured on an H100 in session 5). Off until the flat loop is measured there
-# (benchmarks/bench_seq_linear_cuda.py, column ``flat``; bench_psgnorm.py, ``psgn-tritonflat``).
+# loop measured on an H100 in session 5). What runs untuned: on a GPU :mod:`elasticlab.gns.triton_tune`
+# times both per shape (bench_seq_linear_cuda.py, column ``flat``; bench_psgnorm.py, ``psgn-tritonflat``).
 FLAT = False
 # Hopper's tensor-memory accelerator for the operand tiles (where :func:`tma_ok`: 16-byte aligned rows on a
 # GPU of compute capability 9 or later): the kernel :func:`_outer_norms_tma_kernel` loads each example's
 # (BK × tile) blocks through TMA descriptors (zero fill past T, no masks or address arithmetic in the loop)
 # and writes per-row partial norms (a row reduction within each warp instead of a whole-tile reduction
-# across warps and a barrier per example). Off until measured on a GPU (bench_seq_linear_cuda.py column
+# across warps and a barrier per example). What runs untuned, as :data:`FLAT` (bench_seq_linear_cuda.py column
 # ``tma``; bench_psgnorm.py ``psgn-tritontma``).
 TMA = False
 

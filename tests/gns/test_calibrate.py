@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, calibrate, kernels
+from elasticlab.gns import PerSampleGradNorms, calibrate, kernels, timing
 from elasticlab.gns.layers import conv as conv_rule
 from elasticlab.gns.layers import linear as linear_rule
 from elasticlab.gns.reference import func_sq_norms
@@ -19,14 +19,14 @@ from elasticlab.gns.reference import func_sq_norms
 CXX = "linear_norms" in kernels._OPERATORS
 
 
-CLOCK = [0.0]                                            # the virtual clock calibrate reads (seconds)
+CLOCK = [0.0]                           # the virtual clock calibrate reads through timing (seconds)
 
 
 @pytest.fixture(autouse=True)
 def _calibrating(monkeypatch):
     monkeypatch.setattr(calibrate, "ENABLED", True)
     monkeypatch.setattr(calibrate, "REPEATS", 2)
-    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: CLOCK[0]))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: CLOCK[0]))
     calibrate.reset()
     yield
     calibrate.reset()

@@ -1,0 +1,103 @@
+"""Per-shape choice among the fused Triton kernel's variants, timed on the GPU that runs them.
+
+:mod:`elasticlab.gns.triton_outer` has four variants of one computation: two loops (``flat``: one loop over
+(example, K step) pairs; nested: a K loop per example) × two ways of loading the operands (pointers, or
+Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`). The H100 sweeps of
+``bench_seq_linear_cuda.py`` ranked them differently from shape to shape (session 10: the flat loop won on
+W3.up only), which one fixed choice cannot follow. So, as ``torch.backends.cudnn.benchmark`` does for
+convolution algorithms, with :data:`ENABLED` the first call of each (shape, dtype, device) runs every variant
+on the layer's own operands, each once to warm up (Triton compiles there) and then :data:`REPEATS` times,
+keeps the fastest for that shape and returns its result; later calls run the kept one. The variants compute
+the same sums in other orders, so any of them is a valid result. Untuned (off, under ``torch.compile``,
+while a CUDA graph is captured, on the CPU), :data:`~elasticlab.gns.triton_outer.FLAT` and
+:data:`~elasticlab.gns.triton_outer.TMA` say which runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps
+the TMA variants out (:data:`TMA`). :func:`tunings` lists what was measured.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from elasticlab.gns import timing, triton_outer
+
+ENABLED = True
+REPEATS = 3
+TMA = os.environ.get("ELASTICLAB_TRITON_TMA", "1") != "0"
+
+_CHOSEN: dict[tuple, tuple] = {}                  # key -> the config measured fastest
+_TIMES: dict[tuple, dict[str, float]] = {}        # key -> {variant: seconds}
+
+
+def active(a: torch.Tensor) -> bool:
+    """Whether a call on ``a`` is tuned: :data:`ENABLED`, on CUDA, eager (a traced call or a captured graph
+    would record the measuring)."""
+    return (ENABLED and a.is_cuda and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def variant_name(config: tuple) -> str:
+    """Which variant a full config (BM, BN, BK, warps, stages, flat, tma) runs: "pointer" or "tma", then
+    "-nested" or "-flat"."""
+    return ("tma" if config[6] else "pointer") + ("-flat" if config[5] else "-nested")
+
+
+def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
+    """The full configs timed for these operands: the tile of :func:`~elasticlab.gns.triton_outer._config`,
+    both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands."""
+    base = triton_outer._config(a.shape[2], d.shape[2], a.dtype)[:5]
+    loads = (False, True) if TMA and triton_outer.tma_ok(a, d) else (False,)
+    return [base + (flat, tma) for tma in loads for flat in (False, True)]
+
+
+def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
+    """:func:`elasticlab.gns.triton_outer.outer_norms` by the variant measured fastest for this shape
+    (measured at its first call, whose result is the winner's); untuned where not :func:`active`. A variant
+    that raises (a tile over the device's shared memory, say) is left out with a warning; if all raise, the
+    last error propagates."""
+    if not active(a):
+        return triton_outer.outer_norms(a, d, with_grad)
+    tma = TMA and triton_outer.tma_ok(a, d)
+    key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma)
+    config = _CHOSEN.get(key)
+    if config is not None:
+        return triton_outer.outer_norms(a, d, with_grad, config)
+    best, best_t, best_out, times, failed, err = None, float("inf"), None, {}, {}, None
+    for config in candidates(a, d):
+        def run(config=config):
+            return triton_outer.outer_norms(a, d, with_grad, config)
+        try:
+            out = run()
+            t = timing.elapsed(run, a.device, REPEATS)
+        except Exception as e:           # e.g. Triton's OutOfResources for this tile on this device
+            err, failed[variant_name(config)] = e, f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        times[variant_name(config)] = t
+        if t < best_t:
+            best, best_t, best_out = config, t, out
+        del out
+    if best is None:
+        raise err
+    if failed:
+        warnings.warn(f"triton_tune: variants left out for (B, T, Din, Dout) = {tuple(key[:4])}: {failed}",
+                      RuntimeWarning, stacklevel=2)
+    _CHOSEN[key], _TIMES[key] = best, times
+    return best_out
+
+
+def tunings() -> dict[tuple, dict[str, float]]:
+    """{(B, T, Din, Dout, dtype, device, with_grad, TMA variants timed): {variant: seconds}} of every shape
+    tuned so far; the fastest is the one kept."""
+    return {k: dict(v) for k, v in _TIMES.items()}
+
+
+def chosen() -> dict[tuple, str]:
+    """{key (as :func:`tunings`'): the variant kept}."""
+    return {k: variant_name(c) for k, c in _CHOSEN.items()}
+
+
+def reset() -> None:
+    """Forgets every choice: the next call of each shape measures again."""
+    _CHOSEN.clear()
+    _TIMES.clear()

@@ -1,0 +1,147 @@
+"""The per-shape choice among the Triton kernel's variants (``elasticlab.gns.triton_tune``).
+
+Runs where the kernel runs: on a CUDA device, or on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, ``.ci/triton_interpret.sh``), where tuning is forced on (it is for GPUs only) so
+that its logic is exercised:
+which variants it times, what it keeps, that the result it returns is a correct one, that a variant that
+raises is left out, and when it stays off.
+"""
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from elasticlab.gns import kernels, triton_outer, triton_tune  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cpu" if INTERPRET else "cuda"
+pytestmark = [] if INTERPRET else [pytest.mark.gpu]
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    triton_tune.reset()
+    if INTERPRET:                           # CPU tensors: force the tuning on (active() says no off CUDA)
+        monkeypatch.setattr(triton_tune, "active", lambda a: triton_tune.ENABLED)
+    yield
+    triton_tune.reset()
+
+
+def _inputs(B, T, Din, Dout, dtype=torch.float16):
+    g = torch.Generator().manual_seed(B * 100 + T)
+    a = torch.randn(B, T, Din, generator=g).to(DEV, dtype)
+    d = (torch.randn(B, T, Dout, generator=g) / T ** 0.5).to(DEV, dtype)
+    return a, d
+
+
+def _reference(a, d):
+    return kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu(), with_grad=True)
+
+
+def _close(got, want):
+    n, g = got
+    rn, rg = want
+    torch.testing.assert_close(n.double().cpu(), rn, rtol=2e-5, atol=1e-6 * float(rn.max()))
+    torch.testing.assert_close(g.double().cpu(), rg, rtol=2e-5, atol=2e-5 * float(rg.abs().max()))
+
+
+def _count_configs(monkeypatch) -> list:
+    """The config of each triton_outer.outer_norms call from now on (the call still runs)."""
+    seen, real = [], triton_outer.outer_norms
+
+    def spy(a, d, with_grad, config=None):
+        seen.append(config)
+        return real(a, d, with_grad, config)
+
+    monkeypatch.setattr(triton_outer, "outer_norms", spy)
+    return seen
+
+
+def test_first_call_times_every_variant_and_later_calls_run_the_kept_one(monkeypatch):
+    a, d = _inputs(3, 40, 32, 48)
+    seen = _count_configs(monkeypatch)
+    monkeypatch.setattr(triton_tune, "REPEATS", 2)
+    want = _reference(a, d)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    names = [triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)]
+    expect = {"pointer-nested", "pointer-flat"}
+    if triton_outer.tma_ok(a, d):
+        expect |= {"tma-nested", "tma-flat"}
+    assert set(names) == expect
+    assert len(seen) == 3 * len(names)                   # each variant: one warm-up call, then REPEATS timed
+    (key, times), = triton_tune.tunings().items()
+    assert key[:4] == (3, 40, 32, 48) and set(times) == expect and all(t > 0 for t in times.values())
+    kept = triton_tune.chosen()[key]
+    assert kept == min(times, key=times.get)
+    seen.clear()
+    _close(triton_tune.outer_norms(a, d, True), want)     # the kept variant, once, no timing
+    assert [triton_tune.variant_name(c) for c in seen] == [kept]
+    # norms only is another key, tuned at its own first call
+    n, g = triton_tune.outer_norms(a, d, False)
+    assert g is None and len(triton_tune.tunings()) == 2
+    torch.testing.assert_close(n.double().cpu(), want[0], rtol=2e-5, atol=1e-6 * float(want[0].max()))
+
+
+def test_a_variant_that_raises_is_left_out_with_a_warning(monkeypatch):
+    a, d = _inputs(2, 17, 24, 40)
+    real = triton_outer.outer_norms
+
+    def flaky(a, d, with_grad, config=None):
+        if config is not None and config[5]:                  # the flat loop "does not fit" this device
+            raise RuntimeError("out of resources: shared memory, required: 300000")
+        return real(a, d, with_grad, config)
+
+    monkeypatch.setattr(triton_outer, "outer_norms", flaky)
+    with pytest.warns(RuntimeWarning, match="pointer-flat.*out of resources"):
+        _close(triton_tune.outer_norms(a, d, True), _reference(a, d))
+    (times,) = triton_tune.tunings().values()
+    assert times and not any(name.endswith("-flat") for name in times)
+
+
+def test_when_every_variant_raises_the_error_propagates(monkeypatch):
+    a, d = _inputs(2, 9, 16, 16)
+
+    def broken(a, d, with_grad, config=None):
+        raise RuntimeError("no variant compiles here")
+
+    monkeypatch.setattr(triton_outer, "outer_norms", broken)
+    with pytest.raises(RuntimeError, match="no variant compiles here"):
+        triton_tune.outer_norms(a, d, True)
+    assert triton_tune.tunings() == {}
+
+
+def test_tma_variants_can_be_kept_out(monkeypatch):
+    a, d = _inputs(2, 9, 16, 24)
+    monkeypatch.setattr(triton_tune, "TMA", False)
+    assert {triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)} == {"pointer-nested",
+                                                                                  "pointer-flat"}
+
+
+def test_off_or_untunable_it_runs_the_fixed_variant(monkeypatch):
+    a, d = _inputs(2, 9, 16, 24)
+    seen = _count_configs(monkeypatch)
+    monkeypatch.setattr(triton_tune, "ENABLED", False)
+    _close(triton_tune.outer_norms(a, d, True), _reference(a, d))
+    assert seen == [None] and triton_tune.tunings() == {}      # no config: FLAT and TMA decide
+    monkeypatch.undo()
+    # the real rule: CPU tensors are never tuned, nor is anything while torch.compile traces
+    assert not triton_tune.active(a.cpu())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not triton_tune.active(a)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the default path takes the Triton kernel on CUDA only")
+def test_cuda_the_default_path_is_tuned_and_gives_the_untuned_result(monkeypatch):
+    """bfloat16 on CUDA: kernels.seq_linear_outer_norms goes through the tuner, which records the shape; its
+    result equals the untuned kernel's up to summation order."""
+    a, d = _inputs(8, 128, 256, 384, torch.bfloat16)
+    assert triton_tune.active(a) and triton_outer.preferred(a, d)
+    n, g = kernels.seq_linear_outer_norms(a, d, with_grad=True)
+    assert [k[:4] for k in triton_tune.tunings()] == [(8, 128, 256, 384)]
+    n0, g0 = triton_outer.outer_norms(a, d, True)
+    torch.testing.assert_close(n, n0, rtol=1e-4, atol=0)
+    torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-4 * float(g0.abs().max()))
