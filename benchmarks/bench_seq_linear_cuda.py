@@ -9,6 +9,8 @@ descriptors and per-row partial norms: ``triton_outer.TMA``), ``cublas`` (batche
 compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
 ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
+Then sweeps: the Triton kernel's tiles and variants (``sweep``), and the cuBLAS form's chunk budget
+(``chunks``: :data:`CHUNKS`).
 Every method is first checked against float64. It also measures the two ceilings the cost
 model of ``elasticlab.gns.kernels.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
@@ -151,6 +153,40 @@ def sweep_triton(iters: int) -> dict:
     return out
 
 
+# The cuBLAS form's chunk of examples (kernels.scratch_cap): L2-sized chunks (an H100 has 50 MB of L2) may let
+# the fold read the products the batched GEMM just wrote from L2 instead of HBM, at more launches a layer.
+# Layers whose product fits a few times in L2: G3's in bfloat16 (8 MB an example), G1's in float32 (7-9 MB).
+CHUNKS = {"layers": [("G3.up", torch.bfloat16), ("G3.down", torch.bfloat16), ("G1.qkv", torch.float32),
+                     ("G1.fc", torch.float32)],
+          "caps_mb": [8, 16, 32, 64, 256]}
+
+
+def _chunk_layer(name: str, dt: torch.dtype, iters: int) -> dict:
+    B, T, Din, Dout = SHAPES[name]
+    a = torch.randn(B, T, Din, device="cuda").to(dt)
+    d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(dt)
+    base = timed(lambda: d.view(-1, Dout).t() @ a.view(-1, Din), iters)
+    row = {}
+    for mb in CHUNKS["caps_mb"]:
+        with kernels.scratch_cap(mb << 20):
+            def call():
+                return torch.ops.elasticlab.seq_linear_outer_norms(a, d, True)
+            row[mb] = {"ratio": timed(call, iters) / base, "scratch_mb": _scratch_mb(call)}
+    return row
+
+
+def sweep_chunks(iters: int) -> dict:
+    """The cuBLAS form's time over the weight-gradient GEMM's for each chunk budget of :data:`CHUNKS`, and the
+    peak scratch (MB) of one call."""
+    out = {}
+    for name, dt in CHUNKS["layers"]:
+        row = out[f"{name}:{str(dt).split('.')[-1]}"] = _chunk_layer(name, dt, iters)
+        torch.cuda.empty_cache()
+        print(f"chunks {name:8s} {str(dt).split('.')[-1]:9s} " + "  ".join(
+            f"{mb}MB {v['ratio']:.2f}x ({v['scratch_mb']:.0f} MB)" for mb, v in row.items()))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10)
@@ -173,7 +209,9 @@ def main(argv=None) -> int:
               + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in cols if m != "bmm")
               + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols))
     sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
-    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep}))
+    has_op = kernels.compiled("seq_linear_outer_norms", torch.empty(0, device="cuda"))
+    chunks = sweep_chunks(args.iters) if has_op else {}
+    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep, "chunks": chunks}))
     return 0
 
 

@@ -199,6 +199,18 @@ PyObject* set_tf32_mode(PyObject*, PyObject* arg) {
   return PyLong_FromLong(prev);
 }
 
+// scratch_bytes (ops.h), the CUDA forms' chunk budget, set to the given positive number of bytes; returns the
+// previous budget.
+PyObject* set_scratch_bytes(PyObject*, PyObject* arg) {
+  const long long n = PyLong_AsLongLong(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  if (n < 1) {
+    PyErr_Format(PyExc_ValueError, "set_scratch_bytes: expected a positive number of bytes, got %lld", n);
+    return nullptr;
+  }
+  return PyLong_FromLongLong(elasticlab::scratch_bytes.exchange(n));
+}
+
 PyMethodDef methods[] = {
     {"linear_norms", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(linear_norms)), METH_FASTCALL,
      "torch.ops.elasticlab.linear_norms, called directly (same arguments, positional)"},
@@ -211,6 +223,8 @@ PyMethodDef methods[] = {
     {"set_tf32_mode", set_tf32_mode, METH_O,
      "Sets TF32 for float32 per-example GEMMs on this thread (-1: torch's matmul setting, 0: off, 1: on); "
      "returns the previous mode"},
+    {"set_scratch_bytes", set_scratch_bytes, METH_O,
+     "Sets the CUDA forms' scratch budget per chunk of examples (bytes, positive); returns the previous one"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -3,6 +3,7 @@
 // Python module in csrc/bindings.cpp.
 #pragma once
 #include <ATen/ATen.h>
+#include <atomic>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -54,6 +55,12 @@ std::string message(const Parts&... parts) {
 // backward sets it while it runs (Tf32Scope) from cuDNN's convolution setting, which its weight gradient follows
 // (TF32 by default), so that its norms take the precision and speed of the gradient they measure.
 inline thread_local int tf32_mode = -1;
+
+// Scratch budget (bytes) of the CUDA forms' chunked per-example products and Grams (csrc/cuda/outer_norms.cu,
+// gram_norms.cu): a chunk holds as many examples as fit. Process-wide; Python sets it from
+// elasticlab.gns.kernels.SCRATCH_CAP (kernels.scratch_cap), which its memory rule models.
+inline std::atomic<int64_t> scratch_bytes{int64_t(256) << 20};
+inline int64_t scratch_budget() { return scratch_bytes.load(std::memory_order_relaxed); }
 
 class Tf32Scope {
  public:

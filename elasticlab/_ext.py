@@ -74,6 +74,14 @@ def set_tf32_mode(mode: int) -> int | None:
     return None if setter is None else setter(mode)
 
 
+def set_scratch_bytes(n: int) -> int | None:
+    """``_C``'s scratch budget per chunk of examples of its CUDA forms (bytes, ``scratch_bytes`` in
+    csrc/ops.h) set; returns the previous budget, or None when ``_C`` (or a build with this setting) is
+    absent."""
+    setter = getattr(_C, "set_scratch_bytes", None) if HAS_C else None
+    return None if setter is None else setter(int(n))
+
+
 def _warn_once() -> None:
     global _warned
     if not _warned:

@@ -7,9 +7,6 @@
 namespace elasticlab {
 namespace cuda {
 
-// Scratch budget of the chunked per-example products (bytes): a chunk of examples is as many as fit.
-constexpr int64_t kScratchBytes = int64_t(256) << 20;
-
 // C_b = op(A_b) op(B_b) for every b, C (c, M, N) contiguous and row-major. A and B are (c, ·, ·) tensors of
 // one dtype whose last or middle dimension is unit-stride (any other layout is copied first); op transposes
 // when the flag is set. C's dtype is A's, or float32 for half-precision A (accumulation is float32 either way).

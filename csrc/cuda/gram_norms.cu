@@ -1,7 +1,7 @@
 // CUDA Gram-form per-example norms (Li et al. 2022 ghost norm): |G_b|^2 = sum_{t,s} (a_t.a_s)(d_t.d_s). The two
 // T x T Gram matrices of a chunk of examples come from cuBLAS strided-batched GEMMs (float32 output, tensor
 // cores for half inputs), then one elementwise product and sum per example. Chunks keep the scratch under
-// kScratchBytes.
+// scratch_budget() (ops.h).
 #include "../ops.h"
 #include "blas.h"
 #include <ATen/cuda/CUDAContext.h>
@@ -18,7 +18,7 @@ at::Tensor seq_linear_gram_norms_cuda(const at::Tensor& a, const at::Tensor& d) 
   if (B == 0 || T == 0 || a.size(2) == 0 || d.size(2) == 0) return at::zeros({B}, a.options().dtype(acc));
   auto norms = at::empty({B}, a.options().dtype(acc));   // every chunk's sum writes its rows
   const int64_t per = 2 * T * T * at::elementSize(acc);
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, cuda::kScratchBytes / per));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, scratch_budget() / per));
   auto Ga = at::empty({chunk, T, T}, a.options().dtype(acc)), Gd = at::empty_like(Ga);
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     const int64_t c = std::min(chunk, B - b0);

@@ -3,7 +3,7 @@
 // cores for bf16/fp16, and for fp32 when TF32 is allowed) and one pass over them (fold.cuh) reduces each to
 // its squared norm and adds their sum into the weight gradient: the same FLOPs as the weight-gradient GEMM,
 // plus one write and one read of the chunk's products (bfloat16 ones for bfloat16 inputs). Chunks keep the
-// scratch under kScratchBytes.
+// scratch under scratch_budget() (ops.h).
 #include "../ops.h"
 #include "blas.h"
 #include "fold.cuh"
@@ -111,7 +111,7 @@ at::Tensor outer_norms_into(const at::Tensor& a, const at::Tensor& d, bool with_
   // in float32 and the fold sums in float32), float32 for float16 inputs (whose range a product may exceed).
   const auto g_type = a.scalar_type() == at::kBFloat16 ? at::kBFloat16 : acc;
   const int64_t per = Din * Dout * at::elementSize(g_type);
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, cuda::kScratchBytes / std::max<int64_t>(per, 1)));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, scratch_budget() / std::max<int64_t>(per, 1)));
   auto G = at::empty({chunk, Dout, Din}, a.options().dtype(g_type));
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     const int64_t c = std::min(chunk, B - b0);

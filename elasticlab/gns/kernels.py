@@ -289,7 +289,8 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
 
 
 # Issue 14's memory target: a step with norms may take at most 10% more peak memory than plain. The outer
-# form on cuBLAS materialises per-example products (chunks of up to SCRATCH_CAP bytes, csrc/cuda/blas.h),
+# form on cuBLAS materialises per-example products (chunks of up to SCRATCH_CAP bytes: _C's budget, set
+# from here at import and by :func:`scratch_cap`),
 # which on a small model is a large share of it (W2 fp32 on the H100: +46%). When that scratch exceeds
 # SCRATCH_SHARE of the memory allocated on the device when the form is chosen (a lower bound of the plain
 # step's peak), the Gram form, whose scratch is two T×T matrices per example, is taken instead, provided its
@@ -298,6 +299,23 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
 SCRATCH_SHARE = 0.10
 GRAM_SLOWDOWN_OK = 2.0
 SCRATCH_CAP = 256 << 20
+_ext.set_scratch_bytes(SCRATCH_CAP)
+
+
+@contextlib.contextmanager
+def scratch_cap(n: int):
+    """:data:`SCRATCH_CAP`, and ``_C``'s chunk budget with it, set to ``n`` bytes inside the block (the chunk
+    sweep of ``benchmarks/bench_seq_linear_cuda.py``)."""
+    global SCRATCH_CAP
+    if int(n) < 1:
+        raise ValueError(f"scratch_cap: expected a positive number of bytes, got {n!r}")
+    prev, SCRATCH_CAP = SCRATCH_CAP, int(n)
+    _ext.set_scratch_bytes(SCRATCH_CAP)
+    try:
+        yield
+    finally:
+        SCRATCH_CAP = prev
+        _ext.set_scratch_bytes(prev)
 
 
 def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_outer: bool, in_registers: bool,

@@ -72,10 +72,21 @@ def test_share_and_slowdown_are_the_knobs(monkeypatch):
 
 
 def test_scratch_cap_is_the_cuda_chunk_budget():
-    """``SCRATCH_CAP`` mirrors ``kScratchBytes`` of csrc/cuda/blas.h (the chunk budget of the CUDA forms)."""
-    import pathlib
-    import re
-    text = (pathlib.Path(__file__).parents[2] / "csrc" / "cuda" / "blas.h").read_text()
-    m = re.search(r"kScratchBytes = int64_t\((\d+)\) << (\d+);", text)
-    assert m, "kScratchBytes not found in csrc/cuda/blas.h"
-    assert kernels.SCRATCH_CAP == int(m.group(1)) << int(m.group(2))
+    """``SCRATCH_CAP`` is ``_C``'s chunk budget of the CUDA forms (``scratch_bytes`` in csrc/ops.h): pushed at
+    import, moved with it by ``scratch_cap`` and put back after; a bad size is a clear error."""
+    from elasticlab import _ext
+    if _ext.set_scratch_bytes(kernels.SCRATCH_CAP) is None:
+        pytest.skip("_C is not built")
+    assert _ext.set_scratch_bytes(kernels.SCRATCH_CAP) == kernels.SCRATCH_CAP
+    before = kernels.SCRATCH_CAP
+    with kernels.scratch_cap(3 << 20):
+        assert kernels.SCRATCH_CAP == 3 << 20
+        assert _ext.set_scratch_bytes(3 << 20) == 3 << 20
+        assert kernels.scratch_bytes("outer", 64, 512, 1024, 4096, torch.float32) == 3 << 20
+    assert kernels.SCRATCH_CAP == before and _ext.set_scratch_bytes(before) == before
+    with pytest.raises(ValueError, match="positive number of bytes, got 0"):
+        with kernels.scratch_cap(0):
+            pass
+    with pytest.raises(ValueError, match="got -5"):
+        _ext.set_scratch_bytes(-5)
+    assert _ext.set_scratch_bytes(before) == before

@@ -547,3 +547,26 @@ def test_cuda_backward_makes_no_host_sync(autocast):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(total).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_scratch_budget_sets_the_chunks(dtype):
+    """``kernels.scratch_cap`` moves the CUDA forms' chunk budget: a 1 MB budget splits 7 examples of 300x400
+    float32 products (0.48 MB each) into chunks of two (Gram: 2·60²·4 bytes, all in one), and the norms and
+    gradient equal the one-chunk ones up to summation order (and, for bfloat16 products, a rounding of a
+    product element that another GEMM algorithm may flip: 1e-3)."""
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    a, d = seq(7, 60, 300, 400, dtype=torch.float32)
+    ac, dc = a.to(dtype).cuda(), d.to(dtype).cuda()
+    n1, g1 = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
+    gram1 = kernels.seq_linear_gram_norms(ac, dc, use_kernel=True)
+    with kernels.scratch_cap(1 << 20):
+        n, g = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
+        gram = kernels.seq_linear_gram_norms(ac, dc, use_kernel=True)
+    with kernels.scratch_cap(1):                                # one example a chunk
+        n_one, g_one = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
+    for got, grad in ((n, g), (n_one, g_one)):
+        torch.testing.assert_close(got, n1, rtol=tol, atol=0)
+        torch.testing.assert_close(grad, g1, rtol=tol, atol=tol * float(g1.abs().max()))
+    torch.testing.assert_close(gram, gram1, rtol=1e-6, atol=0)
