@@ -10,5 +10,6 @@ $V/bin/python -c 'import pytest, pytest_timeout, hypothesis' 2>/dev/null || $V/b
 # The source tree's _C is built for the CPU torch of .venv: this venv must not load it (elasticlab then
 # falls back to its PyTorch kernels; the test compares the Triton kernel with the float64 reference).
 export TRITON_INTERPRET=1
-$V/bin/python -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gns/test_triton_outer.py tests/gns/test_triton_tune.py tests/gns/test_triton_conv.py \
+$V/bin/python -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gns/test_triton_outer.py tests/gns/test_triton_tune.py tests/gns/test_triton_gram.py \
+  tests/gns/test_triton_conv.py \
   tests/gns/test_gpu_bench_forms.py

@@ -5,7 +5,8 @@ the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows,
 ``triton`` (fused, products in registers: on tensor cores in bfloat16, exact FMA products in float32; a K
 loop per example), ``flat`` (the same kernel with one loop over (example, K step) pairs, pipelined across
 examples: ``triton_outer.FLAT``), ``tma`` and ``tma-flat`` (both loops with the operands loaded through TMA
-descriptors and per-row partial norms: ``triton_outer.TMA``), ``cublas`` (batched GEMM + one fold pass; the
+descriptors and per-row partial norms: ``triton_outer.TMA``), ``ghost`` (the fused Gram kernel of
+``triton_gram`` and the weight-gradient GEMM it needs), ``cublas`` (batched GEMM + one fold pass; the
 compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
 ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
@@ -83,6 +84,7 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
         if triton_tune.TMA and triton_outer.tma_ok(a, d):          # ELASTICLAB_TRITON_TMA=0: left out
             meth["tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
             meth["tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
+        meth["ghost"] = lambda: triton_tune.ghost(a, d, True)     # fused Gram kernel + the weight GEMM
     return meth
 
 
@@ -197,9 +199,9 @@ def main(argv=None) -> int:
     ceil = ceilings(args.iters)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
     rows = {}
-    cols = ("triton", "flat", "tma", "tma-flat", "cublas", "bmm", "gram")
+    cols = ("triton", "flat", "tma", "tma-flat", "ghost", "cublas", "bmm", "gram")
     print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} " + " ".join(f"{c:>8s}" for c in cols) + "   "
-          "rel.err vs fp64 (triton / flat / tma / tma-flat / cublas / gram)")
+          "rel.err vs fp64 (triton / flat / tma / tma-flat / ghost / cublas / gram)")
     for name, dt in RUNS:
         res = rows[f"{name}:{str(dt).split('.')[-1]}"] = run_layer(name, dt, args.iters)
         torch.cuda.empty_cache()
@@ -208,9 +210,10 @@ def main(argv=None) -> int:
               + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in cols)
               + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in cols if m != "bmm")
               + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols))
-    sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
+    # the chunk sweep first: no compiling, where the Triton sweep compiles a kernel per configuration
     has_op = kernels.compiled("seq_linear_outer_norms", torch.empty(0, device="cuda"))
     chunks = sweep_chunks(args.iters) if has_op else {}
+    sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
     print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep, "chunks": chunks}))
     return 0
 

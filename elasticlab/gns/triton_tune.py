@@ -1,32 +1,37 @@
-"""Per-shape choice among the fused Triton kernel's variants, timed on the GPU that runs them.
+"""Per-shape choice among the Triton forms of a sequence Linear's norms, timed on the GPU that runs them.
 
 :mod:`elasticlab.gns.triton_outer` has four variants of one computation: two loops (``flat``: one loop over
 (example, K step) pairs; nested: a K loop per example) × two ways of loading the operands (pointers, or
-Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`). The H100 sweeps of
-``bench_seq_linear_cuda.py`` ranked them differently from shape to shape (session 10: the flat loop won on
-W3.up only), which one fixed choice cannot follow. So, as ``torch.backends.cudnn.benchmark`` does for
-convolution algorithms, with :data:`ENABLED` the first call of each (shape, dtype, device) runs every variant
-on the layer's own operands, each once to warm up (Triton compiles there) and then :data:`REPEATS` times,
-keeps the fastest for that shape and returns its result; later calls run the kept one. The variants compute
-the same sums in other orders, so any of them is a valid result. Untuned (off, under ``torch.compile``,
+Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`). Beside them, where its
+multiply-adds are fewer (:func:`elasticlab.gns.triton_gram.worthwhile`) and :data:`GHOST` is on, the fused
+Gram form ("ghost": :func:`elasticlab.gns.triton_gram.ghost_norms` and the plain weight-gradient GEMM, whose
+gradient is then in the inputs' dtype, as the plain layer's). The H100 sweeps of ``bench_seq_linear_cuda.py``
+ranked the variants differently from shape to shape (session 10: the flat loop won on W3.up only), which one
+fixed choice cannot follow. So, as ``torch.backends.cudnn.benchmark`` does for convolution algorithms, with
+:data:`ENABLED` the first call of each (shape, dtype, device) runs every form on the layer's own operands,
+each once to warm up (Triton compiles there) and then :data:`REPEATS` times, keeps the fastest for that shape
+and returns its result; later calls run the kept one. The forms compute the same sums in other orders, so
+any of them is a valid result. Untuned (off, under ``torch.compile``,
 while a CUDA graph is captured, on the CPU), :data:`~elasticlab.gns.triton_outer.FLAT` and
 :data:`~elasticlab.gns.triton_outer.TMA` say which runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps
 the TMA variants out (:data:`TMA`). :func:`tunings` lists what was measured.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
 import torch
 
-from elasticlab.gns import timing, triton_outer
+from elasticlab.gns import timing, triton_gram, triton_outer
 
 ENABLED = True
 REPEATS = 3
 TMA = os.environ.get("ELASTICLAB_TRITON_TMA", "1") != "0"
+GHOST = True
 
-_CHOSEN: dict[tuple, tuple] = {}                  # key -> the config measured fastest
+_CHOSEN: dict[tuple, tuple] = {}                  # key -> (name, config or None) of the form measured fastest
 _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {variant: seconds}
 
 
@@ -51,50 +56,70 @@ def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     return [base + (flat, tma) for tma in loads for flat in (False, True)]
 
 
+def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
+    """The fused Gram form: (‖G_b‖² (B,) float32, the weight gradient by one GEMM in the inputs' dtype, or
+    None)."""
+    norms = triton_gram.ghost_norms(a, d)
+    if not with_grad:
+        return norms, None
+    return norms, d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
+
+
+def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool) -> dict[str, tuple]:
+    """{name: (call, config or None)} of the forms timed for these operands: :func:`candidates`, and
+    ``ghost`` where :data:`GHOST` and :func:`~elasticlab.gns.triton_gram.worthwhile`."""
+    out = {variant_name(c): (functools.partial(triton_outer.outer_norms, a, d, with_grad, c), c)
+           for c in candidates(a, d)}
+    if GHOST and triton_gram.worthwhile(*a.shape[1:], d.shape[2]):
+        out["ghost"] = (functools.partial(ghost, a, d, with_grad), None)
+    return out
+
+
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
-    """:func:`elasticlab.gns.triton_outer.outer_norms` by the variant measured fastest for this shape
-    (measured at its first call, whose result is the winner's); untuned where not :func:`active`. A variant
-    that raises (a tile over the device's shared memory, say) is left out with a warning; if all raise, the
-    last error propagates."""
+    """(‖G_b‖² (B,) float32, Σ_b G_b or None) by the form measured fastest for this shape (measured at its
+    first call, whose result is the winner's); :func:`elasticlab.gns.triton_outer.outer_norms` untuned where
+    not :func:`active`. A form that raises (a tile over the device's shared memory, say) is left out with a
+    warning; if all raise, the last error propagates."""
     if not active(a):
         return triton_outer.outer_norms(a, d, with_grad)
     tma = TMA and triton_outer.tma_ok(a, d)
-    key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma)
-    config = _CHOSEN.get(key)
-    if config is not None:
+    key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma, GHOST)
+    kept = _CHOSEN.get(key)
+    if kept is not None:
+        name, config = kept
+        if name == "ghost":
+            return ghost(a, d, with_grad)
         return triton_outer.outer_norms(a, d, with_grad, config)
     best, best_t, best_out, times, failed, err = None, float("inf"), None, {}, {}, None
-    for config in candidates(a, d):
-        def run(config=config):
-            return triton_outer.outer_norms(a, d, with_grad, config)
+    for name, (run, config) in forms(a, d, with_grad).items():
         try:
             out = run()
             t = timing.elapsed(run, a.device, REPEATS)
         except Exception as e:           # e.g. Triton's OutOfResources for this tile on this device
-            err, failed[variant_name(config)] = e, f"{type(e).__name__}: {str(e)[:200]}"
+            err, failed[name] = e, f"{type(e).__name__}: {str(e)[:200]}"
             continue
-        times[variant_name(config)] = t
+        times[name] = t
         if t < best_t:
-            best, best_t, best_out = config, t, out
+            best, best_t, best_out = (name, config), t, out
         del out
     if best is None:
         raise err
     if failed:
-        warnings.warn(f"triton_tune: variants left out for (B, T, Din, Dout) = {tuple(key[:4])}: {failed}",
+        warnings.warn(f"triton_tune: forms left out for (B, T, Din, Dout) = {tuple(key[:4])}: {failed}",
                       RuntimeWarning, stacklevel=2)
     _CHOSEN[key], _TIMES[key] = best, times
     return best_out
 
 
 def tunings() -> dict[tuple, dict[str, float]]:
-    """{(B, T, Din, Dout, dtype, device, with_grad, TMA variants timed): {variant: seconds}} of every shape
-    tuned so far; the fastest is the one kept."""
+    """{(B, T, Din, Dout, dtype, device, with_grad, TMA variants timed, ghost allowed): {form: seconds}} of
+    every shape tuned so far; the fastest is the one kept."""
     return {k: dict(v) for k, v in _TIMES.items()}
 
 
 def chosen() -> dict[tuple, str]:
-    """{key (as :func:`tunings`'): the variant kept}."""
-    return {k: variant_name(c) for k, c in _CHOSEN.items()}
+    """{key (as :func:`tunings`'): the form kept}."""
+    return {k: name for k, (name, _) in _CHOSEN.items()}
 
 
 def reset() -> None:

@@ -1,0 +1,101 @@
+"""Per-example norms of a sequence Linear by the Gram form, fused in one Triton kernel ("ghost norm").
+
+‖G_b‖² = ‖Σ_t δ_{b,t} a_{b,t}ᵀ‖² = Σ_{t,s} (a_{b,t}·a_{b,s}) (δ_{b,t}·δ_{b,s}) (Li et al. 2022, Sec. 4;
+Goodfellow 2015): the elementwise product of the two T×T Gram matrices of example b, summed. Both Grams are
+symmetric, so each program takes one (BT × BT) block pair (i ≤ j) of one example: it forms block (i, j) of
+a_b a_bᵀ (a K loop over Din) and of δ_b δ_bᵀ (a K loop over Dout) in registers, and writes Σ of their product,
+doubled off the diagonal. No T×T matrix reaches memory, and the upper triangle alone is computed: about
+T·(Din + Dout)·(T/BT + 1)/(T/BT) multiply-adds an example against the outer form's T·Din·Dout, with long K
+loops, where the fused outer kernel (:mod:`elasticlab.gns.triton_outer`) runs a K loop of only T per example
+and tile. The weight gradient is not a by-product here: the form pairs the kernel with the plain
+weight-gradient GEMM. :mod:`elasticlab.gns.triton_tune` times it beside the outer kernel's variants where its
+multiply-adds are fewer (:func:`worthwhile`). Runs on CUDA, or on the CPU under Triton's interpreter (tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from elasticlab.gns import triton_outer
+from elasticlab.gns.triton_outer import HAS_TRITON
+
+if HAS_TRITON:  # pragma: no cover - depends on the torch build
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ghost_norms_kernel(a_ptr, d_ptr, partial_ptr, T, Din, Dout, sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
+                            BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+        i, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        nt = tl.num_programs(0)
+        total = 0.0
+        if i <= j:                                  # the upper triangle of block pairs; the rest write 0
+            b64 = tl.cast(b, tl.int64)
+            ri, rj = i * BT + tl.arange(0, BT), j * BT + tl.arange(0, BT)
+            i_ok, j_ok = ri < T, rj < T
+            offs_k = tl.arange(0, BK)
+            ga = tl.zeros((BT, BT), dtype=tl.float32)
+            for k0 in range(0, Din, BK):            # block (i, j) of a_b a_bᵀ
+                k = k0 + offs_k
+                k_ok = k < Din
+                ai = tl.load(a_ptr + b64 * sa_b + ri[:, None] * sa_t + k[None, :] * sa_i,
+                             mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+                aj = tl.load(a_ptr + b64 * sa_b + rj[None, :] * sa_t + k[:, None] * sa_i,
+                             mask=k_ok[:, None] & j_ok[None, :], other=0.0)
+                ga = tl.dot(ai, aj, ga, input_precision=PRECISION)
+            gd = tl.zeros((BT, BT), dtype=tl.float32)
+            for k0 in range(0, Dout, BK):           # block (i, j) of δ_b δ_bᵀ
+                k = k0 + offs_k
+                k_ok = k < Dout
+                di = tl.load(d_ptr + b64 * sd_b + ri[:, None] * sd_t + k[None, :] * sd_o,
+                             mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+                dj = tl.load(d_ptr + b64 * sd_b + rj[None, :] * sd_t + k[:, None] * sd_o,
+                             mask=k_ok[:, None] & j_ok[None, :], other=0.0)
+                gd = tl.dot(di, dj, gd, input_precision=PRECISION)
+            total = tl.sum(tl.sum(ga * gd, axis=1), axis=0) * tl.where(i == j, 1.0, 2.0)
+        tl.store(partial_ptr + b * nt * nt + i * nt + j, total)
+
+
+def worthwhile(T: int, din: int, dout: int) -> bool:
+    """Whether the fused Gram form's multiply-adds (the upper triangle's block pairs, blocks of
+    :func:`_config`) are fewer than the outer form's, T·Din·Dout an example: what makes it worth timing."""
+    bt = _config(T, torch.float32)[0]
+    nt = -(-T // bt)
+    pairs = nt * (nt + 1) // 2
+    return pairs * bt * bt * (din + dout) < T * din * dout
+
+
+def _config(T: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BT, BK, num_warps, num_stages): 128-row blocks (64 for short sequences), K steps of 64; 16-bit
+    operands take 4 pipeline stages, float32 ones 3 (shared memory)."""
+    bt = 128 if T > 64 else 64
+    return bt, 64, 8 if bt == 128 else 4, 4 if dtype in (torch.bfloat16, torch.float16) else 3
+
+
+def ghost_norms(a: torch.Tensor, d: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """‖G_b‖² (B,) float32 of a (B, T, Din) and d (B, T, Dout) on the Triton device (CUDA, or the CPU under
+    the interpreter), both of one dtype; ``config``: (BT, BK, num_warps, num_stages) instead of
+    :func:`_config`'s. Float32 products take TF32 as torch's matmul setting says, as the layer's GEMM does."""
+    if a.dim() != 3 or d.dim() != 3 or a.shape[:2] != d.shape[:2] or a.dtype != d.dtype:
+        raise ValueError(f"ghost_norms: expected a (B, T, Din) and d (B, T, Dout) of one dtype, got "
+                         f"{tuple(a.shape)} {a.dtype} and {tuple(d.shape)} {d.dtype}")
+    B, T, Din = a.shape
+    Dout = d.shape[2]
+    if B == 0 or T == 0 or Din == 0 or Dout == 0:
+        return torch.zeros(B, device=a.device)
+    bt, bk, warps, stages = config or _config(T, a.dtype)
+    nt = triton.cdiv(T, bt)
+    partial = torch.empty(B, nt * nt, device=a.device, dtype=torch.float32)
+    args = (a, d, partial, T, Din, Dout, *a.stride(), *d.stride())
+    meta = dict(BT=bt, BK=bk, PRECISION=triton_outer._precision(a.dtype), num_warps=warps, num_stages=stages)
+    if a.device.type == "cuda" and a.device.index not in (None, torch.cuda.current_device()):
+        with torch.cuda.device(a.device):
+            _ghost_norms_kernel[(nt, nt, B)](*args, **meta)
+    else:
+        _ghost_norms_kernel[(nt, nt, B)](*args, **meta)
+    return partial.sum(1)
+
+
+def scratch_bytes(B: int, T: int, dtype: torch.dtype) -> int:
+    """Bytes :func:`ghost_norms` allocates beyond its result: the (B, nt²) partial sums."""
+    nt = -(-T // _config(T, dtype)[0])
+    return 4 * B * nt * nt
