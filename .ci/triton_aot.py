@@ -23,16 +23,16 @@ DTYPES = {"bf16": "tf32", "fp16": "tf32", "fp32": "ieee", "fp32/tf32": "tf32"}  
 
 
 def _kernels():
-    from elasticlab.gns import triton_conv, triton_outer
+    from elasticlab.gns import triton_conv, triton_gram, triton_outer
     return {"outer": triton_outer._outer_norms_kernel, "outer-tma": triton_outer._outer_norms_tma_kernel,
-            "conv": triton_conv._conv_outer_norms_kernel}
+            "conv": triton_conv._conv_outer_norms_kernel, "ghost": triton_gram._ghost_norms_kernel}
 
 
 def cases() -> list[tuple]:
     """(kernel, dtype, meta, num_warps, num_stages, ints specialised to 1) for every variant checked."""
     import bench_seq_linear_cuda as bench
 
-    from elasticlab.gns import triton_conv, triton_outer
+    from elasticlab.gns import triton_conv, triton_gram, triton_outer
     out = []
     import torch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -60,6 +60,11 @@ def cases() -> list[tuple]:
         meta = dict(KH=kh, KW=kw, BM=64, BN=64, BK=32, WITH_GRAD=False, PRECISION="tf32")
         ones = ("H", "Ho", "stride_h", "stride_w", "dil_h", "dil_w", "SPLIT") if kh == 1 else ()
         out.append(("conv", "bf16", meta, 4, 3, ones))
+    # the fused Gram form: its blocks for short and long sequences, each dtype, any strides and as launched on
+    # contiguous activations (unit inner strides, specialised to 1)
+    for T, dt, ones in itertools.product((40, 512), DTYPES, ((), ("sa_i", "sd_o"))):
+        bt, bk, w, s = triton_gram._config(T, torch_dtype[dt])
+        out.append(("ghost", dt, dict(BT=bt, BK=bk, PRECISION=DTYPES[dt]), w, s, ones))
     return out
 
 
@@ -79,14 +84,21 @@ def compile_case(case: tuple) -> tuple[str, str, int | None]:
         elif arg.endswith("_desc"):                # [1, BK, BN] blocks of a, [1, BK, BM] of d
             inner = meta["BN"] if arg == "a_desc" else meta["BM"]
             sig[arg] = f"tensordesc<{dt.split('/')[0]}[1,{meta['BK']},{inner}]>"
+        elif arg == "pairs_ptr":                   # the Gram kernel's block-pair table
+            sig[arg] = "*i32"
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32" if arg in ("partial_ptr", "grad_ptr") else ptr
         else:
             sig[arg] = "i32"
     label = f"{name} {dt} " + " ".join(f"{k}={v}" for k, v in meta.items() if k != "PRECISION") \
         + f" warps={warps} stages={stages}" + (f" ones={','.join(ones)}" if ones else "")
+    # as Triton specialises a launch on aligned operands (every workload shape here is a multiple of 16):
+    # pointers and integers divisible by 16, which is what lets its pipeliner issue asynchronous copies, so
+    # that the shared memory checked is the multi-stage buffers a real launch takes
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if sig[arg] == "i32" or sig[arg].startswith("*")}
     try:
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         opts = dict(num_warps=warps, num_stages=stages)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except Exception as e:                                     # a compile error: the GPU run would fail too

@@ -23,36 +23,50 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton.language as tl
 
     @triton.jit
-    def _ghost_norms_kernel(a_ptr, d_ptr, partial_ptr, T, Din, Dout, sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
+    def _ghost_norms_kernel(a_ptr, d_ptr, pairs_ptr, partial_ptr, T, Din, Dout, NPAIRS,
+                            sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
                             BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-        i, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        nt = tl.num_programs(0)
-        total = 0.0
-        if i <= j:                                  # the upper triangle of block pairs; the rest write 0
-            b64 = tl.cast(b, tl.int64)
-            ri, rj = i * BT + tl.arange(0, BT), j * BT + tl.arange(0, BT)
-            i_ok, j_ok = ri < T, rj < T
-            offs_k = tl.arange(0, BK)
-            ga = tl.zeros((BT, BT), dtype=tl.float32)
-            for k0 in range(0, Din, BK):            # block (i, j) of a_b a_bᵀ
-                k = k0 + offs_k
-                k_ok = k < Din
-                ai = tl.load(a_ptr + b64 * sa_b + ri[:, None] * sa_t + k[None, :] * sa_i,
-                             mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-                aj = tl.load(a_ptr + b64 * sa_b + rj[None, :] * sa_t + k[:, None] * sa_i,
-                             mask=k_ok[:, None] & j_ok[None, :], other=0.0)
-                ga = tl.dot(ai, aj, ga, input_precision=PRECISION)
-            gd = tl.zeros((BT, BT), dtype=tl.float32)
-            for k0 in range(0, Dout, BK):           # block (i, j) of δ_b δ_bᵀ
-                k = k0 + offs_k
-                k_ok = k < Dout
-                di = tl.load(d_ptr + b64 * sd_b + ri[:, None] * sd_t + k[None, :] * sd_o,
-                             mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-                dj = tl.load(d_ptr + b64 * sd_b + rj[None, :] * sd_t + k[:, None] * sd_o,
-                             mask=k_ok[:, None] & j_ok[None, :], other=0.0)
-                gd = tl.dot(di, dj, gd, input_precision=PRECISION)
-            total = tl.sum(tl.sum(ga * gd, axis=1), axis=0) * tl.where(i == j, 1.0, 2.0)
-        tl.store(partial_ptr + b * nt * nt + i * nt + j, total)
+        p, b = tl.program_id(0), tl.program_id(1)
+        i, j = tl.load(pairs_ptr + 2 * p), tl.load(pairs_ptr + 2 * p + 1)     # block pair i <= j
+        b64 = tl.cast(b, tl.int64)
+        ri, rj = i * BT + tl.arange(0, BT), j * BT + tl.arange(0, BT)
+        i_ok, j_ok = ri < T, rj < T
+        offs_k = tl.arange(0, BK)
+        ga = tl.zeros((BT, BT), dtype=tl.float32)
+        for k0 in range(0, Din, BK):                # block (i, j) of a_b a_bᵀ
+            k = k0 + offs_k
+            k_ok = k < Din
+            ai = tl.load(a_ptr + b64 * sa_b + ri[:, None] * sa_t + k[None, :] * sa_i,
+                         mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+            aj = tl.load(a_ptr + b64 * sa_b + rj[:, None] * sa_t + k[None, :] * sa_i,
+                         mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+            ga = tl.dot(ai, tl.trans(aj), ga, input_precision=PRECISION)
+        gd = tl.zeros((BT, BT), dtype=tl.float32)
+        for k0 in range(0, Dout, BK):               # block (i, j) of δ_b δ_bᵀ
+            k = k0 + offs_k
+            k_ok = k < Dout
+            di = tl.load(d_ptr + b64 * sd_b + ri[:, None] * sd_t + k[None, :] * sd_o,
+                         mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+            dj = tl.load(d_ptr + b64 * sd_b + rj[:, None] * sd_t + k[None, :] * sd_o,
+                         mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+            gd = tl.dot(di, tl.trans(dj), gd, input_precision=PRECISION)
+        total = tl.sum(tl.sum(ga * gd, axis=1), axis=0) * tl.where(i == j, 1.0, 2.0)
+        tl.store(partial_ptr + b * NPAIRS + p, total)
+
+
+_PAIRS: dict[tuple, torch.Tensor] = {}            # (nt, device) -> the (i, j) block pairs, i <= j, as int32
+
+
+def _pairs(nt: int, device: torch.device) -> torch.Tensor:
+    """The nt·(nt+1)/2 upper-triangle block pairs (i, j) as a flat int32 tensor on ``device`` (made once),
+    which the kernel's first grid axis indexes: no program is launched for the lower triangle, and no branch
+    wraps the K loops (which would keep Triton from pipelining them)."""
+    key = (nt, device)
+    t = _PAIRS.get(key)
+    if t is None:
+        ij = [(i, j) for i in range(nt) for j in range(i, nt)]
+        t = _PAIRS[key] = torch.tensor(ij, dtype=torch.int32).reshape(-1).to(device)
+    return t
 
 
 def worthwhile(T: int, din: int, dout: int) -> bool:
@@ -84,18 +98,20 @@ def ghost_norms(a: torch.Tensor, d: torch.Tensor, config: tuple | None = None) -
         return torch.zeros(B, device=a.device)
     bt, bk, warps, stages = config or _config(T, a.dtype)
     nt = triton.cdiv(T, bt)
-    partial = torch.empty(B, nt * nt, device=a.device, dtype=torch.float32)
-    args = (a, d, partial, T, Din, Dout, *a.stride(), *d.stride())
+    pairs = _pairs(nt, a.device)
+    npairs = pairs.numel() // 2
+    partial = torch.empty(B, npairs, device=a.device, dtype=torch.float32)
+    args = (a, d, pairs, partial, T, Din, Dout, npairs, *a.stride(), *d.stride())
     meta = dict(BT=bt, BK=bk, PRECISION=triton_outer._precision(a.dtype), num_warps=warps, num_stages=stages)
     if a.device.type == "cuda" and a.device.index not in (None, torch.cuda.current_device()):
         with torch.cuda.device(a.device):
-            _ghost_norms_kernel[(nt, nt, B)](*args, **meta)
+            _ghost_norms_kernel[(npairs, B)](*args, **meta)
     else:
-        _ghost_norms_kernel[(nt, nt, B)](*args, **meta)
+        _ghost_norms_kernel[(npairs, B)](*args, **meta)
     return partial.sum(1)
 
 
 def scratch_bytes(B: int, T: int, dtype: torch.dtype) -> int:
-    """Bytes :func:`ghost_norms` allocates beyond its result: the (B, nt²) partial sums."""
+    """Bytes :func:`ghost_norms` allocates beyond its result: the (B, block pairs) partial sums."""
     nt = -(-T // _config(T, dtype)[0])
-    return 4 * B * nt * nt
+    return 4 * B * nt * (nt + 1) // 2
