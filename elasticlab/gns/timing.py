@@ -15,11 +15,12 @@ def elapsed(fn: Callable[[], object], device: torch.device, repeats: int = 3) ->
     best = float("inf")
     for _ in range(max(1, repeats)):
         if device.type == "cuda":
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            fn()
-            t1.record()
-            t1.synchronize()
+            with torch.cuda.device(device):          # the events on the stream of the device that runs fn
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                fn()
+                t1.record()
+                t1.synchronize()
             best = min(best, t0.elapsed_time(t1) / 1e3)
         else:
             t = time.perf_counter()
