@@ -23,6 +23,22 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton.language as tl
 
     @triton.jit
+    def _gram_block(ptr, base, s_t, s_k, ri, rj, i_ok, j_ok, K,
+                    BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+        """Block (rows ri, rows rj) of x xᵀ for one example's (T, K) matrix x at ``ptr + base``: a K loop."""
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BT, BT), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + offs_k
+            k_ok = k < K
+            xi = tl.load(ptr + base + ri[:, None] * s_t + k[None, :] * s_k,
+                         mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+            xj = tl.load(ptr + base + rj[:, None] * s_t + k[None, :] * s_k,
+                         mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(xi, tl.trans(xj), acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
     def _ghost_norms_kernel(a_ptr, d_ptr, pairs_ptr, partial_ptr, T, Din, Dout, NPAIRS,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
                             BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
@@ -31,25 +47,8 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
         b64 = tl.cast(b, tl.int64)
         ri, rj = i * BT + tl.arange(0, BT), j * BT + tl.arange(0, BT)
         i_ok, j_ok = ri < T, rj < T
-        offs_k = tl.arange(0, BK)
-        ga = tl.zeros((BT, BT), dtype=tl.float32)
-        for k0 in range(0, Din, BK):                # block (i, j) of a_b a_bᵀ
-            k = k0 + offs_k
-            k_ok = k < Din
-            ai = tl.load(a_ptr + b64 * sa_b + ri[:, None] * sa_t + k[None, :] * sa_i,
-                         mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-            aj = tl.load(a_ptr + b64 * sa_b + rj[:, None] * sa_t + k[None, :] * sa_i,
-                         mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-            ga = tl.dot(ai, tl.trans(aj), ga, input_precision=PRECISION)
-        gd = tl.zeros((BT, BT), dtype=tl.float32)
-        for k0 in range(0, Dout, BK):               # block (i, j) of δ_b δ_bᵀ
-            k = k0 + offs_k
-            k_ok = k < Dout
-            di = tl.load(d_ptr + b64 * sd_b + ri[:, None] * sd_t + k[None, :] * sd_o,
-                         mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-            dj = tl.load(d_ptr + b64 * sd_b + rj[:, None] * sd_t + k[None, :] * sd_o,
-                         mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-            gd = tl.dot(di, tl.trans(dj), gd, input_precision=PRECISION)
+        ga = _gram_block(a_ptr, b64 * sa_b, sa_t, sa_i, ri, rj, i_ok, j_ok, Din, BT, BK, PRECISION)    # a aᵀ
+        gd = _gram_block(d_ptr, b64 * sd_b, sd_t, sd_o, ri, rj, i_ok, j_ok, Dout, BT, BK, PRECISION)   # δ δᵀ
         total = tl.sum(tl.sum(ga * gd, axis=1), axis=0) * tl.where(i == j, 1.0, 2.0)
         tl.store(partial_ptr + b * NPAIRS + p, total)
 
