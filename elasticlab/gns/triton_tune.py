@@ -11,10 +11,10 @@ fixed choice cannot follow. So, as ``torch.backends.cudnn.benchmark`` does for c
 :data:`ENABLED` the first call of each (shape, dtype, device) runs every form on the layer's own operands,
 each once to warm up (Triton compiles there) and then :data:`REPEATS` times, keeps the fastest for that shape
 and returns its result; later calls run the kept one. The forms compute the same sums in other orders, so
-any of them is a valid result. Untuned (off, under ``torch.compile``,
-while a CUDA graph is captured, on the CPU), :data:`~elasticlab.gns.triton_outer.FLAT` and
-:data:`~elasticlab.gns.triton_outer.TMA` say which runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps
-the TMA variants out (:data:`TMA`). :func:`tunings` lists what was measured.
+any of them is a valid result. Untuned (off, under ``torch.compile``, while a CUDA graph is captured, on the
+CPU), :data:`~elasticlab.gns.triton_outer.FLAT` and :data:`~elasticlab.gns.triton_outer.TMA` say which
+variant runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps the TMA variants out (:data:`TMA`).
+:func:`tunings` lists what was measured.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ TMA = os.environ.get("ELASTICLAB_TRITON_TMA", "1") != "0"
 GHOST = True
 
 _CHOSEN: dict[tuple, tuple] = {}                  # key -> (name, config or None) of the form measured fastest
-_TIMES: dict[tuple, dict[str, float]] = {}        # key -> {variant: seconds}
+_TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}
 
 
 def active(a: torch.Tensor) -> bool:
