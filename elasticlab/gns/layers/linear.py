@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import calibrate, kernels, triton_outer
+from elasticlab.gns import calibrate, kernels, triton_gram, triton_outer, triton_tune
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
 
@@ -53,7 +53,8 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
     returning (‖G_b‖² (B,), Σ_b G_b): ``outer`` (the compiled operator: cuBLAS batched GEMMs and the fold on
     CUDA), ``gram`` (Gram form, plus the weight-gradient GEMM), and where the Triton kernel takes the inputs,
     ``triton`` and ``triton-flat`` (its two loops), and where TMA descriptors address them, ``triton-tma``
-    and ``triton-tma-flat``. The candidates of :mod:`elasticlab.gns.calibrate`."""
+    and ``triton-tma-flat``, and where its multiply-adds are fewer, ``ghost`` (the fused Gram kernel and the
+    weight-gradient GEMM). The candidates of :mod:`elasticlab.gns.calibrate`."""
     compiled = kernels.compiled("seq_linear_outer_norms", a)
     forms = {"outer": lambda: kernels.seq_linear_outer_norms(a, d, with_grad=True, use_kernel=compiled),
              "gram": lambda: (kernels.seq_linear_gram_norms(a, d),
@@ -65,6 +66,8 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
         if triton_outer.tma_ok(a, d):
             forms["triton-tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
             forms["triton-tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
+        if triton_gram.worthwhile(a.shape[1], a.shape[2], d.shape[2]):
+            forms["ghost"] = lambda: triton_tune.ghost(a, d, True)
     return forms
 
 
@@ -75,6 +78,8 @@ def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
     for f in forms:
         if f.startswith("triton"):
             out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
+    if "ghost" in forms:
+        out["ghost"] = triton_gram.scratch_bytes(B, T, a.dtype)
     return out
 
 
