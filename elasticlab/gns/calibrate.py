@@ -19,7 +19,6 @@ default path's memory rule) is not run at all, unless every form does (then the 
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -54,23 +53,8 @@ def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.devi
     """Times each of ``forms`` (name → call returning the form's result), records the fastest for ``key`` and
     returns (its name, its result). A form that raises is left out, with a RuntimeWarning naming it and its
     error; if all raise, the last error propagates."""
-    best_name, best_out, best_t, times, err, failed = None, None, float("inf"), {}, None, {}
-    for name, fn in forms.items():
-        try:
-            out = fn()                                   # warm-up (Triton compiles here)
-            t = timing.elapsed(fn, device, REPEATS)
-        except Exception as e:       # e.g. Triton's OutOfResources for this tile, CUDA out of memory
-            err, failed[name] = e, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            continue
-        times[name] = t
-        if t < best_t:
-            best_name, best_out, best_t = name, out, t
-        del out
-    if best_name is None:
-        raise err if err is not None else ValueError(f"calibrate: no form to time for {key}")
-    if failed:
-        warnings.warn(f"calibrate: forms left out of the choice for {key}: {failed}", RuntimeWarning,
-                      stacklevel=2)
+    best_name, best_out, times = timing.fastest(forms, device, REPEATS,
+                                                f"calibrate: forms left out of the choice for {key}")
     _CHOSEN[key], _TIMES[key] = best_name, times
     return best_name, best_out
 

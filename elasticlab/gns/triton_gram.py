@@ -4,8 +4,9 @@
 Goodfellow 2015): the elementwise product of the two T×T Gram matrices of example b, summed. Both Grams are
 symmetric, so each program takes one (BT × BT) block pair (i ≤ j) of one example: it forms block (i, j) of
 a_b a_bᵀ (a K loop over Din) and of δ_b δ_bᵀ (a K loop over Dout) in registers, and writes Σ of their product,
-doubled off the diagonal. No T×T matrix reaches memory, and the upper triangle alone is computed: about
-T·(Din + Dout)·(T/BT + 1)/(T/BT) multiply-adds an example against the outer form's T·Din·Dout, with long K
+doubled off the diagonal. No T×T matrix reaches memory, and the upper triangle alone is computed:
+T²·(Din + Dout)·(nt + 1)/(2·nt) multiply-adds an example (nt = T/BT blocks) against the outer form's
+T·Din·Dout, with long K
 loops, where the fused outer kernel (:mod:`elasticlab.gns.triton_outer`) runs a K loop of only T per example
 and tile. The weight gradient is not a by-product here: the form pairs the kernel with the plain
 weight-gradient GEMM. :mod:`elasticlab.gns.triton_tune` times it beside the outer kernel's variants where its
@@ -71,16 +72,20 @@ def _pairs(nt: int, device: torch.device) -> torch.Tensor:
 def worthwhile(T: int, din: int, dout: int) -> bool:
     """Whether the fused Gram form's multiply-adds (the upper triangle's block pairs, blocks of
     :func:`_config`) are fewer than the outer form's, T·Din·Dout an example: what makes it worth timing."""
-    bt = _config(T, torch.float32)[0]
-    nt = -(-T // bt)
-    pairs = nt * (nt + 1) // 2
-    return pairs * bt * bt * (din + dout) < T * din * dout
+    bt, nt = _blocks(T)
+    return nt * (nt + 1) // 2 * bt * bt * (din + dout) < T * din * dout
+
+
+def _blocks(T: int) -> tuple[int, int]:
+    """(BT, nt): rows a block, 128 (64 for short sequences), and blocks along T."""
+    bt = 128 if T > 64 else 64
+    return bt, -(-T // bt)
 
 
 def _config(T: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BT, BK, num_warps, num_stages): 128-row blocks (64 for short sequences), K steps of 64; 16-bit
-    operands take 4 pipeline stages, float32 ones 3 (shared memory)."""
-    bt = 128 if T > 64 else 64
+    """(BT, BK, num_warps, num_stages): :func:`_blocks`' rows, K steps of 64; 16-bit operands take 4
+    pipeline stages, float32 ones 3 (shared memory)."""
+    bt = _blocks(T)[0]
     return bt, 64, 8 if bt == 128 else 4, 4 if dtype in (torch.bfloat16, torch.float16) else 3
 
 
@@ -100,17 +105,13 @@ def ghost_norms(a: torch.Tensor, d: torch.Tensor, config: tuple | None = None) -
     pairs = _pairs(nt, a.device)
     npairs = pairs.numel() // 2
     partial = torch.empty(B, npairs, device=a.device, dtype=torch.float32)
-    args = (a, d, pairs, partial, T, Din, Dout, npairs, *a.stride(), *d.stride())
     meta = dict(BT=bt, BK=bk, PRECISION=triton_outer._precision(a.dtype), num_warps=warps, num_stages=stages)
-    if a.device.type == "cuda" and a.device.index not in (None, torch.cuda.current_device()):
-        with torch.cuda.device(a.device):
-            _ghost_norms_kernel[(npairs, B)](*args, **meta)
-    else:
-        _ghost_norms_kernel[(npairs, B)](*args, **meta)
+    triton_outer.launch(_ghost_norms_kernel, (npairs, B), a.device,
+                        (a, d, pairs, partial, T, Din, Dout, npairs, *a.stride(), *d.stride()), meta)
     return partial.sum(1)
 
 
-def scratch_bytes(B: int, T: int, dtype: torch.dtype) -> int:
+def scratch_bytes(B: int, T: int) -> int:
     """Bytes :func:`ghost_norms` allocates beyond its result: the (B, block pairs) partial sums."""
-    nt = -(-T // _config(T, dtype)[0])
+    nt = _blocks(T)[1]
     return 4 * B * nt * (nt + 1) // 2

@@ -296,6 +296,16 @@ def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
     return True
 
 
+def launch(kernel, grid: tuple, device: torch.device, args: tuple, meta: dict) -> None:
+    """``kernel[grid](*args, **meta)`` on ``device``'s CUDA context when that is not the current one (a CPU
+    device under the interpreter: as is)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        kernel[grid](*args, **meta)
+    else:
+        with torch.cuda.device(device):
+            kernel[grid](*args, **meta)
+
+
 def run_tiles(kernel, a: torch.Tensor, d: torch.Tensor, scalars: tuple, tiles: int, rows: int, cols: int,
               with_grad: bool, meta: dict, operands: tuple | None = None, rows_per_tile: int = 1):
     """Launches a fused per-example-norm kernel ``kernel(a, d, partial, grad, *scalars, SPLIT, **meta)`` on a
@@ -309,13 +319,7 @@ def run_tiles(kernel, a: torch.Tensor, d: torch.Tensor, scalars: tuple, tiles: i
     # norms only: the kernel never touches grad_ptr (WITH_GRAD is a compile-time constant), so it gets the
     # partial buffer as a placeholder
     grad = torch.empty(split, rows, cols, device=a.device, dtype=torch.float32) if with_grad else partial
-    launch = kernel[(tiles, split)]
-    args = (*(operands or (a, d)), partial, grad, *scalars, split)
-    if a.device.index is None or a.device.index == torch.cuda.current_device():
-        launch(*args, **meta)
-    else:
-        with torch.cuda.device(a.device):
-            launch(*args, **meta)
+    launch(kernel, (tiles, split), a.device, (*(operands or (a, d)), partial, grad, *scalars, split), meta)
     norms = partial.sum(1)
     if not with_grad:
         return norms, None

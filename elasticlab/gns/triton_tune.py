@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 
@@ -90,25 +89,11 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
         if name == "ghost":
             return ghost(a, d, with_grad)
         return triton_outer.outer_norms(a, d, with_grad, config)
-    best, best_t, best_out, times, failed, err = None, float("inf"), None, {}, {}, None
-    for name, (run, config) in forms(a, d, with_grad).items():
-        try:
-            out = run()
-            t = timing.elapsed(run, a.device, REPEATS)
-        except Exception as e:           # e.g. Triton's OutOfResources for this tile on this device
-            err, failed[name] = e, f"{type(e).__name__}: {str(e)[:200]}"
-            continue
-        times[name] = t
-        if t < best_t:
-            best, best_t, best_out = (name, config), t, out
-        del out
-    if best is None:
-        raise err
-    if failed:
-        warnings.warn(f"triton_tune: forms left out for (B, T, Din, Dout) = {tuple(key[:4])}: {failed}",
-                      RuntimeWarning, stacklevel=2)
-    _CHOSEN[key], _TIMES[key] = best, times
-    return best_out
+    found = forms(a, d, with_grad)
+    name, out, times = timing.fastest({n: run for n, (run, _) in found.items()}, a.device, REPEATS,
+                                      f"triton_tune: forms left out for (B, T, Din, Dout) = {tuple(key[:4])}")
+    _CHOSEN[key], _TIMES[key] = (name, found[name][1]), times
+    return out
 
 
 def tunings() -> dict[tuple, dict[str, float]]:

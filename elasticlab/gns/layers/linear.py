@@ -79,7 +79,7 @@ def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
         if f.startswith("triton"):
             out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
     if "ghost" in forms:
-        out["ghost"] = triton_gram.scratch_bytes(B, T, a.dtype)
+        out["ghost"] = triton_gram.scratch_bytes(B, T)
     return out
 
 
