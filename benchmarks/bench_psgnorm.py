@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, triton_tune
+from elasticlab.gns import PerSampleGradNorms, calibrate, triton_tune
 from elasticlab.gns.reference import func_sq_norms
 
 try:
@@ -450,6 +450,16 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _layer_label(key: tuple) -> str:
+    """A calibrated layer shape's key (:func:`elasticlab.gns.calibrate.key_of`), short: "linear BxTxDin->Dout"
+    or "Conv2d (B, C, H, W) * (Cout, Cin/G, k...) /stride"."""
+    if key[0] == "linear":
+        return "linear {}x{}x{}->{}".format(*key[1:5])
+    if key[0] == "conv":
+        return f"{key[1]} {key[2]} * {key[3]} /{key[4]}" + (f" groups {key[7]}" if key[7] != 1 else "")
+    return str(key)
+
+
 def time_methods(name: str, methods, device, iters: int, warmup: int, quick: bool, prec: str = "fp32",
                  clock=time.perf_counter, slow_s: float = 1.0) -> tuple[dict, dict]:
     """({method: median seconds a step}, {method: error text}). Methods run round by round; one whose step
@@ -602,13 +612,20 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
             entry["skipped"]["torch.func"] = why
             run.remove("torch.func")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    tuned_before = set(triton_tune.tunings())
+    tuned_before, calibrated_before = set(triton_tune.tunings()), set(calibrate.timings())
     med, terr = time_methods(name, run, device, args.iters, args.warmup, quick, prec, clock, args.slow_s)
     entry["errors"].update(terr)
     # the Triton kernel's variants timed for this workload's shapes (psgn's first steps; triton_tune)
     entry["tuned_us"] = {"{}x{}x{}->{}".format(*k[:4]) + ("" if k[6] else " norms only"):
                          {v: t * 1e6 for v, t in times.items()}
                          for k, times in triton_tune.tunings().items() if k not in tuned_before}
+    # every form of each layer shape timed by psgn-calibrated (elasticlab.gns.calibrate), and those its memory
+    # rule kept out: which form each layer would best take, beside the static choice psgn makes
+    left = calibrate.left_out()
+    entry["calibrated_us"] = {
+        _layer_label(k): {"us": {f: t * 1e6 for f, t in times.items()},
+                          "left_out_mb": {f: b / 2**20 for f, b in left.get(k, {}).items()}}
+        for k, times in calibrate.timings().items() if k not in calibrated_before}
     if "plain" not in med:
         raise RuntimeError(f"plain step failed: {terr.get('plain')}")
     base = med["plain"]
@@ -656,6 +673,11 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
         best = min(times, key=times.get)
         print(f"  tuned {shape}: " + ", ".join(f"{v} {t:.0f} us" + ("*" if v == best else "")
                                               for v, t in times.items()))
+    for layer, c in entry["calibrated_us"].items():
+        best = min(c["us"], key=c["us"].get)
+        print(f"  calibrated {layer}: " + ", ".join(f"{f} {t:.0f} us" + ("*" if f == best else "")
+                                                   for f, t in c["us"].items())
+              + "".join(f", {f} left out ({mb:.0f} MB)" for f, mb in c["left_out_mb"].items()))
     if "bf16_vs_fp32" in entry:
         b = entry["bf16_vs_fp32"]
         print("  bf16 vs fp32 psgn norms (same batch): " + (b["error"] if "error" in b else

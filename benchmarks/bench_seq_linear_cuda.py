@@ -13,7 +13,7 @@ allocations). Each method's peak scratch (MB allocated by one call, outputs incl
 Then sweeps: the Triton kernel's tiles and variants (``sweep``), and the cuBLAS form's chunk budget
 (``chunks``: :data:`CHUNKS`).
 Every method is first checked against float64. It also measures the two ceilings the cost
-model of ``elasticlab.gns.kernels.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
+model of ``elasticlab.gns.form_choice.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
     python benchmarks/bench_seq_linear_cuda.py [--iters 10]
 Last line: ``RESULT {json}``.
@@ -26,7 +26,7 @@ import statistics
 
 import torch
 
-from elasticlab.gns import kernels, triton_outer, triton_tune
+from elasticlab.gns import form_choice, kernels, triton_outer, triton_tune
 
 SHAPES = {  # name: (B, T, Din, Dout, dtype)
     "G1.qkv": (8, 1024, 768, 2304), "G1.proj": (8, 1024, 768, 768), "G1.fc": (8, 1024, 768, 3072),
@@ -155,8 +155,8 @@ def sweep_triton(iters: int) -> dict:
     return out
 
 
-# The cuBLAS form's chunk of examples (kernels.scratch_cap): L2-sized chunks (an H100 has 50 MB of L2) may let
-# the fold read the products the batched GEMM just wrote from L2 instead of HBM, at more launches a layer.
+# The cuBLAS form's chunk of examples (form_choice.scratch_cap): L2-sized chunks (an H100 has 50 MB of L2) may
+# let the fold read the products the batched GEMM just wrote from L2 instead of HBM, at more launches a layer.
 # Layers whose product fits a few times in L2: G3's in bfloat16 (8 MB an example), G1's in float32 (7-9 MB).
 CHUNKS = {"layers": [("G3.up", torch.bfloat16), ("G3.down", torch.bfloat16), ("G1.qkv", torch.float32),
                      ("G1.fc", torch.float32)],
@@ -170,7 +170,7 @@ def _chunk_layer(name: str, dt: torch.dtype, iters: int) -> dict:
     base = timed(lambda: d.view(-1, Dout).t() @ a.view(-1, Din), iters)
     row = {}
     for mb in CHUNKS["caps_mb"]:
-        with kernels.scratch_cap(mb << 20):
+        with form_choice.scratch_cap(mb << 20):
             def call():
                 return torch.ops.elasticlab.seq_linear_outer_norms(a, d, True)
             row[mb] = {"ratio": timed(call, iters) / base, "scratch_mb": _scratch_mb(call)}

@@ -58,7 +58,7 @@ inline thread_local int tf32_mode = -1;
 
 // Scratch budget (bytes) of the CUDA forms' chunked per-example products and Grams (csrc/cuda/outer_norms.cu,
 // gram_norms.cu): a chunk holds as many examples as fit. Process-wide; Python sets it from
-// elasticlab.gns.kernels.SCRATCH_CAP (kernels.scratch_cap), which its memory rule models.
+// elasticlab.gns.form_choice.SCRATCH_CAP (form_choice.scratch_cap), which its memory rule models.
 inline std::atomic<int64_t> scratch_bytes{int64_t(256) << 20};
 inline int64_t scratch_budget() { return scratch_bytes.load(std::memory_order_relaxed); }
 

@@ -1,6 +1,6 @@
 """Per-layer choice of the norm form by timing the candidates once per shape, on the device that runs them.
 
-The static choices (:func:`elasticlab.gns.kernels.use_gram`'s cost model, the Triton shape rule and the
+The static choices (:func:`elasticlab.gns.form_choice.use_gram`'s cost model, the Triton shape rule and the
 switches of :mod:`~elasticlab.gns.triton_outer` and :mod:`~elasticlab.gns.layers.conv`) were set from one
 H100's measurements. With :data:`ENABLED` on (as ``torch.backends.cudnn.benchmark`` does for convolution
 algorithms), the first backward of each layer shape instead runs every form that serves it on the layer's own
@@ -13,9 +13,9 @@ compiled forms, the rule's Python one for the Triton kernels). Only the first st
 A form's result is (per-example squared norms (B,), weight gradient), so every candidate is interchangeable;
 one that raises (say, a Triton tile too large for the device's shared memory) is left out of the choice, with
 a warning. Memory counts as well as time (issue 14's target: at most 10% more peak memory than plain): given
-the forms' modelled scratch, a form whose scratch exceeds :func:`elasticlab.gns.kernels.scratch_limit` (the
-default path's memory rule) is not run at all, unless every form does (then the one with the least scratch);
-:func:`left_out` lists what was so left out.
+the forms' modelled scratch, a form whose scratch exceeds :func:`elasticlab.gns.form_choice.scratch_limit`
+(the default path's memory rule) is not run at all, unless every form does (then the one with the least
+scratch); :func:`left_out` lists what was so left out.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from elasticlab.gns import kernels, timing
+from elasticlab.gns import form_choice, timing
 
 ENABLED = False
 REPEATS = 3
@@ -62,9 +62,9 @@ def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.devi
 def within_memory(key: tuple, forms: dict[str, Callable[[], tuple]], scratch: dict[str, int] | None,
                   device: torch.device) -> dict[str, Callable[[], tuple]]:
     """``forms`` less those whose ``scratch`` (bytes, modelled; a form not named takes none) exceeds
-    :func:`elasticlab.gns.kernels.scratch_limit` on ``device``; if that leaves none, the one with the least
-    scratch. What it drops is recorded for :func:`left_out`."""
-    limit = kernels.scratch_limit(device) if scratch else None
+    :func:`elasticlab.gns.form_choice.scratch_limit` on ``device``; if that leaves none, the one with the
+    least scratch. What it drops is recorded for :func:`left_out`."""
+    limit = form_choice.scratch_limit(device) if scratch else None
     if limit is None:
         return forms
     kept = {n: f for n, f in forms.items() if scratch.get(n, 0) <= limit}

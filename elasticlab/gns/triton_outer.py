@@ -15,6 +15,8 @@ is the fallback and the reference. Without a GPU the kernel runs under Triton's 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # pragma: no cover - depends on the torch build
@@ -30,6 +32,24 @@ try:  # pragma: no cover - Triton 3.4 and later
     HAS_TMA = HAS_TRITON
 except ImportError:  # pragma: no cover
     HAS_TMA = False
+
+# Triton's CPU interpreter (set before Triton is imported): the kernels run on CPU tensors, without bfloat16.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_device() -> str | None:
+    """Where this package's Triton kernels can run now: "cpu" under the interpreter (:data:`INTERPRETED`),
+    "cuda" with Triton and a GPU, else None (what their tests skip on)."""
+    if not HAS_TRITON:
+        return None
+    return "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
+
+
+def kernel_dtypes() -> list[torch.dtype]:
+    """The input dtypes the kernels take on :func:`kernel_device`: float16 and float32, and bfloat16 on a GPU
+    (the interpreter computes in numpy, which has no bfloat16)."""
+    return [torch.float16, torch.float32] + ([] if INTERPRETED else [torch.bfloat16])
+
 
 # Switch for comparisons (benchmarks): False sends every call to the cuBLAS operator.
 ENABLED = True

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, calibrate, kernels, timing
+from elasticlab.gns import PerSampleGradNorms, calibrate, form_choice, kernels, timing
 from elasticlab.gns.layers import conv as conv_rule
 from elasticlab.gns.layers import linear as linear_rule
 from elasticlab.gns.reference import func_sq_norms
@@ -190,7 +190,7 @@ def test_forms_over_the_memory_limit_are_not_run(monkeypatch, limit, want):
     example), the Gram form, though fastest, is not run, and the layers take the outer form; with a limit
     that no form meets, the one with the least scratch (outer: 4·6·12 and 4·12·3 float64 products)."""
     _slowed(monkeypatch, linear_rule, "seq_forms", "gram")
-    monkeypatch.setattr(kernels, "scratch_limit", lambda device: limit)
+    monkeypatch.setattr(form_choice, "scratch_limit", lambda device: limit)
     model, x = _seq_model(), torch.randn(4, 10, 6, dtype=torch.float64)
     y = torch.randn(4, 10, 3, dtype=torch.float64)
     _step_and_check(model, x, y, _mse)
@@ -212,17 +212,17 @@ def test_convolution_scratch_models_and_the_limit(monkeypatch):
     g = torch.randn(5, 6, 8, 8, dtype=torch.float64)
     sc = conv_rule.conv_scratch(m, x, g, m.weight)
     assert sc == {"patches": 5 * 36 * 6 * 8, "gram": 5 * 2 * 64 * 64 * 4, "grouped": 5 * 6 * 36 * 16}
-    monkeypatch.setattr(kernels, "scratch_limit", lambda device: 20000.0)
+    monkeypatch.setattr(form_choice, "scratch_limit", lambda device: 20000.0)
     forms = conv_rule.conv_forms(m, x, g, m.weight)
     kept = calibrate.within_memory(("conv", 0), forms, sc, x.device)
     assert set(kept) == {"patches", "grouped"} and calibrate.left_out() == {("conv", 0): {"gram": 163840}}
 
 
 def test_the_memory_limit_is_a_share_of_the_allocated_memory_on_cuda_only():
-    assert kernels.scratch_limit(torch.device("cpu")) is None
+    assert form_choice.scratch_limit(torch.device("cpu")) is None
     assert calibrate.within_memory(("x",), {"a": int}, {"a": 10 ** 12}, torch.device("cpu")) == {"a": int}
     with pytest.raises(ValueError, match="no model for form 'triton'"):
-        kernels.scratch_bytes("triton", 1, 1, 1, 1, torch.float32)
+        form_choice.scratch_bytes("triton", 1, 1, 1, 1, torch.float32)
 
 
 def test_when_every_form_raises_the_error_propagates():

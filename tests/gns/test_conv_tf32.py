@@ -9,7 +9,7 @@ from torch import nn
 
 from elasticlab import _ext
 from elasticlab.gns import PerSampleGradNorms, kernels
-from elasticlab.gns.kernels import cuda_prefers_gram
+from elasticlab.gns.form_choice import cuda_prefers_gram
 
 HAS_MODE = _ext.HAS_C and hasattr(_ext._C, "set_tf32_mode")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, kernels
+from elasticlab.gns import PerSampleGradNorms, form_choice, kernels
 from elasticlab.gns.reference import func_param_sq_norms
 
 pytestmark = pytest.mark.skipif("linear_norms" not in kernels._OPERATORS,
@@ -139,7 +139,7 @@ def test_conv_cxx_matches_python_and_torch_func(monkeypatch, nd, bias, form, chu
     """Every form (the CPU's grouped convolution, Gram, and CUDA's outer form over the patches, forced here),
     chunked or not, against the Python path and torch.func."""
     from elasticlab.gns.layers import conv as conv_rule
-    monkeypatch.setattr(kernels, "use_gram", lambda *a, **k: form == "gram")
+    monkeypatch.setattr(form_choice, "use_gram", lambda *a, **k: form == "gram")
     if form == "outer":
         monkeypatch.setattr(conv_rule, "_cxx_form", lambda *a: 0)
     if chunk is not None:

@@ -1,4 +1,4 @@
-"""The per-layer choice between the outer and the Gram form (``kernels.use_gram``): the CPU rule, and the
+"""The per-layer choice between the outer and the Gram form (``form_choice.use_gram``): the CPU rule, and the
 CUDA cost model with its scratch rule (issue 14's memory target), the latter as the pure function
 ``cuda_prefers_gram`` since CI has no GPU."""
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticlab.gns import kernels
-from elasticlab.gns.kernels import cuda_prefers_gram
+from elasticlab.gns import form_choice
+from elasticlab.gns.form_choice import cuda_prefers_gram
 
 MB = 1 << 20
 
 
 def test_cpu_rule_crossover():
     """Unfused: Gram below T = Din·Dout/(Din+Dout) (205 for 256→1024); fused: below an eighth of it."""
-    assert kernels.use_gram(204, 256, 1024) and not kernels.use_gram(206, 256, 1024)
-    assert kernels.use_gram(25, 256, 1024, fused_outer=True)
-    assert not kernels.use_gram(26, 256, 1024, fused_outer=True)
+    assert form_choice.use_gram(204, 256, 1024) and not form_choice.use_gram(206, 256, 1024)
+    assert form_choice.use_gram(25, 256, 1024, fused_outer=True)
+    assert not form_choice.use_gram(26, 256, 1024, fused_outer=True)
 
 
 @pytest.mark.parametrize("din, dout", [(256, 1024), (1024, 256)])
@@ -64,10 +64,10 @@ def test_memory_is_read_only_when_the_rule_applies():
 
 
 def test_share_and_slowdown_are_the_knobs(monkeypatch):
-    monkeypatch.setattr(kernels, "SCRATCH_SHARE", 10.0)           # 10× what is in use may be scratch
+    monkeypatch.setattr(form_choice, "SCRATCH_SHARE", 10.0)           # 10× what is in use may be scratch
     assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, lambda: 6 * MB)
-    monkeypatch.setattr(kernels, "SCRATCH_SHARE", 0.10)
-    monkeypatch.setattr(kernels, "GRAM_SLOWDOWN_OK", 1.0)         # W2's Gram form is ~1.3× the outer's
+    monkeypatch.setattr(form_choice, "SCRATCH_SHARE", 0.10)
+    monkeypatch.setattr(form_choice, "GRAM_SLOWDOWN_OK", 1.0)         # W2's Gram form is ~1.3× the outer's
     assert not cuda_prefers_gram(128, 256, 1024, torch.float32, True, False, 32, lambda: 6 * MB)
 
 
@@ -75,17 +75,17 @@ def test_scratch_cap_is_the_cuda_chunk_budget():
     """``SCRATCH_CAP`` is ``_C``'s chunk budget of the CUDA forms (``scratch_bytes`` in csrc/ops.h): pushed at
     import, moved with it by ``scratch_cap`` and put back after; a bad size is a clear error."""
     from elasticlab import _ext
-    if _ext.set_scratch_bytes(kernels.SCRATCH_CAP) is None:
+    if _ext.set_scratch_bytes(form_choice.SCRATCH_CAP) is None:
         pytest.skip("_C is not built")
-    assert _ext.set_scratch_bytes(kernels.SCRATCH_CAP) == kernels.SCRATCH_CAP
-    before = kernels.SCRATCH_CAP
-    with kernels.scratch_cap(3 << 20):
-        assert kernels.SCRATCH_CAP == 3 << 20
+    assert _ext.set_scratch_bytes(form_choice.SCRATCH_CAP) == form_choice.SCRATCH_CAP
+    before = form_choice.SCRATCH_CAP
+    with form_choice.scratch_cap(3 << 20):
+        assert form_choice.SCRATCH_CAP == 3 << 20
         assert _ext.set_scratch_bytes(3 << 20) == 3 << 20
-        assert kernels.scratch_bytes("outer", 64, 512, 1024, 4096, torch.float32) == 3 << 20
-    assert kernels.SCRATCH_CAP == before and _ext.set_scratch_bytes(before) == before
+        assert form_choice.scratch_bytes("outer", 64, 512, 1024, 4096, torch.float32) == 3 << 20
+    assert form_choice.SCRATCH_CAP == before and _ext.set_scratch_bytes(before) == before
     with pytest.raises(ValueError, match="positive number of bytes, got 0"):
-        with kernels.scratch_cap(0):
+        with form_choice.scratch_cap(0):
             pass
     with pytest.raises(ValueError, match="got -5"):
         _ext.set_scratch_bytes(-5)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from elasticlab import _ext
-from elasticlab.gns import PerSampleGradNorms, kernels
+from elasticlab.gns import PerSampleGradNorms, form_choice, kernels
 from elasticlab.gns.layers.layernorm import layernorm_stats
 
 OPS = ["seq_linear_gram_norms", "seq_linear_outer_norms", "layernorm_per_example"]
@@ -552,19 +552,19 @@ def test_cuda_backward_makes_no_host_sync(autocast):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_scratch_budget_sets_the_chunks(dtype):
-    """``kernels.scratch_cap`` moves the CUDA forms' chunk budget: a 1 MB budget splits 7 examples of 300x400
-    float32 products (0.48 MB each) into chunks of two (Gram: 2·60²·4 bytes, all in one), and the norms and
-    gradient equal the one-chunk ones up to summation order (and, for bfloat16 products, a rounding of a
-    product element that another GEMM algorithm may flip: 1e-3)."""
+    """``form_choice.scratch_cap`` moves the CUDA forms' chunk budget: a 1 MB budget splits 7 examples of
+    300x400 float32 products (0.48 MB each) into chunks of two (Gram: 2·60²·4 bytes, all in one), and the
+    norms and gradient equal the one-chunk ones up to summation order (and, for bfloat16 products, a rounding
+    of a product element that another GEMM algorithm may flip: 1e-3)."""
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     a, d = seq(7, 60, 300, 400, dtype=torch.float32)
     ac, dc = a.to(dtype).cuda(), d.to(dtype).cuda()
     n1, g1 = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
     gram1 = kernels.seq_linear_gram_norms(ac, dc, use_kernel=True)
-    with kernels.scratch_cap(1 << 20):
+    with form_choice.scratch_cap(1 << 20):
         n, g = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
         gram = kernels.seq_linear_gram_norms(ac, dc, use_kernel=True)
-    with kernels.scratch_cap(1):                                # one example a chunk
+    with form_choice.scratch_cap(1):                                # one example a chunk
         n_one, g_one = kernels.seq_linear_outer_norms(ac, dc, with_grad=True, use_kernel=True)
     for got, grad in ((n, g), (n_one, g_one)):
         torch.testing.assert_close(got, n1, rtol=tol, atol=0)

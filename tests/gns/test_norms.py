@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, kernels
+from elasticlab.gns import PerSampleGradNorms, form_choice
 from elasticlab.gns.reference import func_param_sq_norms, func_sq_norms
 
 SETTINGS = settings(max_examples=20, deadline=None,
@@ -25,7 +25,7 @@ def check(model, x, reduction, fused, form=None, monkeypatch=None):
         y = torch.randn_like(model(x))
     ref = func_param_sq_norms(model, sq_loss, x, y)
     if form is not None:
-        monkeypatch.setattr(kernels, "use_gram", lambda *a, **k: form == "gram")
+        monkeypatch.setattr(form_choice, "use_gram", lambda *a, **k: form == "gram")
     with PerSampleGradNorms(model, loss_reduction=reduction, fused=fused) as n:
         loss = sq_loss(model(x), y)
         if reduction == "mean":

@@ -9,22 +9,17 @@ axis, channels-last and strided inputs, and the norms-only launch. The model-lev
 through the layer rule with :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA` on and compares its norms and
 gradients with the default path's.
 """
-import os
-
 import pytest
 import torch
 from torch import nn
 
-triton = pytest.importorskip("triton")
+from elasticlab.gns import triton_conv, triton_outer
 
-from elasticlab.gns import triton_conv, triton_outer  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
-DEV = "cpu" if INTERPRET else "cuda"
+DEV = triton_outer.kernel_device() or pytest.skip(
+    "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
+INTERPRET = triton_outer.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
-DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+DTYPES = triton_outer.kernel_dtypes()
 SMALL = (32, 32, 16, 4, 2)                     # small tiles: several tiles and K steps on small layers
 
 
@@ -150,11 +145,11 @@ def test_model_norms_with_the_triton_kernel_match_the_default_path(monkeypatch):
 
 
 def _both_paths(monkeypatch, conv_rule, model, x, out, calls):
-    from elasticlab.gns import PerSampleGradNorms, kernels
+    from elasticlab.gns import PerSampleGradNorms, form_choice
 
     # The outer form for both convolutions, so that the switch sends both to the kernel: on CUDA the cost
     # model takes the Gram form for the second one (L = 16 positions against K·Cout = 1152).
-    monkeypatch.setattr(kernels, "use_gram", lambda *a, **k: False)
+    monkeypatch.setattr(form_choice, "use_gram", lambda *a, **k: False)
     for on in (False, True):
         monkeypatch.setattr(conv_rule, "TRITON_ON_CUDA", on)
         monkeypatch.setattr(triton_outer, "FP32", True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, kernels, triton_outer
+from elasticlab.gns import PerSampleGradNorms, form_choice, kernels, triton_outer
 
 
 class FakeKernel:
@@ -72,7 +72,7 @@ def test_linear_rules_ask_for_the_gradient_only_when_fused(monkeypatch):
 
     monkeypatch.setattr(triton_outer, "takes", lambda like, T, din, dout: True)
     monkeypatch.setattr(triton_outer, "outer_norms", outer)
-    monkeypatch.setattr(kernels, "use_gram", lambda *a, **k: False)
+    monkeypatch.setattr(form_choice, "use_gram", lambda *a, **k: False)
     torch.manual_seed(0)
     lin, x = nn.Linear(6, 5), torch.randn(3, 7, 6)
     lin(x).pow(2).sum().backward()

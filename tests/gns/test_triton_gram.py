@@ -5,21 +5,16 @@ Runs on a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERP
 several block pairs (small blocks), the diagonal and off-diagonal pairs (weights 1 and 2), K loops cut at Din
 and Dout, strided inputs, T = 1 and empty batches.
 """
-import os
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from elasticlab.gns import kernels, triton_gram, triton_outer
 
-from elasticlab.gns import kernels, triton_gram  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
-DEV = "cpu" if INTERPRET else "cuda"
+DEV = triton_outer.kernel_device() or pytest.skip(
+    "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
+INTERPRET = triton_outer.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
-DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+DTYPES = triton_outer.kernel_dtypes()
 
 CASES = [  # (B, T, Din, Dout, config (BT, BK, warps, stages) or None: the kernel's own)
     (3, 70, 40, 130, None),                  # one 128-row block, T and both K loops cut

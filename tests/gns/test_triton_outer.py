@@ -10,21 +10,16 @@ not a multiple of the K step, a single row or column, examples split over the se
 (non-contiguous) inputs, and the norms-only launch; each in both loop structures of the kernel (``flat``: one
 loop over (example, K step) pairs; nested: a K loop per example).
 """
-import os
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from elasticlab.gns import kernels, triton_outer
 
-from elasticlab.gns import kernels, triton_outer  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
-DEV = "cpu" if INTERPRET else "cuda"
+DEV = triton_outer.kernel_device() or pytest.skip(
+    "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
+INTERPRET = triton_outer.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]      # on a GPU: part of gpu_check's ``pytest -m gpu``
-DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+DTYPES = triton_outer.kernel_dtypes()
 
 # (B, T, Din, Dout, config): config None = the kernel's own choice; small tiles make many tiles and splits
 CASES = [

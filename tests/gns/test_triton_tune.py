@@ -6,19 +6,14 @@ that its logic is exercised:
 which variants it times, what it keeps, that the result it returns is a correct one, that a variant that
 raises is left out, and when it stays off.
 """
-import os
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from elasticlab.gns import kernels, triton_gram, triton_outer, triton_tune
 
-from elasticlab.gns import kernels, triton_gram, triton_outer, triton_tune  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
-DEV = "cpu" if INTERPRET else "cuda"
+DEV = triton_outer.kernel_device() or pytest.skip(
+    "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
+INTERPRET = triton_outer.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
 
 

@@ -9,7 +9,7 @@ that re-implements ``F.multi_head_attention_forward`` (same masks, ``is_causal``
 - the in-projection is one autograd Function over the distinct inputs (self-attention: one input and all 3E
   rows of ``in_proj_weight``; ``key is value``: the query's E rows and the key's 2E rows; else three blocks).
   Each block is a sequence Linear, G_b = Σ_t δ_{b,t} a_{b,t}ᵀ, its norm by the Gram or the outer-product form
-  (:func:`elasticlab.gns.kernels.use_gram`, as :mod:`.linear`). The blocks own disjoint rows of the weight
+  (:func:`elasticlab.gns.form_choice.use_gram`, as :mod:`.linear`). The blocks own disjoint rows of the weight
   (and of ``in_proj_bias``), so the per-example squared norms of the blocks add up;
 - ``bias_k`` / ``bias_v`` (``add_bias_kv``): each example attends to its own copy, whose gradient is the
   per-example gradient;
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import kernels
+from elasticlab.gns import form_choice, kernels
 from elasticlab.gns.layers.common import autocast_dtype, cast
 from elasticlab.gns.registry import register_rule
 
@@ -87,7 +87,7 @@ class _ProjNorms(torch.autograd.Function):
             a3, d3 = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
             if need_w[wi]:
                 T, din, dout = a3.shape[1], a3.shape[2], d3.shape[2]
-                if kernels.use_gram(T, din, dout, fused_outer=True, like=a3, batch=B):
+                if form_choice.use_gram(T, din, dout, fused_outer=True, like=a3, batch=B):
                     sq = kernels.seq_linear_gram_norms(a3, d3)
                     gw = d3.reshape(-1, dout).t().mm(a3.reshape(-1, din))
                 else:

@@ -5,7 +5,7 @@ Hook rule and fused backward. Fused, the weight norms come either from the Gram 
 the weight gradient: on CUDA one batched GEMM per chunk of examples over the unfolded input (the same
 outer-product operator as a sequence Linear), on the CPU as the weight gradient of one convolution with
 c·groups groups (the batch folded into channels; Goodfellow 2015's trick), measured faster there. The choice
-is per layer, by :func:`elasticlab.gns.kernels.use_gram`. With :data:`TRITON_ON_CUDA`, convolutions on
+is per layer, by :func:`elasticlab.gns.form_choice.use_gram`. With :data:`TRITON_ON_CUDA`, convolutions on
 CUDA may instead take the implicit-GEMM Triton kernel (:mod:`elasticlab.gns.triton_conv`). Fused calls go to
 the C++ autograd function ``elasticlab::conv_norms`` (the Gram, patch and grouped forms), or under
 ``torch.compile`` and for the Triton kernel to :class:`_ConvNorms`.
@@ -20,7 +20,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab._ext import conv_out_sizes
-from elasticlab.gns import calibrate, kernels, triton_conv
+from elasticlab.gns import calibrate, form_choice, kernels, triton_conv
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
@@ -121,7 +121,7 @@ class _ConvNorms(torch.autograd.Function):
         K = w[0].numel()                                    # Cin/G · k
         measured = need_w and calibrate.active()
         tf32 = kernels.conv_takes_tf32(x)
-        gram = need_w and not measured and kernels.use_gram(L, K, cout // G, fused_outer=True, like=x,
+        gram = need_w and not measured and form_choice.use_gram(L, K, cout // G, fused_outer=True, like=x,
                                                             batch=B * G, row_major=False, tf32=tf32)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(
             g, x, w, None, list(m.stride), list(m.padding), list(m.dilation), False,
@@ -254,14 +254,14 @@ def _conv_key(m: nn.Module, shape, dtype: torch.dtype, device: torch.device) -> 
 def conv_scratch(m: nn.Module, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> dict[str, int]:
     """Modelled scratch bytes of :func:`conv_forms`' forms beyond the unfolded input they share (calibration's
     memory rule): the outer form's per-example products and the Gram form's Grams as
-    :func:`elasticlab.gns.kernels.scratch_bytes` models them (per group), the grouped form's per-example
+    :func:`elasticlab.gns.form_choice.scratch_bytes` models them (per group), the grouped form's per-example
     gradients and expanded weight of a chunk; the Triton kernel's partial norms are negligible."""
     B, G, cout = x.shape[0], m.groups, w.shape[0]
     K, L = w[0].numel(), g[0, 0].numel()
     acc = torch.empty(0, dtype=kernels.acc_dtype(x.dtype)).element_size()
     chunk = max(1, min(B, 32, _chunk_elems(x) // w.numel()))
-    return {"patches": kernels.scratch_bytes("outer", B * G, L, K, cout // G, x.dtype),
-            "gram": kernels.scratch_bytes("gram", B * G, L, K, cout // G, x.dtype),
+    return {"patches": form_choice.scratch_bytes("outer", B * G, L, K, cout // G, x.dtype),
+            "gram": form_choice.scratch_bytes("gram", B * G, L, K, cout // G, x.dtype),
             "grouped": chunk * w.numel() * (acc + x.element_size())}
 
 
@@ -283,7 +283,7 @@ def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> 
     L = math.prod(conv_out_sizes(x.shape[2:], module.kernel_size, module.stride, module.padding,
                                  module.dilation))
     K, G = module.weight[0].numel(), module.groups
-    if kernels.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
+    if form_choice.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
                         row_major=False, tf32=kernels.conv_takes_tf32(x, like.dtype)):
         return 1
     if TRITON_ON_CUDA and triton_conv.supported(module, like):

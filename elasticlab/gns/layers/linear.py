@@ -1,9 +1,9 @@
 """``nn.Linear``: per-example weight-gradient norms, by hooks or fused into the backward.
 
 2-D inputs: ‖∇W ℓ_b‖² = ‖a_b‖²·‖δ_b‖² (Goodfellow 2015). Sequences (B, …, Din): G_b = Σ_t δ_{b,t} a_{b,t}ᵀ by
-the Gram form or the outer-product form, whichever :func:`elasticlab.gns.kernels.use_gram` finds cheaper for
-the layer's shape and device ("mixed ghost clipping", Bu, Mao & Xu 2022). Fused, the outer-product form *is*
-the weight-gradient GEMM: Σ_b G_b comes out of the same per-example products whose norms are taken.
+the Gram form or the outer-product form, whichever :func:`elasticlab.gns.form_choice.use_gram` finds cheaper
+for the layer's shape and device ("mixed ghost clipping", Bu, Mao & Xu 2022). Fused, the outer-product form
+*is* the weight-gradient GEMM: Σ_b G_b comes out of the same per-example products whose norms are taken.
 Fused calls go to the C++ autograd function ``elasticlab::linear_norms`` (no Python in the backward), except
 under ``torch.compile`` and for layers the Triton kernel serves, which take :class:`_LinearNorms`.
 """
@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import calibrate, kernels, triton_gram, triton_outer, triton_tune
+from elasticlab.gns import calibrate, form_choice, kernels, triton_gram, triton_outer, triton_tune
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
 
 
 def seq_weight_norms(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """‖Σ_t d_t a_tᵀ‖² per example, the cheaper of the Gram and outer-product forms for this layer."""
-    if kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=False, like=a, batch=a.shape[0]):
+    if form_choice.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=False, like=a, batch=a.shape[0]):
         return kernels.seq_linear_gram_norms(a, d)
     return kernels.seq_linear_outer_norms(a, d)[0]
 
@@ -74,7 +74,7 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
 def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
     """Modelled scratch bytes of each of :func:`seq_forms`' ``forms`` (for calibration's memory rule)."""
     (B, T, din), dout = a.shape, d.shape[2]
-    out = {f: kernels.scratch_bytes(f, B, T, din, dout, a.dtype) for f in ("outer", "gram")}
+    out = {f: form_choice.scratch_bytes(f, B, T, din, dout, a.dtype) for f in ("outer", "gram")}
     for f in forms:
         if f.startswith("triton"):
             out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
@@ -140,7 +140,8 @@ class _LinearNorms(torch.autograd.Function):
             if need_w:
                 if calibrate.active():
                     norms["weight"], gw = _calibrated(a, d)
-                elif kernels.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=True, like=a, batch=B):
+                elif form_choice.use_gram(a.shape[1], a.shape[2], d.shape[2], fused_outer=True, like=a,
+                                          batch=B):
                     norms["weight"] = kernels.seq_linear_gram_norms(a, d)
                     gw = d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
                 else:
@@ -169,7 +170,7 @@ def _cxx_form(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> 
         name = calibrate.chosen(_seq_key(x.shape[0], T, din, dout, dtype or x.dtype, x.device))
         return {"outer": 0, "gram": 1}.get(name)
     like = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
-    if kernels.use_gram(T, din, dout, fused_outer=True, like=like, batch=x.shape[0]):
+    if form_choice.use_gram(T, din, dout, fused_outer=True, like=like, batch=x.shape[0]):
         return 1
     if x.stride(-1) == 1 and triton_outer.takes(like, T, din, dout):
         return None
