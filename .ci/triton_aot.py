@@ -9,9 +9,13 @@ register spills. Run by .ci/run in .venv-cuda (its torch ships Triton):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import os
+import re
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -19,6 +23,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 SM90_SHARED = 232448          # bytes of shared memory one block may opt into on sm_90 (227 KiB)
+ROW_MAJOR = ("sa_i", "sd_o")      # a sequence kernel's unit inner strides, as row-major operands launch it
+# a contiguous NCHW 3×3 convolution with stride 1, padding 1 (most of ResNet's): Triton specialises each 1
+CONV_3X3_S1 = ("sx_w", "sd_w", "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
+UNALIGNED = ("NPAIRS", "P0")      # integers seldom divisible by 16 in a real launch (the Gram kernel's pairs)
 DTYPES = {"bf16": "tf32", "fp16": "tf32", "fp32": "ieee", "fp32/tf32": "tf32"}   # pointer type: precision
 
 
@@ -40,36 +48,57 @@ def cases() -> list[tuple]:
     # (tile, dtype) as the wrappers choose them: the tile and its pipeline depth depend on the dtype
     outer_tiles = sorted({(triton_outer._config(din, dout, torch_dtype[dt])[:5], dt)
                           for din, dout in itertools.product((64, 4096), repeat=2) for dt in DTYPES})
-    # both forms (pointer loads; TMA descriptors), both loops, with and without the gradient
+    # both forms (pointer loads; TMA descriptors), both loops, with and without the gradient. The pointer
+    # kernel as the layers launch it: row-major operands (triton_outer.preferred), whose unit inner strides
+    # Triton specialises to the constant 1; with any strides too (a direct call), where addresses take more
+    # registers
     for kernel, ((bm, bn, bk, w, s), dt), flat, grad in itertools.product(
             ("outer", "outer-tma"), outer_tiles, (False, True), (False, True)):
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION=DTYPES[dt], FLAT=flat)
         out.append((kernel, dt, meta, w, s, ()))
+        if kernel == "outer":
+            out.append((kernel, dt, meta, w, s, ROW_MAJOR))
     for bm, bn, bk, w, s, flat, tma in bench.SWEEP["configs"]:
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
-        out.append(("outer-tma" if tma else "outer", "bf16", meta, w, s, ()))
-    # as launched on a contiguous layer with one split: unit strides and SPLIT are specialised to 1
+        out.append(("outer-tma", "bf16", meta, w, s, ()) if tma else ("outer", "bf16", meta, w, s, ROW_MAJOR))
+    # as launched on a contiguous layer with one split: SPLIT is specialised to 1 too
     meta = dict(BM=128, BN=128, BK=64, WITH_GRAD=True, PRECISION="tf32", FLAT=True)
-    out.append(("outer", "bf16", meta, 8, 3, ("sa_i", "sd_o", "SPLIT")))
+    out.append(("outer", "bf16", meta, 8, 3, ROW_MAJOR + ("SPLIT",)))
     layers = ((3, 64), (512, 512))
     conv_tiles = {triton_conv._config(t, cin, cout) for t in (4, 16, 32, 1024) for cin, cout in layers}
     for (bm, bn, bk, w, s), dt in itertools.product(sorted(conv_tiles), DTYPES):
         meta = dict(KH=3, KW=3, BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION=DTYPES[dt])
         out.append(("conv", dt, meta, w, s, ()))
+        out.append(("conv", dt, meta, w, s, CONV_3X3_S1))
     for kh, kw in ((1, 1), (7, 7), (1, 5)):          # 1×1, ResNet's stem, a Conv1d (H = 1)
         meta = dict(KH=kh, KW=kw, BM=64, BN=64, BK=32, WITH_GRAD=False, PRECISION="tf32")
         ones = ("H", "Ho", "stride_h", "stride_w", "dil_h", "dil_w", "SPLIT") if kh == 1 else ()
         out.append(("conv", "bf16", meta, 4, 3, ones))
-    # the fused Gram form: its blocks for short and long sequences, each dtype, any strides and as launched on
-    # contiguous activations (unit inner strides, specialised to 1)
-    for T, dt, ones in itertools.product((40, 512), DTYPES, ((), ("sa_i", "sd_o"))):
-        bt, bk, w, s = triton_gram._config(T, torch_dtype[dt])
-        out.append(("ghost", dt, dict(BT=bt, BK=bk, PRECISION=DTYPES[dt]), w, s, ones))
+    # the fused Gram form: each config the tuner times (tuned_configs) for short and long sequences, each
+    # dtype, the diagonal and the other pairs' launches, any strides and as launched on contiguous activations
+    # (unit inner strides, specialised to 1)
+    for T, dt, diag, ones in itertools.product((40, 512), DTYPES, (True, False), ((), ("sa_i", "sd_o"))):
+        for bt, bk, w, s in triton_gram.tuned_configs(T, torch_dtype[dt]).values():
+            out.append(("ghost", dt, dict(BT=bt, BK=bk, PRECISION=DTYPES[dt], DIAG=diag), w, s, ones))
+    for (bt, bk, w, s), diag in itertools.product(bench.GHOST_SWEEP["configs"], (True, False)):
+        out.append(("ghost", "bf16", dict(BT=bt, BK=bk, PRECISION="tf32", DIAG=diag), w, s, ROW_MAJOR))
+    return list({repr(c): c for c in out}.values())            # each kernel once (the tuner's are swept too)
+
+
+def _ptxas_report(log: str) -> str:
+    """Registers a thread and spilled bytes from ptxas's verbose log (Triton prints it with
+    ``knobs.nvidia.dump_ptxas_log``): ", 167 regs" or ", 167 regs, SPILLS 64 B stored 64 B loaded"."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    out = f", {regs.group(1)} regs" if regs else ""
+    if spill and (int(spill.group(1)) or int(spill.group(2))):
+        out += f", SPILLS {spill.group(1)} B stored {spill.group(2)} B loaded"
     return out
 
 
 def compile_case(case: tuple) -> tuple[str, str, int | None]:
-    """(label, error or "", shared bytes): one kernel compiled for sm_90."""
+    """(label, error or "", shared bytes; registers and spills in the label): one kernel compiled for
+    sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -96,14 +125,21 @@ def compile_case(case: tuple) -> tuple[str, str, int | None]:
     # pointers and integers divisible by 16, which is what lets its pipeliner issue asynchronous copies, so
     # that the shared memory checked is the multi-stage buffers a real launch takes
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-             if sig[arg] == "i32" or sig[arg].startswith("*")}
+             if (sig[arg] == "i32" and arg not in UNALIGNED) or sig[arg].startswith("*")}
+    log = io.StringIO()
+    try:
+        triton.knobs.nvidia.dump_ptxas_log = True                  # ptxas -v's log, printed by Triton
+    except AttributeError:                                      # an older Triton: no register report
+        pass
     try:
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         opts = dict(num_warps=warps, num_stages=stages)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except Exception as e:                                     # a compile error: the GPU run would fail too
         return label, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", None
     shared = int(k.metadata.shared)
+    label += _ptxas_report(log.getvalue())
     return label, "" if shared <= SM90_SHARED else f"needs {shared} B of shared memory", shared
 
 
@@ -112,13 +148,16 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)
     todo = cases()
-    bad = 0
+    # a fresh cache: a kernel found in Triton's cache is not compiled again, and so has no ptxas log
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_aot_")
+    bad = spills = 0
     with ProcessPoolExecutor(args.jobs) as pool:
         for label, err, shared in pool.map(compile_case, todo):
             bad += bool(err)
+            spills += "SPILLS" in label
             print(("FAIL " if err else "ok   ") + label + (f": {err}" if err else f" (shared {shared} B)"),
                   flush=True)
-    print(f"{len(todo) - bad} of {len(todo)} Triton kernels compile for sm_90")
+    print(f"{len(todo) - bad} of {len(todo)} Triton kernels compile for sm_90; {spills} spill registers")
     return 1 if bad else 0
 
 

@@ -10,8 +10,8 @@ descriptors and per-row partial norms: ``triton_outer.TMA``), ``ghost`` (the fus
 compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
 ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
-Then sweeps: the Triton kernel's tiles and variants (``sweep``), and the cuBLAS form's chunk budget
-(``chunks``: :data:`CHUNKS`).
+Then sweeps: the cuBLAS form's chunk budget (``chunks``: :data:`CHUNKS`), the fused Gram kernel's blocks
+(``ghost``: :data:`GHOST_SWEEP`), and the outer Triton kernel's tiles and variants (``sweep``).
 Every method is first checked against float64. It also measures the two ceilings the cost
 model of ``elasticlab.gns.form_choice.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
@@ -127,15 +127,17 @@ SWEEP = {"layers": ["G3.up", "G1.head"],
                      for f in (False, True)]}
 
 
-def _sweep_layer(name: str, iters: int) -> dict:
+def _sweep_layer(name: str, iters: int, configs, form) -> dict:
+    """{str(config): time of ``form(a, d, config)`` over the weight-gradient GEMM's, or the error} on one
+    layer's bfloat16 operands."""
     B, T, Din, Dout = SHAPES[name]
     a = torch.randn(B, T, Din, device="cuda").to(torch.bfloat16)
     d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(torch.bfloat16)
     base = timed(lambda: d.view(-1, Dout).t() @ a.view(-1, Din), iters)
     row = {}
-    for cfg in SWEEP["configs"]:
+    for cfg in configs:
         try:
-            row[str(cfg)] = timed(lambda cfg=cfg: triton_outer.outer_norms(a, d, True, cfg), iters) / base
+            row[str(cfg)] = timed(lambda cfg=cfg: form(a, d, True, cfg), iters) / base
         except Exception as e:                                      # e.g. out of shared memory
             row[str(cfg)] = f"error: {type(e).__name__}"
     return row
@@ -145,13 +147,33 @@ def sweep_triton(iters: int) -> dict:
     """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16)."""
     out = {}
     for name in SWEEP["layers"]:
-        row = out[name] = _sweep_layer(name, iters)
+        row = out[name] = _sweep_layer(name, iters, SWEEP["configs"], triton_outer.outer_norms)
         for tma in (False, True):
             for flat in (False, True):              # one line per loop: BMxBNxBK/warps/stages ratio
                 loop = ("tma-" if tma else "") + ("flat" if flat else "nested")
                 print(f"sweep {name:8s} {loop:10s} " + "  ".join(
                     f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
                     for c, v in zip(SWEEP["configs"], row.values()) if c[5] == flat and c[6] == tma))
+    return out
+
+
+# The fused Gram kernel's blocks (BT, BK, warps, stages), the form with the weight-gradient GEMM beside it,
+# on the layers where its multiply-adds are fewest against the outer form's (G3: 0.39): its own config
+# first, then ghost-k128's (both timed by triton_tune), a shallower pipeline, a shorter K step, 64-row blocks.
+GHOST_SWEEP = {"layers": ["G3.up", "G3.down"],
+               "configs": [(128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 8, 5),
+                           (64, 64, 4, 4), (64, 128, 4, 3)]}
+
+
+def sweep_ghost(iters: int) -> dict:
+    """The fused Gram form's time over the weight-gradient GEMM's, each of :data:`GHOST_SWEEP`'s configs."""
+    out = {}
+    for name in GHOST_SWEEP["layers"]:
+        row = out[name] = _sweep_layer(name, iters, GHOST_SWEEP["configs"], triton_tune.ghost)
+        torch.cuda.empty_cache()
+        print(f"ghost {name:8s} " + "  ".join(
+            "{}x{}/{}/{} ".format(*c) + (f"{v:.2f}x" if isinstance(v, float) else v)
+            for c, v in zip(GHOST_SWEEP["configs"], row.values())))
     return out
 
 
@@ -210,11 +232,13 @@ def main(argv=None) -> int:
               + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in cols)
               + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in cols if m != "bmm")
               + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols))
-    # the chunk sweep first: no compiling, where the Triton sweep compiles a kernel per configuration
+    # the chunk sweep first: no compiling, where the Gram and Triton sweeps compile a kernel per configuration
     has_op = kernels.compiled("seq_linear_outer_norms", torch.empty(0, device="cuda"))
     chunks = sweep_chunks(args.iters) if has_op else {}
+    ghost = sweep_ghost(args.iters) if triton_outer.HAS_TRITON else {}
     sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
-    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep, "chunks": chunks}))
+    print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep, "chunks": chunks,
+                                  "ghost_sweep": ghost}))
     return 0
 
 

@@ -124,7 +124,7 @@ fi
 if want ops; then
   run_stage "bench_seq_linear_cuda + bench_conv_cuda" "${OPS_S:-120}" ops.log bash -c \
     "$PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}; $PY benchmarks/bench_conv_cuda.py ${OPS_ARGS:-}"
-  grep -v "^RESULT" "$OUT/ops.log" | tail -44 | cut -c1-150 | note
+  grep -v "^RESULT" "$OUT/ops.log" | tail -50 | cut -c1-150 | note
 fi
 
 if want bench; then

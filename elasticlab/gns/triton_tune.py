@@ -55,22 +55,24 @@ def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     return [base + (flat, tma) for tma in loads for flat in (False, True)]
 
 
-def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
-    """The fused Gram form: (‖G_b‖² (B,) float32, the weight gradient by one GEMM in the inputs' dtype, or
-    None)."""
-    norms = triton_gram.ghost_norms(a, d)
+def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
+    """The fused Gram form (block ``config`` as :func:`~elasticlab.gns.triton_gram.ghost_norms` takes it):
+    (‖G_b‖² (B,) float32, the weight gradient by one GEMM in the inputs' dtype, or None)."""
+    norms = triton_gram.ghost_norms(a, d, config)
     if not with_grad:
         return norms, None
     return norms, d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
 
 
 def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool) -> dict[str, tuple]:
-    """{name: (call, config or None)} of the forms timed for these operands: :func:`candidates`, and
-    ``ghost`` where :data:`GHOST` and :func:`~elasticlab.gns.triton_gram.worthwhile`."""
+    """{name: (call, config)} of the forms timed for these operands: :func:`candidates`, and where
+    :data:`GHOST` and :func:`~elasticlab.gns.triton_gram.worthwhile`, the fused Gram form in each of
+    :func:`~elasticlab.gns.triton_gram.tuned_configs` (names starting "ghost")."""
     out = {variant_name(c): (functools.partial(triton_outer.outer_norms, a, d, with_grad, c), c)
            for c in candidates(a, d)}
     if GHOST and triton_gram.worthwhile(*a.shape[1:], d.shape[2]):
-        out["ghost"] = (functools.partial(ghost, a, d, with_grad), None)
+        for name, c in triton_gram.tuned_configs(a.shape[1], a.dtype).items():
+            out[name] = (functools.partial(ghost, a, d, with_grad, c), c)
     return out
 
 
@@ -86,8 +88,8 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
     kept = _CHOSEN.get(key)
     if kept is not None:
         name, config = kept
-        if name == "ghost":
-            return ghost(a, d, with_grad)
+        if name.startswith("ghost"):
+            return ghost(a, d, with_grad, config)
         return triton_outer.outer_norms(a, d, with_grad, config)
     found = forms(a, d, with_grad)
     name, out, times = timing.fastest({n: run for n, (run, _) in found.items()}, a.device, REPEATS,

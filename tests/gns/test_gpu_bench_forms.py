@@ -13,8 +13,7 @@ import torch
 from elasticlab.gns import kernels, triton_outer
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = [torch.float32, torch.float16 if INTERPRETED else torch.bfloat16]
+DTYPES = [torch.float32, torch.float16 if triton_outer.INTERPRETED else torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
@@ -52,6 +51,24 @@ def test_sequence_linear_methods_give_the_reference_norms(bench, dt):
             grad = out[1].double()
         torch.testing.assert_close(grad, ref_grad, rtol=TOL[dt], atol=TOL[dt] * ref_grad.abs().max().item(),
                                    msg=m)
+
+
+@pytest.mark.skipif(not triton_outer.HAS_TRITON, reason="the fused Gram kernel needs Triton")
+def test_every_config_of_the_gram_sweep_gives_the_reference_norms(bench):
+    """``GHOST_SWEEP``'s configs (those ``triton_tune`` times among them) on a sequence of three blocks of the
+    smallest one (T = 150): diagonal and off-diagonal pairs, the last block cut at T, K loops cut at Din."""
+    seq, _ = bench
+    dev = triton_outer.kernel_device()
+    if dev is None:
+        pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 150, 72, generator=g).to(dev, DTYPES[1])
+    d = (torch.randn(2, 150, 40, generator=g) / 150 ** 0.5).to(dev, DTYPES[1])
+    ref = kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu())[0]
+    assert len(seq.GHOST_SWEEP["configs"]) >= 2
+    for cfg in seq.GHOST_SWEEP["configs"]:
+        norms, _ = seq.triton_tune.ghost(a, d, False, cfg)
+        torch.testing.assert_close(norms.double().cpu(), ref, rtol=2e-5, atol=0, msg=str(cfg))
 
 
 def test_sequence_linear_head_leaves_out_the_gram_form(bench):

@@ -22,6 +22,7 @@ CASES = [  # (B, T, Din, Dout, config (BT, BK, warps, stages) or None: the kerne
     (4, 50, 33, 20, (16, 16, 4, 2)),         # 4 blocks: 10 pairs, the last block cut at T
     (2, 64, 48, 16, (16, 16, 4, 2)),         # T a multiple of the block
     (5, 200, 24, 72, None),                  # two 128-row blocks: a diagonal and an off-diagonal pair
+    (3, 90, 150, 40, (32, 128, 4, 3)),       # ghost-k128's K step: 3 blocks, Din cut inside its second step
 ]
 
 
@@ -71,3 +72,29 @@ def test_worthwhile_counts_the_upper_triangle():
     assert triton_gram.worthwhile(512, 1024, 4096) and triton_gram.worthwhile(512, 4096, 1024)
     assert not triton_gram.worthwhile(1024, 768, 2304)
     assert not triton_gram.worthwhile(40, 32, 48)
+
+
+def test_diagonal_pairs_come_first_and_take_a_launch_of_their_own(monkeypatch):
+    """The table lists the nt diagonal pairs, then the others; ``ghost_norms`` launches the diagonal ones
+    (DIAG, one operand block a step) and the rest (weight 2) apart, and a single block takes one launch."""
+    assert triton_gram._pairs(3, torch.device("cpu")).tolist() == [0, 0, 1, 1, 2, 2, 0, 1, 0, 2, 1, 2]
+    launches, real = [], triton_outer.launch
+
+    def spy(kernel, grid, device, args, meta):
+        launches.append((grid, args[8], meta["DIAG"]))          # (grid, P0, DIAG)
+        return real(kernel, grid, device, args, meta)
+
+    monkeypatch.setattr(triton_outer, "launch", spy)
+    _check(*_inputs(2, 50, 33, 20, torch.float32), (16, 16, 4, 2))     # 4 blocks: 4 diagonal, 6 other pairs
+    assert launches == [((4, 2), 0, True), ((6, 2), 4, False)]
+    launches.clear()
+    _check(*_inputs(2, 10, 8, 6, torch.float32))                        # one block: the diagonal launch only
+    assert launches == [((1, 2), 0, True)]
+
+
+def test_tuned_configs():
+    """16-bit operands get ``ghost`` and ``ghost-k128`` (the same blocks, K steps of 128 in 3 stages); float32
+    only ``ghost``, whose buffers of K steps of 128 would not fit."""
+    half = triton_gram.tuned_configs(512, torch.bfloat16)
+    assert half == {"ghost": triton_gram._config(512, torch.bfloat16), "ghost-k128": (128, 128, 8, 3)}
+    assert list(triton_gram.tuned_configs(512, torch.float32)) == ["ghost"]

@@ -112,6 +112,31 @@ def test_the_fused_gram_form_is_timed_where_its_multiply_adds_are_fewer(monkeypa
     assert "ghost" not in triton_tune.forms(a, d, True)
 
 
+def test_each_config_of_the_fused_gram_form_is_a_form_and_the_kept_one_runs_with_its_config(monkeypatch):
+    """float16 operands: ``ghost`` and ``ghost-k128`` are timed apart; with the clock saying ``ghost-k128``
+    is the fastest it is kept, and later calls run the Gram kernel with its K step of 128."""
+    a, d = _inputs(2, 40, 256, 256)
+    found = triton_tune.forms(a, d, True)
+    assert {n for n in found if n.startswith("ghost")} == {"ghost", "ghost-k128"}
+    assert found["ghost-k128"][1][1] == 128 and found["ghost"][1][1] == 64
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    real = triton_tune.timing.elapsed
+
+    def clock(fn, device, repeats=3):
+        real(fn, device, 1)
+        return 0.0 if getattr(fn, "args", ())[3:4] == (found["ghost-k128"][1],) else 1.0
+
+    monkeypatch.setattr(triton_tune.timing, "elapsed", clock)
+    want = _reference(a, d)
+    _close(triton_tune.outer_norms(a, d, True), want, grad_tol=1e-3)
+    assert list(triton_tune.chosen().values()) == ["ghost-k128"]
+    configs, real_ghost = [], triton_gram.ghost_norms
+    monkeypatch.setattr(triton_gram, "ghost_norms", lambda a, d, config=None: configs.append(config)
+                        or real_ghost(a, d, config))
+    _close(triton_tune.outer_norms(a, d, True), want, grad_tol=1e-3)
+    assert configs == [found["ghost-k128"][1]]
+
+
 def test_a_variant_that_raises_is_left_out_with_a_warning(monkeypatch):
     a, d = _inputs(2, 17, 24, 40)
     real = triton_outer.outer_norms

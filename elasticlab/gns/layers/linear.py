@@ -9,6 +9,8 @@ under ``torch.compile`` and for layers the Triton kernel serves, which take :cla
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,8 +55,9 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
     returning (‖G_b‖² (B,), Σ_b G_b): ``outer`` (the compiled operator: cuBLAS batched GEMMs and the fold on
     CUDA), ``gram`` (Gram form, plus the weight-gradient GEMM), and where the Triton kernel takes the inputs,
     ``triton`` and ``triton-flat`` (its two loops), and where TMA descriptors address them, ``triton-tma``
-    and ``triton-tma-flat``, and where its multiply-adds are fewer, ``ghost`` (the fused Gram kernel and the
-    weight-gradient GEMM). The candidates of :mod:`elasticlab.gns.calibrate`."""
+    and ``triton-tma-flat``, and where its multiply-adds are fewer, ``ghost`` and ``ghost-k128`` (the fused
+    Gram kernel in :func:`~elasticlab.gns.triton_gram.tuned_configs`, and the weight-gradient GEMM). The
+    candidates of :mod:`elasticlab.gns.calibrate`."""
     compiled = kernels.compiled("seq_linear_outer_norms", a)
     forms = {"outer": lambda: kernels.seq_linear_outer_norms(a, d, with_grad=True, use_kernel=compiled),
              "gram": lambda: (kernels.seq_linear_gram_norms(a, d),
@@ -67,7 +70,8 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
             forms["triton-tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
             forms["triton-tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
         if triton_gram.worthwhile(a.shape[1], a.shape[2], d.shape[2]):
-            forms["ghost"] = lambda: triton_tune.ghost(a, d, True)
+            for name, c in triton_gram.tuned_configs(a.shape[1], a.dtype).items():
+                forms[name] = functools.partial(triton_tune.ghost, a, d, True, c)
     return forms
 
 
@@ -78,8 +82,9 @@ def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
     for f in forms:
         if f.startswith("triton"):
             out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
-    if "ghost" in forms:
-        out["ghost"] = triton_gram.scratch_bytes(B, T)
+    for f in forms:
+        if f.startswith("ghost"):
+            out[f] = triton_gram.scratch_bytes(B, T)
     return out
 
 
