@@ -340,6 +340,7 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
         if isinstance(model, GPT):
             model.contiguous_pos = True                # this copy only (see GPT)
+        out_of_place(model)
         gm = GradSampleModuleFastGradientClipping(model, loss_reduction="mean", use_ghost_clipping=True)
 
         def step():
@@ -351,6 +352,18 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
         step.close = lambda: gm._close()
         return step
     raise ValueError(f"unknown method {method!r}")
+
+
+def out_of_place(model: nn.Module) -> int:
+    """Turns the model's in-place activations (``inplace=True``: torchvision ResNet's ReLUs) out of place, for
+    Opacus: its backward hooks wrap each layer's output in a view that an in-place op may not modify (G2
+    raised "... is a view and is being modified inplace"). Same values; returns how many it changed."""
+    changed = 0
+    for m in model.modules():
+        if getattr(m, "inplace", None) is True:
+            m.inplace = False
+            changed += 1
+    return changed
 
 
 def close(step) -> None:

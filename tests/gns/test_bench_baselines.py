@@ -1,0 +1,54 @@
+"""The baselines of benchmarks/bench_psgnorm.py that the GPU run compares against: Opacus ghost clipping on a
+model with in-place ReLUs (G2's torchvision ResNet-18, where it raised in session 10)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_psgnorm
+        yield bench_psgnorm
+    finally:
+        sys.path.remove(BENCH)
+
+
+def _cnn(inplace: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(inplace=inplace),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=inplace), nn.Flatten(),
+                         nn.Linear(8 * 8 * 8, 5))
+
+
+def test_out_of_place_turns_every_in_place_activation_off_and_keeps_the_values(bench):
+    model, x = _cnn(inplace=True), torch.randn(4, 3, 8, 8)
+    want = model(x.clone())
+    assert bench.out_of_place(model) == 2
+    assert not any(getattr(m, "inplace", False) for m in model.modules())
+    torch.testing.assert_close(model(x), want)
+    assert bench.out_of_place(model) == 0
+
+
+def test_opacus_ghost_gives_the_norms_of_a_model_with_in_place_relus(bench):
+    """The bench's ``opacus-ghost`` step on the in-place CNN: Opacus's squared norms equal elasticlab's
+    reference (torch.func, float64)."""
+    pytest.importorskip("opacus")
+    from elasticlab.gns.reference import func_sq_norms
+    model = _cnn(inplace=True).double()
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 5, (4,))
+    want = func_sq_norms(_cnn(inplace=False).double(), bench.loss_fn, x, y)
+    step = bench.make_step("opacus-ghost", model, x, y)
+    try:
+        got = step()
+    finally:
+        bench.close(step)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
