@@ -84,7 +84,8 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
         if triton_tune.TMA and triton_outer.tma_ok(a, d):          # ELASTICLAB_TRITON_TMA=0: left out
             meth["tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
             meth["tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
-        meth["ghost"] = lambda: triton_tune.ghost(a, d, True)     # fused Gram kernel + the weight GEMM
+        if triton_tune.GHOST:                                      # ELASTICLAB_TRITON_GHOST=0: left out
+            meth["ghost"] = lambda: triton_tune.ghost(a, d, True)  # fused Gram kernel + the weight GEMM
     return meth
 
 
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     # the chunk sweep first: no compiling, where the Gram and Triton sweeps compile a kernel per configuration
     has_op = kernels.compiled("seq_linear_outer_norms", torch.empty(0, device="cuda"))
     chunks = sweep_chunks(args.iters) if has_op else {}
-    ghost = sweep_ghost(args.iters) if triton_outer.HAS_TRITON else {}
+    ghost = sweep_ghost(args.iters) if triton_outer.HAS_TRITON and triton_tune.GHOST else {}
     sweep = sweep_triton(args.iters) if triton_outer.HAS_TRITON else {}
     print("RESULT " + json.dumps({"ceilings": ceil, "layers": rows, "triton_sweep": sweep, "chunks": chunks,
                                   "ghost_sweep": ghost}))

@@ -12,7 +12,7 @@
 #   test     pytest -m gpu tests/ (240 s: the Triton tests compile a kernel per tile, loop and dtype; not
 #            fatal: the benchmark runs whatever the tests say; two xdist workers where installed, so that a
 #            test that crashes its process is reported and the rest still run; a failed TMA test sets
-#            ELASTICLAB_TRITON_TMA=0 for the later stages)
+#            ELASTICLAB_TRITON_TMA=0 for the later stages, a failed Gram-kernel test ELASTICLAB_TRITON_GHOST=0)
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log (top kernels, GPU
@@ -118,6 +118,12 @@ if want test; then
   if grep -i -E "^(FAILED|ERROR) .*tma|crashed while running.*tma" "$OUT/pytest_gpu.log" > /dev/null; then
     export ELASTICLAB_TRITON_TMA=0
     say "   a TMA test failed: ops, bench and profile run with ELASTICLAB_TRITON_TMA=0 (no TMA variants)"
+  fi
+  # likewise the fused Gram kernel (triton_gram, first run by this script in session 14 or later)
+  G='(test_triton_gram|fused_gram|ghost)'
+  if grep -i -E "^(FAILED|ERROR) .*$G|crashed while running.*$G" "$OUT/pytest_gpu.log" > /dev/null; then
+    export ELASTICLAB_TRITON_GHOST=0
+    say "   a Gram-kernel test failed: ops, bench and profile run with ELASTICLAB_TRITON_GHOST=0 (no ghost forms)"
   fi
 fi
 

@@ -13,7 +13,8 @@ each once to warm up (Triton compiles there) and then :data:`REPEATS` times, kee
 and returns its result; later calls run the kept one. The forms compute the same sums in other orders, so
 any of them is a valid result. Untuned (off, under ``torch.compile``, while a CUDA graph is captured, on the
 CPU), :data:`~elasticlab.gns.triton_outer.FLAT` and :data:`~elasticlab.gns.triton_outer.TMA` say which
-variant runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps the TMA variants out (:data:`TMA`).
+variant runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps the TMA variants out (:data:`TMA`),
+``ELASTICLAB_TRITON_GHOST=0`` the fused Gram form (:data:`GHOST`; calibration's candidates too).
 :func:`tunings` lists what was measured.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from elasticlab.gns import timing, triton_gram, triton_outer
 ENABLED = True
 REPEATS = 3
 TMA = os.environ.get("ELASTICLAB_TRITON_TMA", "1") != "0"
-GHOST = True
+GHOST = os.environ.get("ELASTICLAB_TRITON_GHOST", "1") != "0"
 
 _CHOSEN: dict[tuple, tuple] = {}                  # key -> (name, config or None) of the form measured fastest
 _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}

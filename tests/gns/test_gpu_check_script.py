@@ -43,3 +43,45 @@ def test_bench_and_profile_stages_run_through(tmp_path):
     assert "G1-fp32 psgn" in profile and "==== SECOND PROFILE (--workload W1 --precision fp32)" in profile
     assert "W1-fp32 psgn" in profile.split("==== SECOND PROFILE")[1]
     assert sorted(p.name for p in out.iterdir()) == ["bench_cuda.log", "profile.log", "summary.txt"]
+
+
+TESTS_THEN_BENCH = """#!/usr/bin/env bash
+# python for gpu_check.sh: its GPU tests print FAILURES and fail; the bench reports the switches it was given
+case " $* " in
+  *" -m pytest "*) printf '%s\\n' FAILURES "2 failed, 80 passed"; exit 1;;
+  *bench_psgnorm.py*) echo "switches TMA=${ELASTICLAB_TRITON_TMA:-unset}" \\
+                        "GHOST=${ELASTICLAB_TRITON_GHOST:-unset}"; exit 0;;
+esac
+exec PYTHON "$@"
+"""
+
+
+def _run_test_and_bench(tmp_path, failures: list[str]) -> str:
+    """summary.txt of gpu_check.sh's test and bench stages with these FAILED lines from the tests."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    py = tmp_path / "python"
+    lines = " ".join(f"'FAILED {f}'" for f in failures)
+    py.write_text(TESTS_THEN_BENCH.replace("PYTHON", sys.executable).replace("FAILURES", lines))
+    py.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(py), STAGES="test bench", DEADLINE_S="200")
+    for k in ("ELASTICLAB_TRITON_TMA", "ELASTICLAB_TRITON_GHOST"):
+        env.pop(k, None)
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return (out / "summary.txt").read_text()
+
+
+def test_a_failed_tma_or_gram_kernel_test_keeps_those_forms_out_of_the_later_stages(tmp_path):
+    """A kernel that faults on the GPU would end the bench's process (a CUDA error poisons the context):
+    after a failed TMA test the later stages run with ELASTICLAB_TRITON_TMA=0, after a failed Gram-kernel
+    test with ELASTICLAB_TRITON_GHOST=0, and the summary says so. A failure elsewhere (the cuBLAS Gram
+    operator's test, say) sets neither."""
+    summary = _run_test_and_bench(tmp_path / "a", [
+        "tests/gns/test_triton_outer.py::test_tma_loads[bf16] - RuntimeError: x",
+        "tests/gns/test_triton_gram.py::test_ghost_norms_match_float64 - AssertionError"])
+    assert "a TMA test failed" in summary and "a Gram-kernel test failed" in summary, summary
+    assert "switches TMA=0 GHOST=0" in summary, summary
+    summary = _run_test_and_bench(tmp_path / "b", ["tests/gns/test_kernels.py::test_cuda_gram_norms - Error"])
+    assert "test failed" not in summary and "switches TMA=unset GHOST=unset" in summary, summary

@@ -69,7 +69,7 @@ def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
         if triton_outer.tma_ok(a, d):
             forms["triton-tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
             forms["triton-tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
-        if triton_gram.worthwhile(a.shape[1], a.shape[2], d.shape[2]):
+        if triton_tune.GHOST and triton_gram.worthwhile(a.shape[1], a.shape[2], d.shape[2]):
             for name, c in triton_gram.tuned_configs(a.shape[1], a.dtype).items():
                 forms[name] = functools.partial(triton_tune.ghost, a, d, True, c)
     return forms
