@@ -5,7 +5,9 @@ W4 (float32), each form's time as a ratio to cuDNN's weight gradient alone (``co
 the weight output), in one run: ``patches`` (the default on CUDA: one strided copy of the patches, cuBLAS
 batched GEMMs and the fold; ``layers.conv._conv_outer_unfolded``), ``grouped`` (per-example gradients as one
 grouped convolution's weight gradient, cuDNN; ``GROUPED_ON_CUDA``), ``triton`` (the implicit-GEMM kernel of
-``elasticlab.gns.triton_conv``; ``TRITON_ON_CUDA``) and ``gram`` (the Gram form over the patches, plus the
+``elasticlab.gns.triton_conv``; ``TRITON_ON_CUDA``), ``triton-k32`` (the same with K steps of at most 32:
+its 16-bit 128×128 and 64×64 tiles with K steps of 64 spill registers as Triton compiles them for sm_90,
+``.ci/triton_aot.py``, where K steps of 32 do not) and ``gram`` (the Gram form over the patches, plus the
 weight gradient it still needs). Each form gives the weight gradient too. Every form is first checked
 against float64 on two examples (max relative error of the norms). Peak scratch (MB one call allocates,
 outputs included) is printed beside the ratios.
@@ -37,7 +39,7 @@ LAYERS = {
     "W4.c1": (3, 32, 3, 1, 1, 32, 128, torch.float32),
     "W4.c2": (32, 64, 3, 1, 1, 16, 128, torch.float32),
 }
-FORMS = ("patches", "grouped", "triton", "gram")
+FORMS = ("patches", "grouped", "triton", "triton-k32", "gram")
 
 
 def forms_of(name: str, device: str = "cuda", batch: int | None = None, dtype: torch.dtype | None = None):
@@ -63,6 +65,10 @@ def forms_of(name: str, device: str = "cuda", batch: int | None = None, dtype: t
              "gram": lambda: (conv_rule._conv_gram_norms(m, x, d3, 1, K, L), wgrad())}
     if triton_conv.HAS_TRITON:
         forms["triton"] = lambda: triton_conv.conv_outer_norms(m, x, g, True)
+        k32 = triton_conv._config(L, K, cout)
+        if k32[2] > 32:                                       # else the same config as "triton"
+            k32 = k32[:2] + (32,) + k32[3:]
+            forms["triton-k32"] = lambda: triton_conv.conv_outer_norms(m, x, g, True, k32)
     ref = torch.stack([torch.nn.grad.conv2d_weight(x[b:b + 1].double(), w.shape, g[b:b + 1].double(),
                                                    m.stride, m.padding).pow(2).sum() for b in range(2)])
     return forms, wgrad, ref, (L, K)

@@ -81,9 +81,10 @@ def test_sequence_linear_head_leaves_out_the_gram_form(bench):
 def test_convolution_forms_give_the_reference_norms(bench, name):
     _, conv = bench
     dt = DTYPES[1] if conv.LAYERS[name][7] != torch.float32 else torch.float32
-    forms, wgrad, ref, _ = conv.forms_of(name, "cpu", batch=2, dtype=dt)
+    forms, wgrad, ref, (L, _) = conv.forms_of(name, "cpu", batch=2, dtype=dt)
     assert {"patches", "grouped", "gram"} <= set(forms)
     assert ("triton" in forms) == triton_outer.HAS_TRITON
+    assert ("triton-k32" in forms) == (triton_outer.HAS_TRITON and L > 32)     # K steps of 64 there
     gw = wgrad().double()
     for f, fn in forms.items():
         norms, grad = fn()
