@@ -42,14 +42,13 @@ def cases() -> list[tuple]:
     """(kernel, dtype, meta, num_warps, num_stages, ints specialised to 1) for every variant checked."""
     import bench_seq_linear_cuda as bench
 
-    from elasticlab.gns import triton_conv, triton_gram, triton_outer
+    from elasticlab.gns import triton_conv
     out = []
     import torch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp32/tf32": torch.float32}
     # (tile, dtype) as the wrappers choose them: the tile and its pipeline depth depend on the dtype
-    outer_tiles = sorted({(triton_outer._config(din, dout, torch_dtype[dt])[:5], dt)
-                          for din, dout in itertools.product((64, 4096), repeat=2) for dt in DTYPES})
+    outer_tiles = sorted({(tile, dt) for dt in DTYPES for tile in _outer_tiles(torch_dtype[dt])})
     # both forms (pointer loads; TMA descriptors), both loops, with and without the gradient. The pointer
     # kernel as the layers launch it: row-major operands (triton_outer.preferred), whose unit inner strides
     # Triton specialises to the constant 1; with any strides too (a direct call), where addresses take more
@@ -79,12 +78,27 @@ def cases() -> list[tuple]:
     # the fused Gram form: each config the tuner times (tuned_configs) for short and long sequences, each
     # dtype, the diagonal and the other pairs' launches, any strides and as launched on contiguous activations
     # (unit inner strides, specialised to 1)
-    for T, dt, diag, ones in itertools.product((40, 512), DTYPES, (True, False), ((), ("sa_i", "sd_o"))):
-        for bt, bk, w, s in triton_gram.tuned_configs(T, torch_dtype[dt]).values():
+    for dt, diag, ones in itertools.product(DTYPES, (True, False), ((), ROW_MAJOR)):
+        for bt, bk, w, s in sorted(_ghost_configs(torch_dtype[dt])):
             out.append(("ghost", dt, dict(BT=bt, BK=bk, PRECISION=DTYPES[dt], DIAG=diag), w, s, ones))
     for (bt, bk, w, s), diag in itertools.product(bench.GHOST_SWEEP["configs"], (True, False)):
         out.append(("ghost", "bf16", dict(BT=bt, BK=bk, PRECISION="tf32", DIAG=diag), w, s, ROW_MAJOR))
     return list({repr(c): c for c in out}.values())            # each kernel once (the tuner's are swept too)
+
+
+def _outer_tiles(dtype) -> set[tuple]:
+    """The outer kernel's (BM, BN, BK, warps, stages) that its wrapper chooses for ``dtype``: narrow and wide
+    layers on both sides."""
+    from elasticlab.gns import triton_outer
+    sides = itertools.product((64, 4096), repeat=2)
+    return {triton_outer._config(din, dout, dtype)[:5] for din, dout in sides}
+
+
+def _ghost_configs(dtype) -> set[tuple]:
+    """The Gram kernel's (BT, BK, warps, stages) that the tuner times for ``dtype``: short and long
+    sequences."""
+    from elasticlab.gns import triton_gram
+    return {c for T in (40, 512) for c in triton_gram.tuned_configs(T, dtype).values()}
 
 
 def on_default_path(case: tuple) -> bool:
@@ -92,19 +106,14 @@ def on_default_path(case: tuple) -> bool:
     operands, or TMA) or the Gram kernel, on 16-bit operands, in a tile or config that the wrappers or the
     tuner choose (sweep-only configs are not)."""
     import torch
-
-    from elasticlab.gns import triton_gram, triton_outer
     name, dt, meta, warps, stages, ones = case
     if dt not in ("bf16", "fp16") or (name != "outer-tma" and not set(ROW_MAJOR) <= set(ones)):
         return False
     half = torch.bfloat16 if dt == "bf16" else torch.float16
     if name in ("outer", "outer-tma"):
-        chosen = {triton_outer._config(din, dout, half)[:5]
-                  for din, dout in itertools.product((64, 4096), repeat=2)}
-        return (meta["BM"], meta["BN"], meta["BK"], warps, stages) in chosen
+        return (meta["BM"], meta["BN"], meta["BK"], warps, stages) in _outer_tiles(half)
     if name == "ghost":
-        chosen = {c for T in (40, 512) for c in triton_gram.tuned_configs(T, half).values()}
-        return (meta["BT"], meta["BK"], warps, stages) in chosen
+        return (meta["BT"], meta["BK"], warps, stages) in _ghost_configs(half)
     return False
 
 

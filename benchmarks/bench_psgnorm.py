@@ -464,6 +464,12 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _form_times(us: dict[str, float]) -> str:
+    """"form 123 us, other 98 us*": each form's time, the fastest starred."""
+    best = min(us, key=us.get)
+    return ", ".join(f"{f} {t:.0f} us" + ("*" if f == best else "") for f, t in us.items())
+
+
 def _layer_label(key: tuple) -> str:
     """A calibrated layer shape's key (:func:`elasticlab.gns.calibrate.key_of`), short: "linear BxTxDin->Dout"
     or "Conv2d (B, C, H, W) * (Cout, Cin/G, k...) /stride"."""
@@ -684,13 +690,9 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
                 line += f"  [{entry['errors'][m]}]"
         print(f"  {m:16s} {line}")
     for shape, times in entry["tuned_us"].items():
-        best = min(times, key=times.get)
-        print(f"  tuned {shape}: " + ", ".join(f"{v} {t:.0f} us" + ("*" if v == best else "")
-                                              for v, t in times.items()))
+        print(f"  tuned {shape}: {_form_times(times)}")
     for layer, c in entry["calibrated_us"].items():
-        best = min(c["us"], key=c["us"].get)
-        print(f"  calibrated {layer}: " + ", ".join(f"{f} {t:.0f} us" + ("*" if f == best else "")
-                                                   for f, t in c["us"].items())
+        print(f"  calibrated {layer}: {_form_times(c['us'])}"
               + "".join(f", {f} left out ({mb:.0f} MB)" for f, mb in c["left_out_mb"].items()))
     if "bf16_vs_fp32" in entry:
         b = entry["bf16_vs_fp32"]

@@ -122,7 +122,7 @@ class _ConvNorms(torch.autograd.Function):
         measured = need_w and calibrate.active()
         tf32 = kernels.conv_takes_tf32(x)
         gram = need_w and not measured and form_choice.use_gram(L, K, cout // G, fused_outer=True, like=x,
-                                                            batch=B * G, row_major=False, tf32=tf32)
+                                                                batch=B * G, row_major=False, tf32=tf32)
         gx, gw_native, _ = torch.ops.aten.convolution_backward(
             g, x, w, None, list(m.stride), list(m.padding), list(m.dilation), False,
             [0] * len(m.stride), G, [need_x, bool(gram), False])
@@ -284,7 +284,7 @@ def _cxx_form(module: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> 
                                  module.dilation))
     K, G = module.weight[0].numel(), module.groups
     if form_choice.use_gram(L, K, module.out_channels // G, fused_outer=True, like=like, batch=x.shape[0] * G,
-                        row_major=False, tf32=kernels.conv_takes_tf32(x, like.dtype)):
+                            row_major=False, tf32=kernels.conv_takes_tf32(x, like.dtype)):
         return 1
     if TRITON_ON_CUDA and triton_conv.supported(module, like):
         return None

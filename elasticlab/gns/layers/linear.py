@@ -82,8 +82,7 @@ def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
     for f in forms:
         if f.startswith("triton"):
             out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
-    for f in forms:
-        if f.startswith("ghost"):
+        elif f.startswith("ghost"):
             out[f] = triton_gram.scratch_bytes(B, T)
     return out
 
