@@ -6,14 +6,21 @@ that needs more shared memory than an sm_90 block may have, or, among those the 
 registers; prints each kernel's shared memory, registers and spills (ptxas's log). Run by .ci/run in
 .venv-cuda (its torch ships Triton):
 
-    .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2]
+    .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2] [--digest FILE]
+
+``--digest FILE`` also writes each kernel's SASS digest (JSON, label to SHA-256 of the disassembly without
+the kernel's name): two trees whose digests are equal compile to the same machine code, which is how a
+refactor of a kernel's source is checked without a GPU to time it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
 import io
 import itertools
+import json
 import os
 import re
 import sys
@@ -128,9 +135,23 @@ def _ptxas_report(log: str) -> str:
     return out
 
 
-def compile_case(case: tuple) -> tuple[str, str, int | None]:
-    """(label, error or "", shared bytes; registers and spills in the label): one kernel compiled for
-    sm_90."""
+def sass_digest(cubin: bytes) -> str:
+    """SHA-256 of a kernel's SASS (``cuobjdump -sass``, the one Triton bundles), its name lines left out."""
+    import subprocess
+
+    from triton import knobs
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True,
+                              check=True).stdout.decode()
+    body = [ln.strip() for ln in sass.splitlines() if ln.strip().startswith("/*")]    # instructions only
+    return hashlib.sha256("\n".join(body).encode()).hexdigest()
+
+
+def compile_case(case: tuple, digest: bool = False) -> tuple[str, str, int | None, str]:
+    """(label, error or "", shared bytes, SASS digest or ""; registers and spills in the label): one kernel
+    compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -169,23 +190,28 @@ def compile_case(case: tuple) -> tuple[str, str, int | None]:
         with contextlib.redirect_stdout(log):
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except Exception as e:                                     # a compile error: the GPU run would fail too
-        return label, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", None
+        return label, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", None, ""
     shared = int(k.metadata.shared)
     label += _ptxas_report(log.getvalue())
-    return label, "" if shared <= SM90_SHARED else f"needs {shared} B of shared memory", shared
+    err = "" if shared <= SM90_SHARED else f"needs {shared} B of shared memory"
+    return label, err, shared, sass_digest(k.asm["cubin"]) if digest else ""
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--digest", metavar="FILE", help="write each kernel's SASS digest here (JSON)")
     args = ap.parse_args(argv)
     todo = cases()
     # a fresh cache: a kernel found in Triton's cache is not compiled again, and so has no ptxas log
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_aot_")
     bad = spills = 0
-    default_spills = []
+    default_spills, digests = [], {}
     with ProcessPoolExecutor(args.jobs) as pool:
-        for case, (label, err, shared) in zip(todo, pool.map(compile_case, todo)):
+        run = functools.partial(compile_case, digest=bool(args.digest))
+        for case, (label, err, shared, sha) in zip(todo, pool.map(run, todo)):
+            if sha:
+                digests[label.split(", ")[0]] = sha          # the label before its registers
             bad += bool(err)
             spills += "SPILLS" in label
             if "SPILLS" in label and on_default_path(case):
@@ -196,6 +222,9 @@ def main(argv=None) -> int:
           f"{len(default_spills)} of those the layers launch by default (16-bit, row-major)")
     for label in default_spills:         # a regression of a default tile: its registers reach local memory
         print(f"FAIL spills on the default path: {label}")
+    if args.digest:
+        with open(args.digest, "w") as f:
+            json.dump(digests, f, indent=0, sort_keys=True)
     return 1 if bad or default_spills else 0
 
 

@@ -25,6 +25,8 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton
     import triton.language as tl
 
+    from elasticlab.gns.triton_outer import _example_done, _store_grad  # the epilogues it shares
+
     @triton.jit
     def _conv_outer_norms_kernel(x_ptr, d_ptr, partial_ptr, grad_ptr, B, Cin, H, W, Cout, Ho, Wo,
                                  sx_b, sx_c, sx_h, sx_w, sd_b, sd_c, sd_h, sd_w,
@@ -68,13 +70,10 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
             at = tl.load(x_ptr + b64 * sx_b + col[None, :] + ih * sx_h + iw * sx_w, mask=ok, other=0.0)
             acc = tl.dot(dt, at, acc, input_precision=PRECISION)                   # patches (BK, BN)
             if ki == k_tiles - 1:
-                tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
-                if WITH_GRAD:
-                    gacc += acc
+                gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
         if WITH_GRAD:
-            g_ptrs = grad_ptr + split * Cout * Din + offs_m[:, None] * Din + offs_n[None, :]
-            tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
+            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Cout, Din)
 
 
 def supported(module: torch.nn.Module, x: torch.Tensor) -> bool:

@@ -72,6 +72,32 @@ TMA = False
 
 if HAS_TRITON:
     @triton.jit
+    def _seq_k_step(a_ptr, d_ptr, b64, tk, T, offs_m, offs_n, m_ok, n_ok, sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
+                    acc, PRECISION: tl.constexpr):
+        """One K step of example b's tile: acc + δ_bᵀ[offs_m, tk] a_b[tk, offs_n] (rows past T: zeros)."""
+        k_ok = tk < T
+        dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)                   # δ_bᵀ tile (BM, BK)
+        at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
+                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)                   # a_b tile (BK, BN)
+        return tl.dot(dt, at, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD: tl.constexpr):
+        """Example b's tile is complete: its ‖tile‖² to partial[b, pid], the tile into the gradient
+        accumulator (returned)."""
+        tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
+        if WITH_GRAD:
+            gacc += acc
+        return gacc
+
+    @triton.jit
+    def _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din):
+        """The tile's gradient accumulator to split ``split``'s (Dout, Din) slice of the gradient."""
+        g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
+        tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
@@ -98,17 +124,10 @@ if HAS_TRITON:
                 ki = it - eb * k_tiles
                 b = split + eb * SPLIT
                 b64 = tl.cast(b, tl.int64)            # b·stride passes 2³¹ on inputs of over 2³¹ elements
-                tk = ki * BK + offs_k
-                k_ok = tk < T
-                dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
-                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)           # δ_bᵀ tile (BM, BK)
-                at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
-                             mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # a_b tile (BK, BN)
-                acc = tl.dot(dt, at, acc, input_precision=PRECISION)
+                acc = _seq_k_step(a_ptr, d_ptr, b64, ki * BK + offs_k, T, offs_m, offs_n, m_ok, n_ok,
+                                  sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, PRECISION)
                 if ki == k_tiles - 1:
-                    tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
-                    if WITH_GRAD:
-                        gacc += acc
+                    gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
                     acc = tl.zeros((BM, BN), dtype=tl.float32)
         else:
             # A loop over the examples around a K loop over each one's T rows.
@@ -116,20 +135,30 @@ if HAS_TRITON:
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
                 b64 = tl.cast(b, tl.int64)
                 for t0 in range(0, T, BK):
-                    tk = t0 + offs_k
-                    k_ok = tk < T
-                    dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
-                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
-                                 mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    acc = tl.dot(dt, at, acc, input_precision=PRECISION)
-                tl.store(partial_ptr + b * num_tiles + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
-                if WITH_GRAD:
-                    gacc += acc
+                    acc = _seq_k_step(a_ptr, d_ptr, b64, t0 + offs_k, T, offs_m, offs_n, m_ok, n_ok,
+                                      sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, PRECISION)
+                gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
         if WITH_GRAD:                                        # norms only: no gradient buffer at all
-            g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
-            tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
+            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din)
 
+    @triton.jit
+    def _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+        """One K step of example b's tile from the TMA descriptors (rows past T arrive as zeros)."""
+        dt = d_desc.load([b, t0, m0]).reshape(BK, BM)
+        at = a_desc.load([b, t0, n0]).reshape(BK, BN)
+        return tl.dot(dt.T, at, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM: tl.constexpr,
+                           WITH_GRAD: tl.constexpr):
+        """:func:`_example_done` with a partial norm per gradient row (a reduction within each warp):
+        partial[b, pid, :] (rows past Dout: zeros)."""
+        base = (tl.cast(b, tl.int64) * num_tiles + pid) * BM
+        tl.store(partial_ptr + base + rows, tl.sum(acc * acc, axis=1))
+        if WITH_GRAD:
+            gacc += acc
+        return gacc
 
     @triton.jit
     def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, B, T, Din, Dout, SPLIT,
@@ -154,26 +183,16 @@ if HAS_TRITON:
                 eb = it // k_tiles
                 ki = it - eb * k_tiles
                 b = split + eb * SPLIT
-                dt = d_desc.load([b, ki * BK, m0]).reshape(BK, BM)      # rows past T arrive as zeros
-                at = a_desc.load([b, ki * BK, n0]).reshape(BK, BN)
-                acc = tl.dot(dt.T, at, acc, input_precision=PRECISION)
+                acc = _tma_k_step(a_desc, d_desc, b, ki * BK, m0, n0, acc, BM, BN, BK, PRECISION)
                 if ki == k_tiles - 1:
-                    base = (tl.cast(b, tl.int64) * num_tiles + pid) * BM
-                    tl.store(partial_ptr + base + rows, tl.sum(acc * acc, axis=1))
-                    if WITH_GRAD:
-                        gacc += acc
+                    gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
                     acc = tl.zeros((BM, BN), dtype=tl.float32)
         else:
             for b in range(split, B, SPLIT):
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
                 for t0 in range(0, T, BK):
-                    dt = d_desc.load([b, t0, m0]).reshape(BK, BM)
-                    at = a_desc.load([b, t0, n0]).reshape(BK, BN)
-                    acc = tl.dot(dt.T, at, acc, input_precision=PRECISION)
-                base = (tl.cast(b, tl.int64) * num_tiles + pid) * BM
-                tl.store(partial_ptr + base + rows, tl.sum(acc * acc, axis=1))   # rows past Dout: zeros
-                if WITH_GRAD:
-                    gacc += acc
+                    acc = _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, BM, BN, BK, PRECISION)
+                gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
         if WITH_GRAD:
             offs_m = m0 + rows
             offs_n = n0 + tl.arange(0, BN)

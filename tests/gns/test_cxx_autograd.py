@@ -49,12 +49,9 @@ def _norms(model, x, cxx: bool, autocast=None):
         kernels.cxx_autograd = real
 
 
-@pytest.mark.parametrize("shape", [(5, 6), (4, 7, 6), (3, 2, 5, 6)])
-@pytest.mark.parametrize("bias", [True, False])
-def test_cxx_matches_python_and_torch_func(shape, bias):
-    torch.manual_seed(0)
-    model = Block(bias=bias, ln_bias=bias).double()
-    x = torch.randn(*shape, dtype=torch.float64)
+def _check_cxx_against_python_and_func(model, x):
+    """The C++ function's norms and gradients (every fused layer on it) against the Python path's and
+    torch.func's per-example gradients of Σ_t out_b², in float64."""
     got, g_cxx, calls = _norms(model, x, cxx=True)
     assert calls and all(calls)                              # every fused layer took the C++ function
     ref, g_py, calls_py = _norms(model, x, cxx=False)
@@ -65,10 +62,18 @@ def test_cxx_matches_python_and_torch_func(shape, bias):
         assert torch.isfinite(got[k]).all()
     for k in g_py:
         torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
-    # torch.func: per-example gradients of Σ_t out_b²
     ref = func_param_sq_norms(model, lambda out, _: out.pow(2).sum(), x, torch.zeros(x.shape[0]))
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(5, 6), (4, 7, 6), (3, 2, 5, 6)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cxx_matches_python_and_torch_func(shape, bias):
+    torch.manual_seed(0)
+    model = Block(bias=bias, ln_bias=bias).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    _check_cxx_against_python_and_func(model, x)
 
 
 class GNNet(nn.Module):
@@ -92,16 +97,7 @@ def test_group_norm_cxx_matches_python_and_torch_func(shape, channels_last):
     x = torch.randn(*shape, dtype=torch.float64)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    got, g_cxx, calls = _norms(model, x, cxx=True)
-    assert calls and all(calls)
-    ref, g_py, _ = _norms(model, x, cxx=False)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
-    for k in g_py:
-        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
-    ref = func_param_sq_norms(model, lambda out, _: out.pow(2).sum(), x, torch.zeros(x.shape[0]))
-    for k, v in ref.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-12)
+    _check_cxx_against_python_and_func(model, x)
 
 
 def test_group_norm_cxx_under_bf16_autocast_matches_python():
@@ -147,17 +143,7 @@ def test_conv_cxx_matches_python_and_torch_func(monkeypatch, nd, bias, form, chu
     torch.manual_seed(7)
     model = ConvNet(nd, bias).double()
     x = torch.randn(5, 4, *((9, 7) if nd == 2 else (11,)), dtype=torch.float64)
-    got, g_cxx, calls = _norms(model, x, cxx=True)
-    assert calls and all(calls)
-    ref, g_py, _ = _norms(model, x, cxx=False)
-    assert got.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
-    for k in g_py:
-        torch.testing.assert_close(g_cxx[k], g_py[k], rtol=1e-10, atol=1e-12)
-    ref = func_param_sq_norms(model, lambda out, _: out.pow(2).sum(), x, torch.zeros(x.shape[0]))
-    for k, v in ref.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-12)
+    _check_cxx_against_python_and_func(model, x)
 
 
 def test_cxx_under_bf16_autocast_matches_python():

@@ -230,6 +230,17 @@ def test_batchnorm_batch_statistics_are_an_error(fused):
         bn(torch.randn(5, 4))
 
 
+@pytest.mark.parametrize("layer, shape", [(nn.LayerNorm(5), (5,)), (nn.GroupNorm(2, 4), (4,)),
+                                          (nn.LayerNorm([2, 3]), (2, 3))])
+def test_fused_norm_layer_without_a_batch_dimension_is_an_error(layer, shape):
+    """The fused forward of LayerNorm and GroupNorm names the layer and the shape (torch's LayerNorm itself
+    takes an input without a batch dimension)."""
+    with PerSampleGradNorms(layer), pytest.raises(ValueError) as e:
+        layer(torch.randn(*shape))
+    msg = str(e.value)
+    assert "batch dimension first" in msg and type(layer).__name__ in msg and str(shape) in msg, msg
+
+
 # ------------------------------------------------------------------------------------------------ attention
 class Attn(nn.Module):
     """x (B, L + S, D) holds the query (first L positions) and the memory; kind: "self" (query is key is

@@ -29,6 +29,14 @@ def autocast_on(t: torch.Tensor) -> bool:
     return torch.is_autocast_enabled(t.device.type)
 
 
+def norm_layer_buffer(slot, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the slot's norm row, upcast) for a normalisation layer's C++ function: under autocast it computes in
+    the wider of x's dtype and float32, as autocast runs the layer."""
+    upcast = autocast_on(x)
+    dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
+    return slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device), upcast
+
+
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype on ``t``'s device when autocast is on there and ``t`` is floating, else None."""
     if autocast_on(t) and t.is_floating_point():

@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, autocast_on, batched, cast, wider
+from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -111,18 +111,14 @@ def groupnorm_forward(module: nn.GroupNorm, slot):
     params = module._parameters                # (a dict lookup, not nn.Module.__getattr__, per call)
 
     def forward(x):
-        if x.dim() < 2:
-            raise ValueError(f"per-example norms need a batch dimension first: GroupNorm got shape "
-                             f"{tuple(x.shape)}")
+        batched(module, x, 2)
         if x.shape[1] != module.num_channels:
             raise ValueError(f"GroupNorm expected {module.num_channels} channels, got input of shape "
                              f"{tuple(x.shape)}")
         slot.called()
         op = kernels.cxx_autograd("group_norm_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            upcast = autocast_on(x)
-            dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
+            buf, upcast = norm_layer_buffer(slot, x)
             return op(x, params["weight"], params["bias"], module.num_groups, module.eps, buf, upcast)
         return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot)
     return forward

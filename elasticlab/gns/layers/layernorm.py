@@ -16,7 +16,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, autocast_on, batched, cast, wider
+from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -81,15 +81,11 @@ def layernorm_forward(module: nn.LayerNorm, slot):
     params = module._parameters                # (a dict lookup, not nn.Module.__getattr__, per call)
 
     def forward(x):
-        if x.dim() < len(shape) + 1:
-            raise ValueError(f"per-example norms need a batch dimension first: LayerNorm got shape "
-                             f"{tuple(x.shape)}")
+        batched(module, x, len(shape) + 1)
         slot.called()
         op = kernels.cxx_autograd("layer_norm_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
-            upcast = autocast_on(x)
-            dt = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-            buf = slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device)
+            buf, upcast = norm_layer_buffer(slot, x)
             return op(x, params.get("weight"), params.get("bias"), shape, module.eps, buf, upcast)
         return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot)
     return forward
