@@ -10,7 +10,9 @@ registers; prints each kernel's shared memory, registers and spills (ptxas's log
 
 ``--digest FILE`` also writes each kernel's SASS digest (JSON, label to SHA-256 of the disassembly without
 the kernel's name): two trees whose digests are equal compile to the same machine code, which is how a
-refactor of a kernel's source is checked without a GPU to time it.
+refactor of a kernel's source is checked without a GPU to time it. Triton compiles with line information by
+default, and a @triton.jit helper's inlined scope adds debug labels that can reorder a few instructions; with
+``TRITON_DISABLE_LINE_INFO=1`` the digests compare the programs alone.
 """
 from __future__ import annotations
 
