@@ -16,7 +16,8 @@
 #            -> pytest_gpu.log
 #   bench    benchmarks/bench_psgnorm.py --device cuda --max-s 200 $BENCH_ARGS (260 s) -> bench_cuda.log
 #   profile  benchmarks/profile_psgnorm.py --device cuda $PROFILE_ARGS (90 s) -> profile.log (top kernels, GPU
-#            idle time and its longest gaps, kernels and ATen ops a step); PROFILE2_ARGS: a second profile (60 s,
+#            idle time and its longest gaps, kernels and ATen ops a step, the host operators whose self CPU
+#            time grew most over plain); PROFILE2_ARGS: a second profile (60 s,
 #            e.g. "--workload W1 --precision fp32", a host-bound step) appended to it; with .before/
 #            built, the same profile of the earlier tree (same PROFILE_ARGS, else fp32) is appended to it
 #   ray      the Ray backend on the GPU (issue 17): tests/cluster/test_on_ray_gpu.py -m gpu, a RayJob with

@@ -7,8 +7,11 @@ the profiled steps, ms a step, % of all kernel time, name cut to 90 characters),
 top-5 for comparison, at each precision. On CPU (``--device cpu``, a smoke test) the same for CPU operators
 by self CPU time. On CUDA also the GPU's idle time within the profiled steps (the span from the first
 kernel to the last, less the union of kernels and copies) and its longest gaps, each with the kernel that
-ended it: where the device waited for the host. A precision whose step raises is reported as ``error: ...``
-and the others go on.
+ended it: where the device waited for the host. Where the method's extra host time goes (a host-bound
+step, e.g. G2): the operators whose self CPU time a step grew most over plain (ATen operators, elasticlab's,
+autograd nodes and, on CUDA, runtime calls such as ``cudaLaunchKernel``), with their extra calls a step, and
+what of the wall time's extra no operator holds (Python between operators). A precision whose step raises is
+reported as ``error: ...`` and the others go on.
 ``--kernels off`` sets ``elasticlab.gns.kernels.USE_KERNELS = False`` (the PyTorch reference paths);
 ``--method`` profiles another method of ``bench_psgnorm.py`` than ``psgn`` (e.g. ``psgn-convtriton``, one
 with a switch flipped; a ``psgn-calibrated`` warm-up does the measuring).
@@ -85,6 +88,24 @@ def launch_counts(events, steps: int) -> dict:
     return {"kernels_per_step": kernels / steps, "aten_ops_per_step": aten / steps}
 
 
+def host_ops(prof) -> dict[str, tuple[float, int]]:
+    """{operator: (self CPU µs, calls)} over the profiled steps, host side (device kernels left out)."""
+    return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages() if _device_kind(e) != "CUDA"}
+
+
+def host_extra(method: dict, plain: dict, steps: int, k: int) -> dict:
+    """The method's extra host work a step over plain, from two :func:`host_ops`: {"ms_per_step": the self CPU
+    time of all operators, method less plain, "top": the k operators that grew most, as {"name", "ms" a step,
+    "calls" a step more}}."""
+    rows = []
+    for key in set(method) | set(plain):
+        (mt, mc), (pt, pc) = method.get(key, (0.0, 0)), plain.get(key, (0.0, 0))
+        rows.append((key, (mt - pt) / 1e3 / steps, (mc - pc) / steps))
+    rows.sort(key=lambda r: -r[1])
+    return {"ms_per_step": sum(r[1] for r in rows),
+            "top": [{"name": n[:NAME_WIDTH], "ms": ms, "calls": c} for n, ms, c in rows[:k]]}
+
+
 def _device_intervals(prof) -> list[tuple[float, float, str]]:
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
             if _device_kind(e) == "CUDA"]
@@ -112,6 +133,7 @@ def profile_method(method: str, prec: str, device, args, k: int) -> dict:
     out = top_events(prof, device, k, args.steps)
     out["wall_ms_per_step_profiled"] = wall * 1e3
     out.update(launch_counts(prof.events(), args.steps))
+    out["host_ops"] = host_ops(prof)              # (for host_extra; left out of the RESULT line)
     if device.type == "cuda":
         out["idle"] = idle_gaps(_device_intervals(prof), args.steps)
     return out
@@ -176,6 +198,19 @@ def main(argv=None) -> int:
                   f"{res[f'{m}_over_plain']:.2f}x; kernels {res[m]['kernels_per_step']:.0f} vs "
                   f"{res['plain']['kernels_per_step']:.0f}, ATen ops {res[m]['aten_ops_per_step']:.0f} vs "
                   f"{res['plain']['aten_ops_per_step']:.0f} a step")
+            extra = res[f"{m}_host_extra"] = host_extra(res[m]["host_ops"], res["plain"]["host_ops"],
+                                                          args.steps, args.top)
+            wall = res[m]["wall_ms_per_step_profiled"] - res["plain"]["wall_ms_per_step_profiled"]
+            extra["wall_ms_per_step"] = wall
+            print(f"  host: {m} takes {wall:.2f} ms/step more wall time than plain under the profiler, its "
+                  f"operators {extra['ms_per_step']:.2f} ms/step more self CPU time\n"
+                  f"  (the rest, {wall - extra['ms_per_step']:.2f} ms, in no operator: Python between them); "
+                  "the operators that grew most:")
+            for r in extra["top"]:
+                print(f"  {r['ms']:9.3f} ms/step {r['calls']:+6.0f} calls  {r['name']}")
+        for r in res.values():
+            if isinstance(r, dict):
+                r.pop("host_ops", None)
         result["precisions"][prec] = res
     print("RESULT " + json.dumps(result))
     return 0

@@ -39,6 +39,19 @@ def test_idle_is_the_span_less_the_union_of_overlapping_kernels(prof_mod):
                                                               "after": "d"}]
 
 
+def test_host_extra_ranks_the_operators_that_grew_over_plain(prof_mod):
+    # µs and calls over two steps: conv grew by 3 ms and 4 calls, launch by 1 ms and 20 calls, relu shrank,
+    # the elasticlab operator is new
+    method = {"conv": (5000.0, 8), "launch": (3000.0, 60), "relu": (100.0, 2),
+              "elasticlab::conv_norms": (800.0, 4)}
+    plain = {"conv": (2000.0, 4), "launch": (2000.0, 40), "relu": (300.0, 2), "only_plain": (50.0, 2)}
+    r = prof_mod.host_extra(method, plain, steps=2, k=3)
+    assert r["ms_per_step"] == pytest.approx((3000 + 1000 - 200 + 800 - 50) / 1e3 / 2)
+    assert [(t["name"], t["ms"], t["calls"]) for t in r["top"]] == [
+        ("conv", pytest.approx(1.5), 2), ("launch", pytest.approx(0.5), 10),
+        ("elasticlab::conv_norms", pytest.approx(0.4), 2)]
+
+
 def test_cpu_smoke_run_prints_the_tables(prof_mod, capsys):
     assert prof_mod.main(["--device", "cpu", "--quick", "--precision", "fp32", "--steps", "1",
                           "--warmup", "1", "--top", "3"]) == 0
@@ -49,3 +62,8 @@ def test_cpu_smoke_run_prints_the_tables(prof_mod, capsys):
     assert "idle" not in fp32["psgn"]              # a CPU run has no device timeline
     assert fp32["psgn"]["kernels_per_step"] == 0 and fp32["psgn"]["aten_ops_per_step"] > 0
     assert fp32["plain"]["aten_ops_per_step"] > 0
+    extra = fp32["psgn_host_extra"]                # where psgn's host time went, against plain
+    assert len(extra["top"]) == 3 and "wall_ms_per_step" in extra   # (timings: noisy, so no ranking asserted)
+    assert all(isinstance(t["calls"], float) for t in extra["top"]), extra["top"]
+    assert "host_ops" not in fp32["psgn"], "host_ops belongs out of the RESULT line"
+    assert "the operators that grew most" in out
