@@ -6,7 +6,7 @@ that needs more shared memory than an sm_90 block may have, or, among those the 
 registers; prints each kernel's shared memory, registers and spills (ptxas's log). Run by .ci/run in
 .venv-cuda (its torch ships Triton):
 
-    .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2] [--digest FILE]
+    .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2] [--digest FILE] [--kernels outer-tma,ghost]
 
 ``--digest FILE`` also writes each kernel's SASS digest (JSON, label to SHA-256 of the disassembly without
 the kernel's name): two trees whose digests are equal compile to the same machine code, which is how a
@@ -41,10 +41,13 @@ UNALIGNED = ("NPAIRS", "P0")      # integers seldom divisible by 16 in a real la
 DTYPES = {"bf16": "tf32", "fp16": "tf32", "fp32": "ieee", "fp32/tf32": "tf32"}   # pointer type: precision
 
 
+KERNELS = ("outer", "outer-tma", "conv", "ghost")        # the names of _kernels(), for --kernels
+
+
 def _kernels():
     from elasticlab.gns import triton_conv, triton_gram, triton_outer
-    return {"outer": triton_outer._outer_norms_kernel, "outer-tma": triton_outer._outer_norms_tma_kernel,
-            "conv": triton_conv._conv_outer_norms_kernel, "ghost": triton_gram._ghost_norms_kernel}
+    return dict(zip(KERNELS, (triton_outer._outer_norms_kernel, triton_outer._outer_norms_tma_kernel,
+                              triton_conv._conv_outer_norms_kernel, triton_gram._ghost_norms_kernel)))
 
 
 def cases() -> list[tuple]:
@@ -203,8 +206,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--digest", metavar="FILE", help="write each kernel's SASS digest here (JSON)")
+    ap.add_argument("--kernels", metavar="NAMES", help="only these kernels, comma-separated: "
+                    "outer, outer-tma, conv, ghost (default: all)")
     args = ap.parse_args(argv)
     todo = cases()
+    if args.kernels:
+        names = args.kernels.split(",")
+        unknown = sorted(set(names) - set(KERNELS))
+        if unknown:
+            ap.error(f"unknown kernel {', '.join(unknown)} (known: {', '.join(KERNELS)})")
+        todo = [c for c in todo if c[0] in names]
     # a fresh cache: a kernel found in Triton's cache is not compiled again, and so has no ptxas log
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_aot_")
     bad = spills = 0

@@ -194,11 +194,9 @@ if HAS_TRITON:
                     acc = _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, BM, BN, BK, PRECISION)
                 gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
         if WITH_GRAD:
-            offs_m = m0 + rows
-            offs_n = n0 + tl.arange(0, BN)
-            g_ptrs = (grad_ptr + tl.cast(split, tl.int64) * Dout * Din + offs_m[:, None] * Din
-                      + offs_n[None, :])
-            tl.store(g_ptrs, gacc, mask=(offs_m < Dout)[:, None] & (offs_n < Din)[None, :])
+            offs_m, offs_n = m0 + rows, n0 + tl.arange(0, BN)
+            _store_grad(grad_ptr, gacc, tl.cast(split, tl.int64), offs_m, offs_n, offs_m < Dout, offs_n < Din,
+                        Dout, Din)
 
 
 # Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
