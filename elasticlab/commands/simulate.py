@@ -22,6 +22,12 @@ class _PolicyNames:
         return iter(self._names())
 
 
+# The flags that shape a trace's workload (None when not given), and their defaults under --trace.
+TRACE_ONLY = {"--trace-start": "trace_start", "--trace-hours": "trace_hours", "--load": "load",
+              "--seed": "seed"}
+TRACE_DEFAULTS = {"--trace-start": 0.0, "--load": 1.0, "--seed": 0}
+
+
 def add_arguments(parser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload",
@@ -31,13 +37,13 @@ def add_arguments(parser) -> None:
     src.add_argument("--trace",
                      help="a cluster trace turned into a workload by the Pollux artifact's rules: 'philly' "
                           "(82,248 jobs, 109 days) or a CSV of timestamp,duration,num_gpus")
-    parser.add_argument("--trace-start", type=float, default=0.0,
+    parser.add_argument("--trace-start", type=float, default=None,
                         help="--trace: window start, hours after its first job (default 0)")
     parser.add_argument("--trace-hours", type=float, default=None,
                         help="--trace: window length in hours (default: to the end of the trace)")
-    parser.add_argument("--load", type=float, default=1.0,
+    parser.add_argument("--load", type=float, default=None,
                         help="--trace: load factor, x the jobs (default 1)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=int, default=None,
                         help="--trace: seed of the model/config draws (default 0)")
     parser.add_argument("--policy", required=True, choices=_PolicyNames())
     parser.add_argument("--cluster", default="16x4", help="NODESxGPUS_PER_NODE (default 16x4)")
@@ -73,7 +79,15 @@ def _check_flags(args) -> str | None:
         checks.check_interval(args.interval, "--interval")
         checks.check_restart_delay(args.restart_delay, "--restart-delay")
         checks.check_limit(args.limit, "--limit")
-        if args.trace is not None:
+        if args.trace is None:
+            given = [f for f, v in TRACE_ONLY.items() if getattr(args, v) is not None]
+            if given:
+                return f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --trace " \
+                       f"(a --workload CSV fixes its own jobs)"
+        else:
+            for flag, default in TRACE_DEFAULTS.items():
+                if getattr(args, TRACE_ONLY[flag]) is None:
+                    setattr(args, TRACE_ONLY[flag], default)
             checks.check_hours(args.trace_start, "--trace-start", allow_zero=True)
             if args.trace_hours is not None:
                 checks.check_hours(args.trace_hours, "--trace-hours")

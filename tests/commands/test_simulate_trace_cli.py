@@ -39,3 +39,13 @@ def test_trace_and_workload_are_exclusive(tmp_path):
     assert p.returncode == 2 and "not allowed with" in p.stderr
     q = _run(["--trace", str(tmp_path / "none.csv"), "--policy", "fifo", "--no-progress"], tmp_path)
     assert q.returncode == 2 and "not found" in q.stderr
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--load", "2"], "--load applies"),
+    (["--trace-hours", "5", "--seed", "1"], "--trace-hours, --seed apply"),
+])
+def test_trace_flags_with_a_workload_are_an_error_not_ignored(tmp_path, extra, named):
+    p = _run(["--workload", "workload-6", "--policy", "fifo", "--no-progress", *extra], tmp_path)
+    assert p.returncode == 2 and named in p.stderr and "only with --trace" in p.stderr, p.stderr
+    assert "RESULT" not in p.stdout
