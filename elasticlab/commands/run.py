@@ -40,6 +40,24 @@ def add_arguments(parser) -> None:
                              "or fail")
 
 
+def _missing_module(entrypoint: str) -> str | None:
+    """Why a 'package.module:function' entrypoint's module cannot be imported here (so neither by the workers,
+    which would each fail with a traceback), or None; scripts ('path.py:function') are checked by the job."""
+    import importlib.util
+
+    mod = entrypoint.partition(":")[0]
+    if not mod or mod.endswith(".py"):
+        return None
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):                      # a missing parent package, or a malformed name
+        found = False
+    if found:
+        return None
+    return (f"entrypoint module {mod!r} cannot be imported (not on the Python path; for a script give its "
+            "path ending in .py, e.g. examples/digits.py)")
+
+
 def run(args) -> int:
     import json
     import os
@@ -53,6 +71,10 @@ def run(args) -> int:
     from elasticlab.elastic.states import OnNoCheckpoint
 
     script = args.script if ":" in args.script else f"{args.script}:make_task"
+    why = _missing_module(script)
+    if why:
+        print(f"elasticlab run: {why}", file=sys.stderr)
+        return 2
     if args.record_samples and os.path.exists(args.record_samples) and os.path.getsize(args.record_samples):
         print(f"elasticlab run: --record-samples {args.record_samples!r} exists and is not empty; a record "
               "is one run's, so remove it or name another file", file=sys.stderr)

@@ -85,6 +85,11 @@ def entrypoint_name(entrypoint) -> str:
                      f"got {entrypoint!r}")
 
 
+class EntrypointError(ValueError):
+    """An entrypoint that names no task function (or whose function returns no :class:`Task`): the message
+    names the bad value, so a worker reports it without a traceback."""
+
+
 def resolve(entrypoint) -> Callable[..., Task]:
     """Import the function an entrypoint names."""
     mod, _, fn = entrypoint_name(entrypoint).partition(":")
@@ -101,11 +106,12 @@ def resolve(entrypoint) -> Callable[..., Task]:
     try:
         return getattr(module, fn)
     except AttributeError:
-        raise ValueError(f"entrypoint module {mod!r} has no function {fn!r}") from None
+        raise EntrypointError(f"entrypoint module {mod!r} has no function {fn!r}") from None
 
 
 def build(entrypoint, kwargs: dict | None = None) -> Task:
     task = resolve(entrypoint)(**(kwargs or {}))
     if not isinstance(task, Task):
-        raise TypeError(f"entrypoint {entrypoint_name(entrypoint)} returned {type(task).__name__}, not Task")
+        raise EntrypointError(f"entrypoint {entrypoint_name(entrypoint)} returned {type(task).__name__}, "
+                              "not Task")
     return task

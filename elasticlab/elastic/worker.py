@@ -46,13 +46,14 @@ def pool_worker(conn, worker_id: int, entrypoint: str, entry_kwargs: dict, optio
 
     torch.set_num_threads(int(options.get("threads", 1)))
     import elasticlab.gns.ddp  # noqa: F401  (imported now, not on the first join: resizes stay fast)
-    from elasticlab.elastic.task import build
+    from elasticlab.elastic.task import EntrypointError, build
 
     torch.manual_seed(options["seed"])
     try:
         trainer = Trainer(build(entrypoint, entry_kwargs), options)
     except Exception as e:  # report instead of dying silently
-        conn.send(M.Error(worker_id, None, f"building the task failed: {e!r}", "build", _format_tb(e)))
+        tb = "" if isinstance(e, EntrypointError) else _format_tb(e)     # the message names the bad value
+        conn.send(M.Error(worker_id, None, f"building the task failed: {e!r}", "build", tb))
         return
     conn.send(M.Ready(worker_id, os.getpid()))
     while True:

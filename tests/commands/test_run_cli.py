@@ -52,6 +52,24 @@ def test_run_command_refuses_an_existing_sample_record(tmp_path, capsys):
     assert "old.jsonl" in capsys.readouterr().err and rec.read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.parametrize("entry", ["nosuch_pkg.module:make_task", "elasticlab.no_such_module", ".rel:fn"])
+def test_run_command_names_a_module_it_cannot_import_before_starting_workers(entry, capsys):
+    assert main(["run", entry, "--max-steps", "2"]) == 2
+    cap = capsys.readouterr()
+    mod = entry.partition(":")[0]
+    assert f"entrypoint module {mod!r} cannot be imported" in cap.err and "Traceback" not in cap.err
+    assert "RESULT" not in cap.out                         # no job started
+
+
+def test_run_command_reports_a_missing_task_function_without_a_traceback(tmp_path, capsys):
+    rc = main(["run", f"{DIGITS}:no_such_function", "--max-steps", "2", "--timeout", "120",
+               "--checkpoint-dir", str(tmp_path / "ck")])
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.strip().splitlines()[-1][len("RESULT "):])
+    assert rc == 1 and res["state"] == "failed" and "has no function 'no_such_function'" in res["error"]
+    assert "Traceback" not in cap.err and "no_such_function" in cap.err
+
+
 def test_run_command_warns_about_schedule_steps_it_never_reached(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ELASTICLAB_PROGRESS", "1")
     rc = main(["run", DIGITS, "--schedule", "3:2,40:1", "--max-steps", "8", "--slots", "2",
