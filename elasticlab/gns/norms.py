@@ -275,10 +275,10 @@ class PerSampleGradNorms:
         return dict(self._layer_cache)
 
     def sq_norms(self) -> torch.Tensor:
-        """(B,) per-example ‖∇θ ℓ_i‖² over all covered trainable parameters, of the last backward. Read after a
-        forward whose backward has not run, the fused layers' rows are still NaN (they are filled by the
-        backward, with no host synchronisation to tell): every example is then NaN, which the estimators skip
-        and count."""
+        """(B,) per-example ‖∇θ ℓ_i‖² over all covered trainable parameters, of the last backward. Read
+        after a forward whose backward has not run, the fused layers' rows are still NaN (they are filled by
+        the backward, with no host synchronisation to tell): every example is then NaN, which the estimators
+        skip and count."""
         fast = self._sq_norms_at_once()
         if fast is not None:
             return fast

@@ -34,15 +34,19 @@ def _as_observations(observations) -> np.ndarray:
             raise ValueError(f"observations lack columns {missing}; need {OBSERVATION_COLUMNS}")
         cols = [c for c in OBSERVATION_COLUMNS if c in observations.columns]
         observations = observations[cols].to_numpy(dtype=float)
+    if isinstance(observations, (str, bytes)) or not hasattr(observations, "__iter__"):
+        raise ValueError(f"observations must be rows {OBSERVATION_COLUMNS} (a sequence, an array or a "
+                         f"DataFrame), got {type(observations).__name__} {observations!r:.60}")
     rows = [observations] if isinstance(observations, np.ndarray) else list(observations)
     if len(rows) == 0 or (isinstance(observations, np.ndarray) and observations.size == 0):
         raise ValueError("cannot fit a throughput model to an empty set of observations")
     if isinstance(observations, np.ndarray):
         obs = np.atleast_2d(np.asarray(observations, dtype=float))
     else:
-        width = {len(r) for r in rows}
-        if not width <= {5, 6}:
-            raise ValueError(f"each observation must have 5 or 6 fields {OBSERVATION_COLUMNS}, got {width}")
+        for i, r in enumerate(rows):
+            if isinstance(r, (str, bytes)) or not hasattr(r, "__len__") or len(r) not in (5, 6):
+                raise ValueError(f"observation {i} must be a row of 5 or 6 numbers {OBSERVATION_COLUMNS}, "
+                                 f"got {r!r:.80}")
         obs = np.array([list(r) + [np.nan] * (6 - len(r)) for r in rows], dtype=float)
     if obs.shape[1] == 5:
         obs = np.column_stack([obs, np.full(len(obs), np.nan)])

@@ -430,3 +430,26 @@ def test_goodput_default_is_no_accumulation_and_speedup_table_checks_both_sizes(
         with pytest.raises(ValueError, match=rf"need max_nodes >= 1 and gpus_per_node >= 1, got {args[0]}, "
                                              rf"{args[1]}"):
             fn.speedup_table(*args, max_batch=512)
+
+
+@pytest.mark.parametrize("observations, message", [
+    ([], "empty set of observations"),
+    ("abc", "observations must be rows .* got str 'abc'"),
+    (7, "observations must be rows .* got int 7"),
+    ([(1, 1, 32, 0, 0.1), (1, 1, 32, 0)],
+     r"observation 1 must be a row of 5 or 6 numbers .* got \(1, 1, 32, 0\)"),
+    ([(1, 1, 32, 0, 0.1), 0.2], "observation 1 must be a row of 5 or 6 numbers .* got 0.2"),
+    ([(1, 1, 32, 0, -0.1)], r"observation 0 has a bad iter_time = -0.1"),
+    ([(2, 1, 32, 0, 0.1)], "observation 0 has a bad gpus = 1.0"),
+    ([(1, 1, 32, 0, 0.1, 0.2)], "observation 0 has a bad sync_time = 0.2"),
+])
+def test_fit_names_the_bad_observation(observations, message):
+    with pytest.raises(ValueError, match=message):
+        fit_throughput_model(observations)
+
+
+def test_fit_names_the_missing_dataframe_columns():
+    import pandas as pd
+    df = pd.DataFrame({"nodes": [1], "gpus": [1], "per_gpu_batch": [32], "iter_time": [0.1]})
+    with pytest.raises(ValueError, match=r"lack columns \['accum_steps'\]"):
+        fit_throughput_model(df)
