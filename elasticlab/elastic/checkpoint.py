@@ -101,7 +101,11 @@ class CheckpointDir:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):       # the path, or a folder above it, is a file
+            raise ValueError(f"checkpoint folder {str(directory)!r} cannot be made: it, or a folder above "
+                             "it, is a file") from None
         self.keep = int(keep)
 
     def path(self, step: int) -> Path:

@@ -21,9 +21,11 @@ This module holds the public API and the request checks. The controller thread i
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -120,6 +122,17 @@ class ElasticJob(BatchAdaptation, JobController):
             raise ValueError(f"store_host must be an address string such as '127.0.0.1', got {store_host!r}")
         if not abort_grace_s > 0:
             raise ValueError(f"abort_grace_s must be > 0, got {abort_grace_s!r}")
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        for name, value in (("step_delay_s", step_delay_s), ("goodput_refit_s", goodput_refit_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if isinstance(threads, bool) or not isinstance(threads, (int, float)) or int(threads) != threads \
+                or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        if entry_kwargs is not None and not isinstance(entry_kwargs, Mapping):
+            raise ValueError(f"entry_kwargs must be a dict of the entrypoint's keyword arguments, got "
+                             f"{type(entry_kwargs).__name__} {entry_kwargs!r:.60}")
         self.entry_kwargs = dict(entry_kwargs or {})
         self.policy = policy if policy is not None else (
             FixedGlobalBatch(global_batch) if global_batch is not None else None)
@@ -131,6 +144,14 @@ class ElasticJob(BatchAdaptation, JobController):
         if record_samples is True:
             record_samples = str(Path(checkpoint_dir) / "samples.jsonl")
         self.record_path = str(record_samples) if record_samples else None
+        if self.record_path:
+            rec = Path(self.record_path)
+            if rec.is_dir():
+                raise ValueError(f"record_samples {self.record_path!r} is a folder; name the JSONL file to "
+                                 "write")
+            if not rec.parent.is_dir():
+                raise ValueError(f"record_samples {self.record_path!r}: the folder {str(rec.parent)!r} does "
+                                 "not exist")
         if global_batch is not None and (int(global_batch) != global_batch or global_batch < 1):
             raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
         if max_steps is not None and (int(max_steps) != max_steps or max_steps < 1):

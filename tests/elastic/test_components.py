@@ -170,10 +170,20 @@ def test_job_constructor_rejects_bad_settings(tmp_path):
              ({"epochs": 0}, "epochs must be >= 1, got 0"), ({"device": "tpu"}, "'tpu'"),
              ({"start_method": "fork"}, "'fork'"), ({"warm": 9, "slots": 4}, "warm=9"),
              ({"on_no_checkpoint": "retry"},
-              r"on_no_checkpoint must be one of \['restart', 'fail'\], got 'retry'")]
+              r"on_no_checkpoint must be one of \['restart', 'fail'\], got 'retry'"),
+             ({"step_delay_s": -1}, "step_delay_s must be a finite number of seconds >= 0, got -1"),
+             ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+             ({"goodput_refit_s": float("nan")}, "goodput_refit_s must be a finite number of seconds >= 0"),
+             ({"threads": 0}, "threads must be an integer >= 1, got 0"),
+             ({"entry_kwargs": "hidden=8"}, "entry_kwargs must be a dict .* got str 'hidden=8'"),
+             ({"record_samples": str(tmp_path)}, "is a folder; name the JSONL file"),
+             ({"record_samples": str(tmp_path / "no" / "r.jsonl")}, "does not exist")]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=msg):
             ElasticJob(digits, checkpoint_dir=str(tmp_path), **kwargs)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="checkpoint folder .*a-file.* is a file"):
+        ElasticJob(digits, checkpoint_dir=str(tmp_path / "a-file" / "ck"))
     job = ElasticJob(digits, checkpoint_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="not been started"):
         job.pause()
