@@ -21,6 +21,13 @@ import torch
 def two_batch_estimates(small_sq_norm, big_sq_norm, b_small, b_big):
     """(‖G‖²_est, S_est) from squared norms at two batch sizes (McCandlish Eq. A.2); numpy-broadcasting."""
     b_small, b_big = np.asarray(b_small, dtype=float), np.asarray(b_big, dtype=float)
+    ok = np.isfinite(b_small) & np.isfinite(b_big) & (b_small > 0) & (b_big > 0) & (b_small != b_big)
+    if not np.all(ok):                              # ok has the broadcast shape: name the first bad pair
+        i = np.unravel_index(np.argmin(ok), ok.shape)
+        bs, bb = np.broadcast_to(b_small, ok.shape)[i], np.broadcast_to(b_big, ok.shape)[i]
+        where = f" (at index {tuple(int(k) for k in i)})" if ok.ndim else ""
+        raise ValueError(f"two_batch_estimates needs two different finite batch sizes > 0, got "
+                         f"b_small={bs:g}, b_big={bb:g}{where}")
     small, big = np.asarray(small_sq_norm, dtype=float), np.asarray(big_sq_norm, dtype=float)
     g2 = (b_big * big - b_small * small) / (b_big - b_small)
     s = (small - big) / (1.0 / b_small - 1.0 / b_big)

@@ -201,3 +201,16 @@ def test_nan_update_warns_too_and_zero_norms_are_accepted():
         assert est.update(torch.tensor([0.0, 0.0]), 0.0)                    # exactly 0 is a squared norm
         assert est.update_two_batch(0.0, 0.0, 1, 2)
     assert est.skipped == 1 and est.num_updates == 2
+
+
+@pytest.mark.parametrize("b_small, b_big, named", [
+    (4, 4, "b_small=4, b_big=4"),
+    (0, 8, "b_small=0, b_big=8"),
+    (2, float("nan"), "b_small=2, b_big=nan"),
+    (np.array([1, 2, 3]), np.array([4, 2, 5]), r"b_small=2, b_big=2 \(at index \(1,\)\)"),
+])
+def test_two_batch_formula_names_a_degenerate_pair_of_batch_sizes(b_small, b_big, named):
+    with pytest.raises(ValueError, match=named):
+        two_batch_estimates(1.0, 0.5, b_small, b_big)
+    with pytest.raises(ValueError, match="b_small=1, b_big=1"):
+        per_example_estimates(1.0, 1, 0.5)                 # one example: no variance to estimate
