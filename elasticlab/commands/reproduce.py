@@ -29,6 +29,21 @@ def add_arguments(parser) -> None:
     )
 
 
+def _unwritable(out) -> str | None:
+    """Why the report folder ``out`` (a Path) cannot take the report, or None; it is made if missing."""
+    import os
+
+    if out.exists() and not out.is_dir():
+        return "is a file; name a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:                     # a file on the way, no permission, a read-only file system
+        return f"cannot be made: {e.strerror or e}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
 def run(args) -> int:
     import json
     import textwrap
@@ -53,8 +68,9 @@ def run(args) -> int:
         return 2
     from pathlib import Path
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        print(f"elasticlab reproduce: --out must be a folder, but {args.out!r} is a file", file=sys.stderr)
+    why = _unwritable(Path(args.out))
+    if why:              # before the run, which takes minutes: its results would have nowhere to go
+        print(f"elasticlab reproduce: --out {args.out!r} {why}", file=sys.stderr)
         return 2
     try:
         reps = repro.select(args.only, quick=args.quick)

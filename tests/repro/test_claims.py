@@ -163,7 +163,7 @@ def test_summary_table(fake_claims):
     assert "1/2 claims reproduced" in text
 
 
-def test_cli(fake_claims, tmp_path, capsys):
+def test_cli(fake_claims, tmp_path, capsys, monkeypatch):
     out = tmp_path / "rep"
     assert main(["reproduce", "--quick", "--only", "ZZ-T1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -181,5 +181,10 @@ def test_cli(fake_claims, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["reproduce", "--only", "ZZ-T1", "--out", str(tmp_path / "afile")]) == 2
     assert "afile" in capsys.readouterr().err
+    # a folder that cannot be made is refused before the claims run, not after
+    ran = []
+    monkeypatch.setattr(repro, "run_all", lambda *a, **k: ran.append(1))
+    assert main(["reproduce", "--only", "ZZ-T1", "--out", str(tmp_path / "afile" / "rep")]) == 2
+    assert "cannot be made" in capsys.readouterr().err and not ran
     assert main(["reproduce", "--list"]) == 0
     assert "ZZ-T1" in capsys.readouterr().out
