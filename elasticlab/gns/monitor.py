@@ -86,6 +86,8 @@ class GNSMonitor:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if accumulation not in ("mean", "sum"):
             raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
+        if loss_reduction not in ("mean", "sum"):     # (else 'auto' would take it for norms unavailable)
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
             raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self.model, self.every, self.method = model, every, method

@@ -198,6 +198,8 @@ def test_clear_errors():
         GNSMonitor(make_model(), method="magic")
     with pytest.raises(ValueError, match="replica"):
         GNSMonitor(make_model(), method="replica")
+    with pytest.raises(ValueError, match="loss_reduction must be 'mean' or 'sum', got 'avg'"):
+        GNSMonitor(make_model(), loss_reduction="avg")      # not taken for per-example norms unavailable
 
     class Scaled(nn.Module):                  # a parameter no per-example rule covers
         def __init__(self):
