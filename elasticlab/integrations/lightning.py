@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import nn
 
 from elasticlab.gns import GNSMonitor
-from elasticlab.integrations.common import metrics
+from elasticlab.integrations.common import check_settings, metrics
 
 
 class GradientNoiseScale(pl.Callback):
@@ -26,8 +26,7 @@ class GradientNoiseScale(pl.Callback):
     def __init__(self, every: int = 1, beta: float = 0.99, method: str = "auto", log_layers: bool = False,
                  controller=None, prog_bar: bool = False):
         super().__init__()
-        if not (isinstance(every, int) and every >= 1):
-            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        check_settings(every, beta, method)
         self.every, self.beta, self.method, self.log_layers = every, beta, method, log_layers
         self.controller, self.prog_bar = controller, prog_bar
         self.monitor: GNSMonitor | None = None

@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 from elasticlab.gns import GNSMonitor, register_rule
 from elasticlab.gns.layers.linear import linear_norms
-from elasticlab.integrations.common import metrics
+from elasticlab.integrations.common import check_settings, metrics
 
 register_rule(Conv1D, linear_norms)
 
@@ -28,8 +28,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
 
     def __init__(self, every: int = 1, beta: float = 0.99, method: str = "auto", log_layers: bool = False,
                  controller=None):
-        if not (isinstance(every, int) and every >= 1):
-            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        check_settings(every, beta, method)
         self.every, self.beta, self.method, self.log_layers = every, beta, method, log_layers
         self.controller = controller
         self.monitor: GNSMonitor | None = None

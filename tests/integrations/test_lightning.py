@@ -188,3 +188,14 @@ def test_deepcopy_free_callback_state_round_trip():
     again.load_state_dict(copy.deepcopy(cb.state_dict()))
     fit(again, 1)                                              # continues the restored estimate
     assert len(again.history) == 3 and again.monitor.estimator.num_updates == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"every": 0}, "every must be an integer >= 1, got 0"),
+    ({"beta": 1.0}, r"beta must be in \[0, 1\), got 1.0"),
+    ({"beta": float("nan")}, r"beta must be in \[0, 1\), got nan"),
+    ({"method": "magic"}, "method must be one of .* got 'magic'"),
+])
+def test_callback_settings_are_checked_when_it_is_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):          # not at the fit's start, inside Lightning
+        GradientNoiseScale(**kwargs)

@@ -93,3 +93,13 @@ def test_tiny_gpt2_gradient_accumulation_and_tied_weights(tmp_path):
     one = GradientNoiseScaleCallback()
     with pytest.raises(RuntimeError, match="tied weights"):
         train(tmp_path, one, 1, model=tiny_gpt2(tied=True))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"every": 0}, "every must be an integer >= 1, got 0"),
+    ({"beta": -0.1}, r"beta must be in \[0, 1\), got -0.1"),
+    ({"method": "magic"}, "method must be one of .* got 'magic'"),
+])
+def test_callback_settings_are_checked_when_it_is_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):          # not when the Trainer starts training
+        GradientNoiseScaleCallback(**kwargs)
