@@ -22,10 +22,10 @@ class _PolicyNames:
         return iter(self._names())
 
 
-# The flags that shape a trace's workload (None when not given), and their defaults under --trace.
-TRACE_ONLY = {"--trace-start": "trace_start", "--trace-hours": "trace_hours", "--load": "load",
-              "--seed": "seed"}
-TRACE_DEFAULTS = {"--trace-start": 0.0, "--load": 1.0, "--seed": 0}
+# The flags that shape a trace's workload (None when not given: trace_workload's own defaults apply), and
+# the keyword of trace_workload each one sets.
+TRACE_ONLY = {"--trace-start": ("trace_start", "start"), "--trace-hours": ("trace_hours", "hours"),
+              "--load": ("load", "load"), "--seed": ("seed", "seed")}
 
 
 def add_arguments(parser) -> None:
@@ -80,19 +80,19 @@ def _check_flags(args) -> str | None:
         checks.check_restart_delay(args.restart_delay, "--restart-delay")
         checks.check_limit(args.limit, "--limit")
         if args.trace is None:
-            given = [f for f, v in TRACE_ONLY.items() if getattr(args, v) is not None]
+            given = [f for f, (v, _) in TRACE_ONLY.items() if getattr(args, v) is not None]
             if given:
                 return f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --trace " \
                        f"(a --workload CSV fixes its own jobs)"
         else:
-            for flag, default in TRACE_DEFAULTS.items():
-                if getattr(args, TRACE_ONLY[flag]) is None:
-                    setattr(args, TRACE_ONLY[flag], default)
-            checks.check_hours(args.trace_start, "--trace-start", allow_zero=True)
+            if args.trace_start is not None:
+                checks.check_hours(args.trace_start, "--trace-start", allow_zero=True)
             if args.trace_hours is not None:
                 checks.check_hours(args.trace_hours, "--trace-hours")
-            checks.check_load(args.load, "--load")
-            checks.check_seed(args.seed, "--seed")
+            if args.load is not None:
+                checks.check_load(args.load, "--load")
+            if args.seed is not None:
+                checks.check_seed(args.seed, "--seed")
     except ValueError as e:
         return str(e)
     return _check_out(args.out) if args.out else None
@@ -115,8 +115,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         if args.trace is not None:
-            workload = trace_workload(args.trace, start=args.trace_start, hours=args.trace_hours,
-                                      load=args.load, seed=args.seed)
+            given = {kw: getattr(args, v) for v, kw in TRACE_ONLY.values() if getattr(args, v) is not None}
+            workload = trace_workload(args.trace, **given)
             label = f"trace {args.trace}"
         else:
             workload, label = args.workload, None

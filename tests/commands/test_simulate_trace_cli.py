@@ -49,3 +49,24 @@ def test_trace_flags_with_a_workload_are_an_error_not_ignored(tmp_path, extra, n
     p = _run(["--workload", "workload-6", "--policy", "fifo", "--no-progress", *extra], tmp_path)
     assert p.returncode == 2 and named in p.stderr and "only with --trace" in p.stderr, p.stderr
     assert "RESULT" not in p.stdout
+
+
+def test_flag_check_has_no_side_effect_and_names_real_keywords():
+    """The check leaves flags not given as None (trace_workload's own defaults apply, listed once there), and
+    each trace flag maps to a keyword trace_workload takes."""
+    import argparse
+    import inspect
+
+    from elasticlab.commands import simulate as cmd
+    from elasticlab.sim.trace_workload import trace_workload
+
+    parser = argparse.ArgumentParser()
+    cmd.add_arguments(parser)
+    args = parser.parse_args(["--trace", "philly", "--policy", "fifo", "--load", "2"])
+    before = dict(vars(args))
+    assert cmd._check_flags(args) is None
+    assert vars(args) == before and args.trace_start is None and args.seed is None
+    params = inspect.signature(trace_workload).parameters
+    assert {kw for _, kw in cmd.TRACE_ONLY.values()} <= set(params)
+    args.load = 0.0
+    assert cmd._check_flags(args) == "--load must be a finite load factor > 0, got 0.0"
