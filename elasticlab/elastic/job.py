@@ -21,7 +21,6 @@ This module holds the public API and the request checks. The controller thread i
 from __future__ import annotations
 
 import contextlib
-import math
 import tempfile
 import threading
 import time
@@ -29,6 +28,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
+from elasticlab.checks import seconds, whole
 from elasticlab.elastic.adaptation import BatchAdaptation
 from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.controller import JobController
@@ -102,34 +102,23 @@ class ElasticJob(BatchAdaptation, JobController):
         self.entrypoint = entrypoint_name(entrypoint)
         if device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be None (CUDA when available), 'cpu' or 'cuda', got {device!r}")
-        self.slots = int(slots) if slots is not None else default_slots(device)
-        if self.slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots!r}")
+        self.slots = whole("slots", slots, 1) if slots is not None else default_slots(device)
         self._check_size(workers)
-        if epochs is None or epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {epochs!r}")
-        if checkpoint_every is not None and checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every!r}")
-        if isinstance(max_restarts, bool) or int(max_restarts) != max_restarts or max_restarts < 0:
-            raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
-        mfg = max_failed_generations
-        if isinstance(mfg, bool) or int(mfg) != mfg or mfg < 1:
-            raise ValueError(f"max_failed_generations must be a positive integer, got {mfg!r}")
+        epochs = whole("epochs", epochs, 1, ">= 1")
+        checkpoint_every = whole("checkpoint_every", checkpoint_every or 0, 0, ">= 0")
+        whole("max_restarts", max_restarts, 0, "a non-negative integer")
+        whole("max_failed_generations", max_failed_generations, 1, "a positive integer")
         if on_no_checkpoint not in [p.value for p in OnNoCheckpoint]:
             raise ValueError(f"on_no_checkpoint must be one of {[p.value for p in OnNoCheckpoint]}, "
                              f"got {on_no_checkpoint!r}")
         if not isinstance(store_host, str) or not store_host:
             raise ValueError(f"store_host must be an address string such as '127.0.0.1', got {store_host!r}")
-        if not abort_grace_s > 0:
-            raise ValueError(f"abort_grace_s must be > 0, got {abort_grace_s!r}")
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-        for name, value in (("step_delay_s", step_delay_s), ("goodput_refit_s", goodput_refit_s)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if isinstance(threads, bool) or not isinstance(threads, (int, float)) or int(threads) != threads \
-                or threads < 1:
-            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        seconds("abort_grace_s", abort_grace_s)
+        seconds("timeout_s", timeout_s)
+        seconds("step_delay_s", step_delay_s, zero_ok=True)
+        seconds("goodput_refit_s", goodput_refit_s, zero_ok=True)
+        whole("threads", threads, 1, "an integer >= 1")
+        whole("seed", seed, 0)
         if entry_kwargs is not None and not isinstance(entry_kwargs, Mapping):
             raise ValueError(f"entry_kwargs must be a dict of the entrypoint's keyword arguments, got "
                              f"{type(entry_kwargs).__name__} {entry_kwargs!r:.60}")
@@ -152,22 +141,22 @@ class ElasticJob(BatchAdaptation, JobController):
             if not rec.parent.is_dir():
                 raise ValueError(f"record_samples {self.record_path!r}: the folder {str(rec.parent)!r} does "
                                  "not exist")
-        if global_batch is not None and (int(global_batch) != global_batch or global_batch < 1):
-            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
-        if max_steps is not None and (int(max_steps) != max_steps or max_steps < 1):
-            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        if global_batch is not None:
+            whole("global_batch", global_batch, 1, "a positive integer")
+        if max_steps is not None:
+            whole("max_steps", max_steps, 1, "a positive integer")
         self.schedule = parse_schedule(schedule)
         for step, n in self.schedule.items():  # before the warm check: name the schedule entry
             try:
                 self._check_size(n)
             except ValueError as e:
                 raise ValueError(f"schedule entry {step}:{n}: {e}") from None
-        self.warm = max(int(warm if warm is not None else workers), workers)
+        self.warm = max(whole("warm", warm, 1) if warm is not None else workers, workers)
         if self.warm > self.slots:
             raise ValueError(f"warm={warm!r} exceeds the machine's {self.slots} slots")
         rule = lr_rule or getattr(self.policy, "lr_rule", "constant")
-        self.options = default_options(seed=seed, lr_rule=rule, epochs=int(epochs), max_steps=max_steps,
-                                       checkpoint_every=int(checkpoint_every or 0),
+        self.options = default_options(seed=seed, lr_rule=rule, epochs=epochs, max_steps=max_steps,
+                                       checkpoint_every=checkpoint_every,
                                        timeout_s=float(timeout_s),
                                        threads=int(threads), record_samples=bool(self.record_path),
                                        step_delay_s=float(step_delay_s),
@@ -214,9 +203,8 @@ class ElasticJob(BatchAdaptation, JobController):
         if per_worker_batch is not None:
             if global_batch is not None:
                 raise ValueError("give global_batch or per_worker_batch, not both")
-            if int(per_worker_batch) != per_worker_batch or per_worker_batch < 1:
-                raise ValueError(f"per_worker_batch must be a positive integer, got {per_worker_batch!r}")
-            global_batch = int(per_worker_batch) * self.world_size * ((accum_steps or 0) + 1)
+            per_worker_batch = whole("per_worker_batch", per_worker_batch, 1, "a positive integer")
+            global_batch = per_worker_batch * self.world_size * ((accum_steps or 0) + 1)
         batch = self._check_batch(global_batch, accum_steps)
         if batch is None:
             raise ValueError("set_batch needs global_batch, per_worker_batch or accum_steps")
@@ -339,10 +327,10 @@ class ElasticJob(BatchAdaptation, JobController):
     def _check_batch(self, global_batch, accum_steps) -> BatchConfig | None:
         if global_batch is None and accum_steps is None:
             return None
-        if global_batch is not None and (int(global_batch) != global_batch or global_batch < 1):
-            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
-        if accum_steps is not None and (int(accum_steps) != accum_steps or accum_steps < 0):
-            raise ValueError(f"accum_steps must be a non-negative integer, got {accum_steps!r}")
+        if global_batch is not None:
+            whole("global_batch", global_batch, 1, "a positive integer")
+        if accum_steps is not None:
+            whole("accum_steps", accum_steps, 0, "a non-negative integer")
         if global_batch is None:
             with self._lock:
                 global_batch = self._batch.global_batch if self._batch else self._base_batch()

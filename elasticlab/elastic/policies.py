@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from elasticlab.checks import whole
+
 
 @dataclass(frozen=True)
 class BatchConfig:
@@ -28,10 +30,10 @@ class BatchConfig:
     accum_steps: int = 0
 
     def __post_init__(self):
-        if int(self.global_batch) != self.global_batch or self.global_batch < 1:
-            raise ValueError(f"global_batch must be a positive integer, got {self.global_batch!r}")
-        if int(self.accum_steps) != self.accum_steps or self.accum_steps < 0:
-            raise ValueError(f"accum_steps must be a non-negative integer, got {self.accum_steps!r}")
+        object.__setattr__(self, "global_batch",
+                           whole("global_batch", self.global_batch, 1, "a positive integer"))
+        object.__setattr__(self, "accum_steps",
+                           whole("accum_steps", self.accum_steps, 0, "a non-negative integer"))
 
     def per_worker_batch(self, world_size: int) -> int:
         return math.ceil(self.global_batch / (world_size * (self.accum_steps + 1)))

@@ -14,15 +14,15 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from elasticlab.checks import whole
+
 
 class ElasticSampler:
     """Global-cursor sampler over ``range(num_samples)``; see the module docstring."""
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True):
-        if int(num_samples) != num_samples or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
-        self.num_samples = int(num_samples)
-        self.seed = int(seed)
+        self.num_samples = whole("num_samples", num_samples, 1, "a positive integer")
+        self.seed = whole("seed", seed, 0)
         self.shuffle = bool(shuffle)
         self.epoch = 0
         self.position = 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from elasticlab.checks import number, whole
+
 from .base import register
 
 MOMENTUM_MODES = ("keep", "reset", "correct")
@@ -20,10 +22,9 @@ MOMENTUM_MODES = ("keep", "reset", "correct")
 @register("dynamic_sgd", label="Dynamic SGD ramp to linear (Lin et al. 2019)", ramp_to="linear", order=40)
 class DynamicSGD:
     def __init__(self, steps: int | None = None, steps_per_k: float = 8.0, momentum: str = "keep"):
-        if steps is not None and (int(steps) != steps or steps < 0):
-            raise ValueError(f"steps must be a non-negative integer or None, got {steps!r}")
-        if not steps_per_k >= 0:
-            raise ValueError(f"steps_per_k must be >= 0, got {steps_per_k}")
+        if steps is not None:
+            whole("steps", steps, 0, "a non-negative integer or None")
+        number("steps_per_k", steps_per_k, lambda x: x >= 0, "a finite number >= 0")
         if momentum not in MOMENTUM_MODES:
             raise ValueError(f"momentum must be one of {MOMENTUM_MODES}, got {momentum!r}")
         self.steps = None if steps is None else int(steps)

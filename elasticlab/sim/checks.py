@@ -1,36 +1,24 @@
 """The simulator's argument checks, one place for each (the engine, the workloads, the trace workloads and
-the CLI call these, the CLI with its flag names); imports nothing heavy, so the CLI can check its flags
-before loading numpy-heavy modules."""
+the CLI call these, the CLI with its flag names), on :mod:`elasticlab.checks`' number checks; imports nothing
+heavy, so the CLI can check its flags before loading numpy-heavy modules."""
 from __future__ import annotations
 
-import math
+from elasticlab.checks import number, seconds, whole
 
-__all__ = ["number", "check_interval", "check_restart_delay", "check_max_time", "check_limit",
+__all__ = ["check_interval", "check_restart_delay", "check_max_time", "check_limit",
            "check_hours", "check_load", "check_seed"]
 
 
-def number(name, value, ok, need):
-    """``value`` as a float when it is a finite number (not a bool) passing ``ok``; else a ValueError
-    '``name`` must be ``need``, got ``value``'."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be {need}, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(x) or not ok(x):
-        raise ValueError(f"{name} must be {need}, got {value!r}")
-    return x
-
-
 def check_interval(value, name="interval"):
-    return number(name, value, lambda x: x > 0, "a finite number of seconds > 0")
+    return seconds(name, value)
 
 
 def check_restart_delay(value, name="restart_delay"):
-    return number(name, value, lambda x: x >= 0, "a finite number of seconds >= 0")
+    return seconds(name, value, zero_ok=True)
 
 
 def check_max_time(value, name="max_time"):
-    return None if value is None else number(name, value, lambda x: x > 0, "a finite number of seconds > 0")
+    return None if value is None else seconds(name, value)
 
 
 def check_hours(value, name, allow_zero=False):
@@ -45,23 +33,9 @@ def check_load(value, name="load"):
 
 
 def check_seed(value, name="seed"):
-    try:
-        ok = not isinstance(value, bool) and float(value) == int(value) and int(value) >= 0
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
-    return int(value)
+    return whole(name, value, 0)
 
 
 def check_limit(limit, name="limit"):
     """``limit`` as an int >= 1 (or None); a ValueError naming it otherwise."""
-    if limit is None:
-        return None
-    try:
-        ok = not isinstance(limit, bool) and float(limit) == int(limit) and int(limit) >= 1
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be a whole number of jobs >= 1, got {limit!r}")
-    return int(limit)
+    return None if limit is None else whole(name, limit, 1, "a whole number of jobs >= 1")

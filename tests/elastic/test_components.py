@@ -175,6 +175,12 @@ def test_job_constructor_rejects_bad_settings(tmp_path):
              ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
              ({"goodput_refit_s": float("nan")}, "goodput_refit_s must be a finite number of seconds >= 0"),
              ({"threads": 0}, "threads must be an integer >= 1, got 0"),
+             ({"epochs": "2"}, "epochs must be >= 1, got '2'"), ({"slots": "4"}, "slots must be a whole"),
+             ({"checkpoint_every": -1}, "checkpoint_every must be >= 0, got -1"),
+             ({"warm": 1.5}, "warm must be a whole number >= 1, got 1.5"),
+             ({"abort_grace_s": "3"}, "abort_grace_s must be a finite number of seconds > 0, got '3'"),
+             ({"max_steps": "10"}, "max_steps must be a positive integer, got '10'"),
+             ({"seed": -1}, "seed must be a whole number >= 0, got -1"),
              ({"entry_kwargs": "hidden=8"}, "entry_kwargs must be a dict .* got str 'hidden=8'"),
              ({"record_samples": str(tmp_path)}, "is a folder; name the JSONL file"),
              ({"record_samples": str(tmp_path / "no" / "r.jsonl")}, "does not exist")]

@@ -7,6 +7,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from elasticlab.checks import whole
+
 __all__ = ["Cluster", "Policy", "Job", "check_allocation"]
 
 
@@ -71,11 +73,8 @@ class Cluster:
     def of_capacity(cls, capacity: int, gpus_per_node: int = 4) -> Cluster:
         """The smallest cluster of ``gpus_per_node``-GPU nodes holding ``capacity`` GPUs, the last node
         partly usable when ``capacity`` is not a multiple of the node size."""
-        if isinstance(capacity, bool) or int(capacity) != capacity or capacity < 1:
-            raise ValueError(f"capacity must be a whole number of GPUs >= 1, got {capacity!r}")
-        if isinstance(gpus_per_node, bool) or int(gpus_per_node) != gpus_per_node or gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
-        capacity, gpus_per_node = int(capacity), int(gpus_per_node)
+        capacity = whole("capacity", capacity, 1, "a whole number of GPUs >= 1")
+        gpus_per_node = whole("gpus_per_node", gpus_per_node, 1)
         return cls(-(-capacity // gpus_per_node), gpus_per_node, capacity)
 
     @property
