@@ -17,6 +17,8 @@ import warnings
 import numpy as np
 import torch
 
+from elasticlab.checks import number, whole
+
 
 def two_batch_estimates(small_sq_norm, big_sq_norm, b_small, b_big):
     """(‖G‖²_est, S_est) from squared norms at two batch sizes (McCandlish Eq. A.2); numpy-broadcasting."""
@@ -83,6 +85,11 @@ class _Ema:
         return s / g2 if g2 > 0 else float("inf")
 
 
+def check_beta(beta) -> float:
+    """The EMA decay as a float in [0, 1); a ValueError naming it otherwise."""
+    return number("beta", beta, lambda b: 0.0 <= b < 1.0, "in [0, 1)")
+
+
 class GNSEstimator:
     """Running ‖G‖², tr Σ and B_simple from per-example or two-batch gradient norms.
 
@@ -93,11 +100,8 @@ class GNSEstimator:
     """
 
     def __init__(self, beta: float = 0.99, init_batch_size: int = 1):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta!r}")
-        if init_batch_size < 1:
-            raise ValueError(f"init_batch_size must be >= 1, got {init_batch_size!r}")
-        self.beta, self.init_batch_size = float(beta), int(init_batch_size)
+        self.beta = check_beta(beta)
+        self.init_batch_size = whole("init_batch_size", init_batch_size, 1, ">= 1")
         self._total = _Ema()
         self._layers: dict[str, _Ema] = {}
         self.skipped = 0

@@ -34,18 +34,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elasticlab.checks import whole
 from elasticlab.gns import ddp as _ddp
 from elasticlab.gns.capture import StepGradients, batch_of
-from elasticlab.gns.estimator import GNSEstimator
+from elasticlab.gns.estimator import GNSEstimator, check_beta
 from elasticlab.gns.norms import PerSampleGradNorms
 
 METHODS = ("auto", "per_example", "micro_batch", "replica")
 
 
+def check_settings(every, beta, method) -> int:
+    """``every`` (returned as an int), ``beta`` and ``method``, one rule each: checked by the monitor, and by
+    the Lightning and HF Trainer callbacks when they are made (their monitor is made at the start of the
+    fit, too late for a clear error)."""
+    every = whole("every", every, 1, "an integer >= 1")
+    check_beta(beta)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return every
+
+
 def _check_size(n) -> int:
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"batch_size must be an integer >= 1, got {n!r}")
-    return n
+    return whole("batch_size", n, 1, "an integer >= 1")
 
 
 def _shared_parameter(module: nn.Module) -> str | None:
@@ -80,10 +90,7 @@ class GNSMonitor:
                  loss_reduction: str = "mean", init_batch_size: int = 1, process_group=None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"GNSMonitor needs an nn.Module, got {type(model).__name__}")
-        if not (isinstance(every, int) and every >= 1):
-            raise ValueError(f"every must be an integer >= 1, got {every!r}")
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        every = check_settings(every, beta, method)
         if accumulation not in ("mean", "sum"):
             raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
         if loss_reduction not in ("mean", "sum"):     # (else 'auto' would take it for norms unavailable)

@@ -18,15 +18,3 @@ def metrics(record: dict, log_layers: bool, controller=None, monitor=None) -> di
         out["gns/proposed_batch"], out["gns/lr_multiplier"] = float(p.batch), float(p.lr_multiplier)
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
-
-def check_settings(every, beta, method) -> None:
-    """Both callbacks' :class:`~elasticlab.gns.GNSMonitor` settings, checked when the callback is made
-    rather than when the monitor is, at the start of the fit."""
-    from elasticlab.gns.monitor import METHODS
-
-    if isinstance(every, bool) or not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"every must be an integer >= 1, got {every!r}")
-    if isinstance(beta, bool) or not (isinstance(beta, (int, float)) and 0 <= beta < 1):
-        raise ValueError(f"beta must be in [0, 1), got {beta!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")

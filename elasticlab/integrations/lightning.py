@@ -14,7 +14,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import nn
 
 from elasticlab.gns import GNSMonitor
-from elasticlab.integrations.common import check_settings, metrics
+from elasticlab.gns.monitor import check_settings
+from elasticlab.integrations.common import metrics
 
 
 class GradientNoiseScale(pl.Callback):
@@ -26,7 +27,7 @@ class GradientNoiseScale(pl.Callback):
     def __init__(self, every: int = 1, beta: float = 0.99, method: str = "auto", log_layers: bool = False,
                  controller=None, prog_bar: bool = False):
         super().__init__()
-        check_settings(every, beta, method)
+        every = check_settings(every, beta, method)
         self.every, self.beta, self.method, self.log_layers = every, beta, method, log_layers
         self.controller, self.prog_bar = controller, prog_bar
         self.monitor: GNSMonitor | None = None

@@ -16,7 +16,8 @@ from transformers.pytorch_utils import Conv1D
 
 from elasticlab.gns import GNSMonitor, register_rule
 from elasticlab.gns.layers.linear import linear_norms
-from elasticlab.integrations.common import check_settings, metrics
+from elasticlab.gns.monitor import check_settings
+from elasticlab.integrations.common import metrics
 
 register_rule(Conv1D, linear_norms)
 
@@ -28,7 +29,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
 
     def __init__(self, every: int = 1, beta: float = 0.99, method: str = "auto", log_layers: bool = False,
                  controller=None):
-        check_settings(every, beta, method)
+        every = check_settings(every, beta, method)
         self.every, self.beta, self.method, self.log_layers = every, beta, method, log_layers
         self.controller = controller
         self.monitor: GNSMonitor | None = None
