@@ -292,3 +292,23 @@ def test_ddp_replica_form_two_gloo_processes(tmp_path):
             h = res[r][key]
             assert [e["method"] for e in h] == [method] * STEPS and h[-1]["batch_size"] == WORLD * B_LOCAL
             assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (key, r, h[-1], ref)
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"every": True}, "every must be an integer >= 1, got True"),
+    ({"every": "2"}, "every must be an integer >= 1, got '2'"),
+    ({"beta": "0.9"}, r"beta must be in \[0, 1\), got '0.9'"),
+    ({"init_batch_size": 0}, "init_batch_size must be >= 1, got 0"),
+])
+def test_settings_rules_are_the_callbacks_rules(kwargs, msg):
+    """One rule each (gns.monitor.check_settings), so the monitor and the callbacks cannot drift apart: the
+    monitor took every=True as 1, and a string beta gave a TypeError from the comparison."""
+    from elasticlab.gns.monitor import check_settings
+
+    with pytest.raises(ValueError, match=msg):
+        GNSMonitor(make_model(), **kwargs)
+    if "init_batch_size" not in kwargs:
+        settings = {"every": 1, "beta": 0.99, "method": "auto", **kwargs}
+        with pytest.raises(ValueError, match=msg):
+            check_settings(**settings)
+    assert GNSMonitor(make_model(), every=2.0).every == 2
