@@ -81,7 +81,7 @@ PKG = ROOT / "elasticlab"
 MAX_LINES = 400
 #: Each top-level package or module of elasticlab on its floor: an import (at module level or inside a
 #: function) goes only to a lower floor. A new package must be placed here.
-FLOORS = {"_ext": 0, "plotting": 0, "dynamics": 0,
+FLOORS = {"_ext": 0, "checks": 0, "plotting": 0, "dynamics": 0,
           "gns": 1, "goodput": 1,
           "lr": 2, "alloc": 2,
           "elastic": 3, "sim": 3, "integrations": 3,

@@ -53,11 +53,20 @@ def norms_of(model, x, loss_fn, fused, dtype=None, compile_backend=None):
     return n.sq_norms(), n.param_sq_norms(), [p.grad.clone() for p in model.parameters()]
 
 
+def unet3d():
+    """Conv3d, InstanceNorm3d, PReLU and a transposed convolution (the hook rules of conv_nd, instancenorm and
+    prelu)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1, bias=False), nn.InstanceNorm3d(4, affine=True),
+                         nn.PReLU(4), nn.ConvTranspose3d(4, 2, 2, stride=2), nn.Flatten(), nn.Linear(384, 3))
+
+
 CASES = {
     "seq-mlp": (mlp_seq, lambda: torch.randn(8, 10, 16), lambda o: o.pow(2).mean()),
     "conv": (ConvNet, lambda: torch.randn(6, 3, 8, 8), lambda o: o.pow(2).mean()),
     "gpt": (TinyGPT, lambda: torch.randint(0, 40, (4, 12)),
             lambda o: F.cross_entropy(o.flatten(0, 1), torch.arange(o.numel() // o.shape[-1]) % 40)),
+    "unet3d": (unet3d, lambda: torch.randn(6, 2, 4, 3, 2), lambda o: o.pow(2).mean()),
 }
 
 
@@ -174,7 +183,7 @@ def test_grad_scaler_argument_is_checked():
 
 
 # ---------------------------------------------------------------------------------------------- compile
-@pytest.mark.parametrize("case,fused", [("seq-mlp", False), ("gpt", True)])
+@pytest.mark.parametrize("case,fused", [("seq-mlp", False), ("gpt", True), ("unet3d", True)])
 def test_compiled_model_norms_equal_eager(case, fused):
     """torch.compile (aot_eager: Dynamo + AOTAutograd with fake tensors, no code generation) gives eager's
     norms and gradients."""

@@ -182,9 +182,20 @@ def test_frozen_parameters_are_skipped():
     torch.testing.assert_close(n.sq_norms(), sum(ref.values()))
 
 
+class Scale(nn.Module):
+    """A module with a parameter and no rule."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.weight
+
+
 def test_unsupported_module_strict_error_names_it_and_nonstrict_reports():
-    model = nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"'1'.*PReLU.*1\.weight"):
+    model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"'1'.*Scale.*1\.weight"):
         PerSampleGradNorms(model)
     n = PerSampleGradNorms(model, strict=False)
     assert n.skipped == ["1.weight"]

@@ -2,8 +2,10 @@
 
 - :mod:`.linear`: ``nn.Linear`` (2-D inputs: product of norms; sequences: Gram or outer-product form).
 - :mod:`.conv`: ``nn.Conv1d`` / ``nn.Conv2d`` (a Linear over the unfolded input).
+- :mod:`.conv_nd`: ``nn.Conv3d`` and the transposed convolutions (one grouped convolution's weight gradient).
 - :mod:`.layernorm` (Gray et al. 2024), :mod:`.groupnorm`, :mod:`.rmsnorm`, :mod:`.batchnorm` (eval mode
-  only): the normalisation layers' affine parameters.
+  only), :mod:`.instancenorm`: the normalisation layers' affine parameters.
+- :mod:`.prelu`: ``nn.PReLU``'s slopes.
 - :mod:`.embedding`: ``nn.Embedding`` (rows of an example sharing an index add up first).
 - :mod:`.attention`: ``nn.MultiheadAttention`` (its bare in-projection and its ``out_proj``).
 Importing this package registers them all.
@@ -12,9 +14,12 @@ from elasticlab.gns.layers import (  # noqa: F401  (each module registers its ru
     attention,
     batchnorm,
     conv,
+    conv_nd,
     embedding,
     groupnorm,
+    instancenorm,
     layernorm,
     linear,
+    prelu,
     rmsnorm,
 )

@@ -196,28 +196,35 @@ def _conv_outer_unfolded(m, x, d3, w):
     return per, gw.view_as(w)
 
 
-def _conv_per_example(m, x, g, w):
-    """Per-example weight gradients of c examples at once as the weight gradient of one convolution with
-    c·groups groups (CPU, or CUDA with :data:`GROUPED_ON_CUDA`), chunk by chunk; returns (‖G_b‖² (B,),
-    Σ_b G_b)."""
-    B, G, cout = x.shape[0], m.groups, w.shape[0]
+def grouped_weight_grads(x, g, w, geometry, transposed=False, output_padding=None, with_grad=True):
+    """(‖G_b‖² (B,), Σ_b G_b or None) of a convolution (``transposed``: a transposed one) with ``geometry``
+    (stride, padding, dilation, groups): the per-example weight gradients of c examples at once as the
+    weight gradient of one convolution with c·groups groups (the batch folded into the channels; Goodfellow
+    2015's trick), chunk by chunk."""
+    stride, padding, dilation, groups = geometry
+    B, nd = x.shape[0], x.dim() - 2
     acc = kernels.acc_dtype(x.dtype)
     per = torch.empty(B, dtype=acc, device=x.device)
-    gw = torch.zeros(w.shape, dtype=acc, device=x.device)
+    gw = torch.zeros(w.shape, dtype=acc, device=x.device) if with_grad else None
     step = max(1, min(32, _chunk_elems(x) // w.numel()))
-    nd = x.dim() - 2
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         c = b1 - b0
         xg = x[b0:b1].reshape(1, c * x.shape[1], *x.shape[2:])
-        gg = g[b0:b1].reshape(1, c * cout, *g.shape[2:])
-        wg = w.unsqueeze(0).expand(c, *w.shape).reshape(c * cout, *w.shape[1:])
+        gg = g[b0:b1].reshape(1, c * g.shape[1], *g.shape[2:])
+        wg = w.unsqueeze(0).expand(c, *w.shape).reshape(c * w.shape[0], *w.shape[1:])
         pe = torch.ops.aten.convolution_backward(
-            gg, xg, wg, None, list(m.stride), list(m.padding), list(m.dilation), False, [0] * nd, c * G,
-            [False, True, False])[1].view(c, *w.shape)
+            gg, xg, wg, None, list(stride), list(padding), list(dilation), transposed,
+            list(output_padding or [0] * nd), c * groups, [False, True, False])[1].view(c, *w.shape)
         per[b0:b1] = kernels.row_sq(pe)
-        gw += pe.sum(0)
+        if with_grad:
+            gw += pe.sum(0)
     return per, gw
+
+
+def _conv_per_example(m, x, g, w):
+    """:func:`grouped_weight_grads` of a Conv1d/Conv2d (CPU, or CUDA with :data:`GROUPED_ON_CUDA`)."""
+    return grouped_weight_grads(x, g, w, (m.stride, m.padding, m.dilation, m.groups))
 
 
 def conv_forms(m: nn.Module, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> dict:

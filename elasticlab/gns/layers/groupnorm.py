@@ -37,16 +37,21 @@ def channel_per_example(x3: torch.Tensor, d3: torch.Tensor, mean: torch.Tensor, 
     return (d3 * xhat).sum(-1), d3.sum(-1)
 
 
-def groupnorm_norms(module: nn.GroupNorm, inputs, d: torch.Tensor, need) -> dict:
-    """Hook rule: Σ_s δ ⊙ x̂ (weight) and Σ_s δ (bias) per (example, channel), in the wider dtype."""
-    x = inputs[0]
-    batched(module, x, 2)
+def group_affine_norms(x: torch.Tensor, d: torch.Tensor, groups: int, eps: float, need) -> dict:
+    """Σ_s δ ⊙ x̂ (weight) and Σ_s δ (bias) per (example, channel), x̂ normalised over each example's groups,
+    in the wider dtype: their squared norms."""
     dt = kernels.acc_dtype(wider(x, d))
     B, C = x.shape[:2]
     x3, d3 = cast(x, dt).reshape(B, C, -1), cast(d, dt).reshape(B, C, -1)
-    mean, rstd = group_stats(x3, module.num_groups, module.eps)
+    mean, rstd = group_stats(x3, groups, eps)
     gw, gb = channel_per_example(x3, d3, mean, rstd)
     return affine_norms(gw, gb, need)
+
+
+def groupnorm_norms(module: nn.GroupNorm, inputs, d: torch.Tensor, need) -> dict:
+    """Hook rule: :func:`group_affine_norms` over the module's groups."""
+    batched(module, inputs[0], 2)
+    return group_affine_norms(inputs[0], d, module.num_groups, module.eps, need)
 
 
 def memory_format(x: torch.Tensor) -> torch.memory_format:

@@ -1,0 +1,58 @@
+"""A layer rule's norms against torch.func (vmap of grad) and its model's output and ``.grad`` against plain
+autograd, in float64: the check the layer-rule tests share."""
+import torch
+
+from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.reference import func_param_sq_norms
+
+
+def sq_loss(out, y):
+    """A per-example loss, summed over the batch: ℓ_i = ‖out_i − y_i‖²."""
+    return (out - y).pow(2).sum()
+
+
+def grads_of(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_and_norms(model, n, plain, ref):
+    """.grad equals plain autograd's and the recorded norms equal torch.func's, parameter by parameter."""
+    got_grads = grads_of(model)
+    assert set(got_grads) == set(plain)
+    for k in plain:
+        torch.testing.assert_close(got_grads[k], plain[k], rtol=1e-10, atol=1e-12, msg=k)
+    got = n.param_sq_norms()
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-10, msg=k)
+
+
+def check(model, x, reduction, fused, loss_fn=sq_loss, ref=None, y=None):
+    """Norms against torch.func (or ``ref``), and the output and ``.grad`` against plain autograd."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out0 = model(x)
+    if y is None:
+        y = torch.randn_like(out0)
+    if ref is None:
+        ref = func_param_sq_norms(model, loss_fn, x, y)
+    div = x.shape[0] if reduction == "mean" else 1
+    model.zero_grad()
+    (loss_fn(model(x), y) / div).backward()
+    plain = grads_of(model)
+    model.zero_grad()
+    with PerSampleGradNorms(model, loss_reduction=reduction, fused=fused) as n:
+        out = model(x)
+        (loss_fn(out, y) / div).backward()
+    torch.testing.assert_close(out, out0, rtol=1e-10, atol=1e-12)
+    assert_grads_and_norms(model, n, plain, ref)
+    assert all("forward" not in m.__dict__ for m in model.modules())      # restored on exit
+    return n
+
+
+def randomise_affine(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("weight", "bias")) and p.dim() == 1:
+                p.normal_()
+    return model
