@@ -5,7 +5,14 @@ import math
 import numpy as np
 import pytest
 
+from elasticlab.alloc.policies.base import Cluster
 from elasticlab.checks import number, seconds, whole
+from elasticlab.cluster import RestartCost
+from elasticlab.elastic import ElasticSampler, FixedGlobalBatch, FixedPerWorkerBatch, GoodputAdaptive
+from elasticlab.elastic.policies import BatchConfig
+from elasticlab.integrations import BatchSizeController
+from elasticlab.lr import AdaScale, AdaScaleEstimator, DynamicSGD, ScaleInvariantProgress
+from elasticlab.sim.checks import check_seed
 
 
 @pytest.mark.parametrize("value", ["3", b"3", True, None, [1], float("nan"), float("inf"), -math.inf])
@@ -37,27 +44,32 @@ def test_whole_accepts_integral_values():
 
 
 @pytest.mark.parametrize("make, msg", [
-    (lambda: __import__("elasticlab.elastic.policies", fromlist=["x"]).BatchConfig("64"),
-     "global_batch must be a positive integer, got '64'"),
-    (lambda: __import__("elasticlab.elastic.sampler", fromlist=["x"]).ElasticSampler(10, seed=-1),
-     "seed must be a whole number >= 0, got -1"),
-    (lambda: __import__("elasticlab.elastic.sampler", fromlist=["x"]).ElasticSampler("ten"),
-     "num_samples must be a positive integer, got 'ten'"),
-    (lambda: __import__("elasticlab.alloc.policies.base", fromlist=["x"]).Cluster.of_capacity("8"),
-     "capacity must be a whole number of GPUs >= 1, got '8'"),
-    (lambda: __import__("elasticlab.lr.dynamic_sgd", fromlist=["x"]).DynamicSGD(steps_per_k=float("nan")),
-     "steps_per_k must be a finite number >= 0, got nan"),
-    (lambda: __import__("elasticlab.sim.checks", fromlist=["x"]).check_seed("3"),
-     "seed must be a whole number >= 0, got '3'"),
+    (lambda: BatchConfig("64"), "global_batch must be a positive integer, got '64'"),
+    (lambda: ElasticSampler(10, seed=-1), "seed must be a whole number >= 0, got -1"),
+    (lambda: ElasticSampler("ten"), "num_samples must be a positive integer, got 'ten'"),
+    (lambda: Cluster.of_capacity("8"), "capacity must be a whole number of GPUs >= 1, got '8'"),
+    (lambda: DynamicSGD(steps_per_k=float("nan")), "steps_per_k must be a finite number >= 0, got nan"),
+    (lambda: check_seed("3"), "seed must be a whole number >= 0, got '3'"),
+    (lambda: FixedGlobalBatch("64"), "global_batch must be a positive integer, got '64'"),
+    (lambda: FixedPerWorkerBatch(16, ramp_per_k=-1), "ramp_per_k must be a finite number of steps >= 0"),
+    (lambda: GoodputAdaptive("32", 256), "base_batch must be a positive integer, got '32'"),
+    (lambda: GoodputAdaptive(32, 256, hysteresis=0.5), "hysteresis must be a finite factor >= 1, got 0.5"),
+    (lambda: GoodputAdaptive(32, 256, per_worker_range=(0, 8)), r"per_worker_range must be 1 <= lo <= hi"),
+    (lambda: AdaScaleEstimator("x"), "base_batch must be a finite number > 0, got 'x'"),
+    (lambda: AdaScale(power="x"), "power must be a finite number > 0, got 'x'"),
+    (lambda: ScaleInvariantProgress(float("inf")), "init_batch must be a finite number > 0, got inf"),
+    (lambda: BatchSizeController(16, 512, fraction="x"), "fraction must be a positive number, got 'x'"),
+    (lambda: BatchSizeController(16, 512, ramp_per_k=float("nan")), "ramp_per_k must be a finite number"),
+    (lambda: BatchSizeController(16.0, 512, min_batch=True), "min_batch must be an integer >= 1, got True"),
+    (lambda: RestartCost(prior_s="x"), "prior_s must be a finite number of seconds >= 0, got 'x'"),
 ])
 def test_entry_points_name_a_string_or_bad_value(make, msg):
-    """Before: a string gave "invalid literal for int()" or a TypeError from a comparison."""
+    """Before: a string gave "invalid literal for int()" or a TypeError from a comparison, and some bad
+    values (a negative ramp, a NaN batch, a hysteresis below 1) were accepted."""
     with pytest.raises(ValueError, match=msg):
         make()
 
 
 def test_batch_config_keeps_integers():
-    from elasticlab.elastic.policies import BatchConfig
-
     b = BatchConfig(64.0, 1.0)
     assert type(b.global_batch) is int and type(b.accum_steps) is int and b.per_worker_batch(2) == 16

@@ -11,14 +11,14 @@ from __future__ import annotations
 import statistics
 import time
 
+from elasticlab.checks import seconds
+
 
 class RestartCost:
     """Median of the measured resize latencies (seconds), ``prior_s`` until the first one."""
 
     def __init__(self, prior_s: float = 2.0):
-        if not prior_s >= 0:
-            raise ValueError(f"prior_s must be >= 0, got {prior_s!r}")
-        self.prior_s = float(prior_s)
+        self.prior_s = seconds("prior_s", prior_s, zero_ok=True)
         self.samples: list[float] = []
 
     def observe(self, latency_s: float) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from elasticlab.checks import whole
+from elasticlab.checks import number, whole
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,12 @@ class FixedGlobalBatch:
     max_per_worker_batch: int | None = None
     lr_rule: str = "constant"
 
+    def __post_init__(self):
+        self.global_batch = whole("global_batch", self.global_batch, 1, "a positive integer")
+        if self.max_per_worker_batch is not None:
+            self.max_per_worker_batch = whole("max_per_worker_batch", self.max_per_worker_batch, 1,
+                                              "a positive integer or None")
+
     def decide(self, world_size: int, stats: dict | None = None) -> BatchConfig:
         s = _accum_for(math.ceil(self.global_batch / world_size), self.max_per_worker_batch)
         return BatchConfig(int(self.global_batch), s)
@@ -110,6 +116,10 @@ class FixedPerWorkerBatch:
     per_worker_batch: int
     ramp_per_k: int = 8
     lr_rule: str = "dynamic_sgd"
+
+    def __post_init__(self):
+        self.per_worker_batch = whole("per_worker_batch", self.per_worker_batch, 1, "a positive integer")
+        number("ramp_per_k", self.ramp_per_k, lambda k: k >= 0, "a finite number of steps >= 0")
 
     def decide(self, world_size: int, stats: dict | None = None) -> BatchConfig:
         return BatchConfig(int(self.per_worker_batch) * int(world_size), 0)
@@ -142,9 +152,15 @@ class GoodputAdaptive:
     last: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        self.base_batch = whole("base_batch", self.base_batch, 1, "a positive integer")
+        self.max_batch = whole("max_batch", self.max_batch, 1, "a positive integer")
+        number("hysteresis", self.hysteresis, lambda h: h >= 1, "a finite factor >= 1")
         if self.max_batch < self.base_batch:
             raise ValueError(f"max_batch {self.max_batch!r} is below base_batch {self.base_batch!r}")
-        lo, hi = self.per_worker_range
+        try:
+            lo, hi = (whole("per_worker_range", v, 1) for v in self.per_worker_range)
+        except (TypeError, ValueError):
+            lo, hi = 0, 0
         if not 1 <= lo <= hi:
             raise ValueError(f"per_worker_range must be 1 <= lo <= hi, got {self.per_worker_range!r}")
 

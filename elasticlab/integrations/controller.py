@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from elasticlab.checks import number, whole
 from elasticlab.goodput import ThroughputModel, noise_scale
 from elasticlab.goodput.agent import BatchLimits, GoodputAgent
 from elasticlab.lr import ElasticLR, get_rule, rule_info
@@ -45,20 +46,20 @@ class BatchSizeController:
                  hysteresis: float = 0.1, monotone: bool = True,
                  throughput_model: ThroughputModel | None = None, gpus: int = 1, nodes: int = 1,
                  max_per_gpu_batch: int | None = None, ramp_per_k: float = 8.0):
-        for name, v in (("init_batch", init_batch), ("max_batch", max_batch), ("multiple_of", multiple_of),
-                        ("gpus", gpus), ("nodes", nodes)):
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        min_batch = init_batch if min_batch is None else min_batch
-        if not (isinstance(min_batch, int) and 1 <= min_batch <= init_batch <= max_batch):
+        init_batch, max_batch, multiple_of, gpus, nodes = (
+            whole(name, v, 1, "an integer >= 1") for name, v in (
+                ("init_batch", init_batch), ("max_batch", max_batch), ("multiple_of", multiple_of),
+                ("gpus", gpus), ("nodes", nodes)))
+        min_batch = init_batch if min_batch is None else whole("min_batch", min_batch, 1, "an integer >= 1")
+        if not min_batch <= init_batch <= max_batch:
             raise ValueError(f"need 1 <= min_batch <= init_batch <= max_batch, got min_batch={min_batch!r}, "
                              f"init_batch={init_batch!r}, max_batch={max_batch!r}")
-        if not (fraction > 0 and math.isfinite(fraction)):
-            raise ValueError(f"fraction must be a positive number, got {fraction!r}")
-        if not max_growth > 1:
-            raise ValueError(f"max_growth must be > 1, got {max_growth!r}")
-        if not 0 <= hysteresis < 1:
-            raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis!r}")
+        number("fraction", fraction, lambda f: f > 0, "a positive number")
+        number("max_growth", max_growth, lambda g: g > 1, "a finite number > 1")
+        number("hysteresis", hysteresis, lambda h: 0 <= h < 1, "in [0, 1)")
+        number("ramp_per_k", ramp_per_k, lambda k: k >= 0, "a finite number of steps >= 0")
+        if max_per_gpu_batch is not None:
+            whole("max_per_gpu_batch", max_per_gpu_batch, 1, "an integer >= 1 or None")
         if throughput_model is not None and not isinstance(throughput_model, ThroughputModel):
             raise ValueError("throughput_model must be a ThroughputModel, got "
                              f"{type(throughput_model).__name__}")

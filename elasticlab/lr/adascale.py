@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from elasticlab.checks import number
+
 from ..goodput import noise_scale
 from .base import check_scale, register
 
@@ -88,9 +90,7 @@ class AdaScaleEstimator:
     """
 
     def __init__(self, base_batch: float):
-        if not base_batch > 0:
-            raise ValueError(f"base_batch must be > 0, got {base_batch}")
-        self.base_batch = float(base_batch)
+        self.base_batch = number("base_batch", base_batch, lambda b: b > 0, "a finite number > 0")
         self.sigma2_avg = 0.0
         self.mu2_avg = 0.0
         self.updates = 0
@@ -142,11 +142,9 @@ class AdaScale:
     (the wrapper fills it in)."""
 
     def __init__(self, stats=None, init_batch: float | None = None, power: float = 1.0):
-        if not power > 0:
-            raise ValueError(f"power must be > 0, got {power}")
+        self.power = number("power", power, lambda p: p > 0, "a finite number > 0")
         self.stats = stats
         self.init_batch = init_batch
-        self.power = float(power)
 
     def phi(self):
         stats = self.stats() if callable(self.stats) and not hasattr(self.stats, "b_simple") else self.stats

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 
+from elasticlab.checks import number
+
 
 class ScaleInvariantProgress:
     def __init__(self, init_batch: float):
-        if not init_batch > 0:
-            raise ValueError(f"init_batch must be > 0, got {init_batch}")
-        self.init_batch = float(init_batch)
+        self.init_batch = number("init_batch", init_batch, lambda b: b > 0, "a finite number > 0")
         self.progress = 0.0  # tau, in steps at M0
         self.steps = 0  # optimizer steps taken
         self.samples = 0.0  # examples consumed

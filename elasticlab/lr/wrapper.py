@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from numbers import Real
+
+from elasticlab.checks import number
 
 from .adascale import AdaScale
 from .base import get_rule, needs_gns
@@ -31,8 +32,7 @@ class ElasticLR:
 
     def __init__(self, optimizer, init_batch, rule="linear", ramp=None, schedule=None, gns=None,
                  global_batch=None):
-        if not (isinstance(init_batch, Real) and init_batch > 0 and math.isfinite(init_batch)):
-            raise ValueError(f"init_batch must be a positive number, got {init_batch!r}")
+        number("init_batch", init_batch, lambda b: b > 0, "a positive number")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
             raise TypeError(f"optimizer must be a torch optimizer, got {type(optimizer).__name__}")
         if schedule is not None and not callable(schedule):
