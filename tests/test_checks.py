@@ -73,3 +73,19 @@ def test_entry_points_name_a_string_or_bad_value(make, msg):
 def test_batch_config_keeps_integers():
     b = BatchConfig(64.0, 1.0)
     assert type(b.global_batch) is int and type(b.accum_steps) is int and b.per_worker_batch(2) == 16
+
+
+def test_array_inputs_name_the_argument():
+    from elasticlab.alloc import allocation_value
+    from elasticlab.goodput import efficiency
+
+    with pytest.raises(ValueError, match=r"phi \(gradient noise scale\) must be a number or an array"):
+        efficiency("x", 32, 64)
+    with pytest.raises(ValueError, match=r"m0 \(initial batch size\) must be a number or an array"):
+        efficiency(10.0, "thirty-two", 64)
+    u = np.ones((2, 3))
+    with pytest.raises(ValueError, match=r"alloc entries must be in \[0, 2\].*got \[1, 5\]"):
+        allocation_value(u, [1, 5])                    # was an IndexError
+    with pytest.raises(ValueError, match="one GPU count per row"):
+        allocation_value(u, [1])
+    assert allocation_value(u, [1, 2]) == 2.0 and allocation_value(u, []) == 0.0

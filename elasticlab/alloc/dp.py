@@ -307,7 +307,14 @@ def allocation_value(utility, alloc) -> float:
     """Objective sum_j utility[j, alloc[j]]."""
     u = np.asarray(utility, dtype=np.float64)
     a = np.asarray(alloc, dtype=np.int64)
-    return float(u[np.arange(len(a)), a].sum()) if len(a) else 0.0
+    if not a.size:
+        return 0.0
+    if u.ndim != 2 or a.shape != (u.shape[0],):
+        raise ValueError(f"alloc must hold one GPU count per row of utility {u.shape}, got shape {a.shape}")
+    if not (a.min() >= 0 and a.max() < u.shape[1]):
+        raise ValueError(f"alloc entries must be in [0, {u.shape[1] - 1}] (utility's columns), got "
+                         f"{a.tolist()}")
+    return float(u[np.arange(len(a)), a].sum())
 
 
 def is_concave_row(row, tol=1e-12) -> bool:

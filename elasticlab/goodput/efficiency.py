@@ -22,8 +22,8 @@ def efficiency(phi, m0, m):
     ``phi`` is the (pre-conditioned) gradient noise scale tr(Sigma)/|G|^2 (McCandlish's B_simple);
     ``phi = inf`` (pure noise) gives 1 for every M. E(M0) = 1 and E < 1 for M > M0.
     """
-    phi = np.asarray(phi, dtype=float)
-    m = np.asarray(m, dtype=float)
+    phi = _floats("phi (gradient noise scale)", phi)
+    m = _floats("m (batch size)", m)
     if np.any(phi < 0) or np.any(np.isnan(phi)):
         raise ValueError(f"phi (gradient noise scale) must be >= 0, got {phi}")
     _check_positive("m0 (initial batch size)", m0)
@@ -128,11 +128,19 @@ def _nan_stats(stats):
     raise ValueError(f"gradient statistics of {stats!r} are NaN")
 
 
+def _floats(name, value) -> np.ndarray:
+    """``value`` as a float array; a ValueError naming ``name`` when it is not numbers."""
+    try:
+        return np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number or an array of numbers, got {value!r:.80}") from None
+
+
 def _check_positive(name, value):
     if type(value) in (int, float):  # a Python number: no array to build (the simulator's agents, per call)
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
         return
-    arr = np.asarray(value, dtype=float)
+    arr = _floats(name, value)
     if np.any(~(arr > 0)):
         raise ValueError(f"{name} must be > 0, got {value}")
