@@ -7,6 +7,7 @@
   only), :mod:`.instancenorm`: the normalisation layers' affine parameters.
 - :mod:`.prelu`: ``nn.PReLU``'s slopes.
 - :mod:`.embedding`: ``nn.Embedding`` (rows of an example sharing an index add up first).
+- :mod:`.embedding_bag`: ``nn.EmbeddingBag`` (each bag an example; sum, mean and max modes).
 - :mod:`.attention`: ``nn.MultiheadAttention`` (its bare in-projection and its ``out_proj``).
 Importing this package registers them all.
 """
@@ -16,6 +17,7 @@ from elasticlab.gns.layers import (  # noqa: F401  (each module registers its ru
     conv,
     conv_nd,
     embedding,
+    embedding_bag,
     groupnorm,
     instancenorm,
     layernorm,

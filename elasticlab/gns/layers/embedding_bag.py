@@ -1,0 +1,81 @@
+"""``nn.EmbeddingBag``: each bag is one example; its gradient is its output gradient on a few table rows.
+
+Bag b's output is o_b = Σ_j c_j E[idx_j] over its positions j (``sum``: c_j = 1, or the per-sample weight;
+``mean``: c_j = 1/n_b over its n_b non-padding positions), so ∇E ℓ_b puts (Σ_{j: idx_j=v} c_j)·δ_b on row
+v, and ‖∇E ℓ_b‖² = ‖δ_b‖² · Σ_v (Σ_{j: idx_j=v} c_j)². Under ``max`` each output coordinate takes one row,
+so ‖∇E ℓ_b‖² = ‖δ_b‖² for a non-empty bag. The coefficient sums over (bag, index) keys use a sort, as
+:mod:`.embedding` does, with nothing waiting on the host. The batch is the bags: the rows of a 2-D input, or
+the bags its ``offsets`` cut a 1-D input into. A replacement forward (it sees ``offsets`` and
+``per_sample_weights`` passed by keyword, which a forward hook does not) runs the module's own forward and
+hooks its output's gradient.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elasticlab.gns import kernels
+from elasticlab.gns.registry import register_rule
+
+
+def bag_coefficient_sq(module: nn.EmbeddingBag, idx: torch.Tensor, offsets, per_sample_weights,
+                       bags: int, dtype: torch.dtype) -> torch.Tensor:
+    """(bags,) Σ_v (Σ_{j in bag b, idx_j = v} c_j)² (``sum``/``mean``), or 1 for a non-empty bag (``max``)."""
+    dev = idx.device
+    if idx.dim() == 2:
+        bag = torch.arange(idx.shape[0], device=dev).repeat_interleave(idx.shape[1])
+        idx = idx.reshape(-1)
+    else:
+        starts = offsets[:-1] if module.include_last_offset else offsets
+        bag = torch.searchsorted(starts, torch.arange(idx.numel(), device=dev), right=True) - 1
+    pad = module.padding_idx
+    keep = torch.ones_like(idx, dtype=dtype) if pad is None else (idx != pad).to(dtype)
+    if idx.dim() == 1 and module.include_last_offset:
+        keep = keep * (torch.arange(idx.numel(), device=dev) < offsets[-1]).to(dtype)
+    count = keep.new_zeros(bags).index_add_(0, bag.clamp(0, bags - 1), keep)
+    if module.mode == "max":
+        return (count > 0).to(dtype)
+    c = keep if per_sample_weights is None else keep * per_sample_weights.reshape(-1).to(dtype)
+    if module.mode == "mean":
+        c = c / count.clamp_min(1)[bag]
+    V = module.num_embeddings
+    key = bag * V + idx
+    skey, order = torch.sort(key)
+    first = torch.ones_like(skey, dtype=torch.bool)
+    first[1:] = skey[1:] != skey[:-1]
+    group = torch.cumsum(first, 0) - 1
+    sums = c.new_zeros(key.numel()).index_add_(0, group, c[order])
+    owner = torch.zeros(key.numel(), dtype=torch.long, device=dev)
+    owner[group] = torch.div(skey, V, rounding_mode="floor")
+    return c.new_zeros(bags).index_add_(0, owner.clamp(0, bags - 1), sums * sums)
+
+
+def embedding_bag_forward(module: nn.EmbeddingBag, slot):
+    """The module's own forward, its output's gradient hooked: ‖δ_b‖² times :func:`bag_coefficient_sq`."""
+    own = type(module).forward
+
+    def forward(input, offsets=None, per_sample_weights=None):
+        slot.called()
+        out = own(module, input, offsets, per_sample_weights)
+        if out.requires_grad and module.weight.requires_grad:
+            idx, off = input.detach(), None if offsets is None else offsets.detach()
+            psw = None if per_sample_weights is None else per_sample_weights.detach()
+
+            def on_grad(g):
+                acc = kernels.acc_dtype(g.dtype)
+                q = bag_coefficient_sq(module, idx, off, psw, out.shape[0], acc)
+                slot.record({"weight": q * kernels.row_sq(g.detach().to(acc))}, out.shape[0])
+            out.register_hook(on_grad)
+        return out
+    return forward
+
+
+def embedding_bag_check(module: nn.EmbeddingBag) -> None:
+    """ValueError with ``scale_grad_by_freq``: the gradient is scaled by counts over the whole batch."""
+    if module.scale_grad_by_freq:
+        raise ValueError("per-example norms are not defined for nn.EmbeddingBag(scale_grad_by_freq=True): "
+                         "its gradient depends on the whole batch")
+
+
+register_rule(nn.EmbeddingBag, None, params=("weight",), fused=embedding_bag_forward,
+              check=embedding_bag_check)
