@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elasticlab.checks import whole
 from elasticlab.elastic.scaling import lr_rules
 
 #: ``pool``: an ElasticJob (worker pool re-forming gloo groups); ``torchrun``: one torchrun agent per slot.
@@ -17,9 +18,7 @@ BACKENDS = ("pool", "torchrun")
 
 
 def _pos_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
-    return v
+    return whole(name, v, minimum, f"an integer >= {minimum}")
 
 
 @dataclass
@@ -76,10 +75,10 @@ class JobSpec:
         """Check the spec against a pool of ``pool`` slots and fill defaults; ValueError names a bad value."""
         if self.backend not in BACKENDS:
             raise ValueError(f"job {self.name!r}: backend must be one of {BACKENDS}, got {self.backend!r}")
-        _pos_int("initial_batch", self.initial_batch)
+        self.initial_batch = _pos_int("initial_batch", self.initial_batch)
         if self.max_batch is None:
             self.max_batch = self.initial_batch
-        _pos_int("max_batch", self.max_batch)
+        self.max_batch = _pos_int("max_batch", self.max_batch)
         if self.max_batch < self.initial_batch:
             raise ValueError(f"job {self.name!r}: max_batch={self.max_batch} is below initial_batch="
                              f"{self.initial_batch}")
@@ -87,13 +86,13 @@ class JobSpec:
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"job {self.name!r}: per_slot_batch must be integers 1 <= lo <= hi, "
                              f"got {self.per_slot_batch!r}")
-        _pos_int("min_slots", self.min_slots)
+        self.min_slots = _pos_int("min_slots", self.min_slots)
         if self.min_slots > pool:
             raise ValueError(f"job {self.name!r} needs min_slots={self.min_slots} but the pool has only "
                              f"{pool} slots")
         if self.max_slots is None:
             self.max_slots = pool
-        _pos_int("max_slots", self.max_slots)
+        self.max_slots = _pos_int("max_slots", self.max_slots)
         if self.max_slots < self.min_slots:
             raise ValueError(f"job {self.name!r}: max_slots={self.max_slots} is below "
                              f"min_slots={self.min_slots}")
@@ -105,9 +104,9 @@ class JobSpec:
         if self.min_slots * lo > self.max_batch:
             raise ValueError(f"job {self.name!r}: min_slots={self.min_slots} x per-slot minimum {lo} exceeds "
                              f"max_batch={self.max_batch}")
-        _pos_int("epochs", self.epochs)
+        self.epochs = _pos_int("epochs", self.epochs)
         if self.max_steps is not None:
-            _pos_int("max_steps", self.max_steps)
+            self.max_steps = _pos_int("max_steps", self.max_steps)
         if self.lr_rule not in lr_rules():
             raise ValueError(f"job {self.name!r}: unknown lr_rule {self.lr_rule!r}; "
                              f"choose one of {lr_rules()}")

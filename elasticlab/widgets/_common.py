@@ -175,6 +175,16 @@ class PolledPanel(Panel):
 
     _poller: Poller | None = None
 
+    def _start_polling(self, poll_s: float, name: str, log, autostart: bool) -> None:
+        """Make the poller of ``self.refresh`` (an error's last line goes to ``log`` in red), refresh once,
+        and start it with ``autostart``."""
+        self._poller = Poller(self.refresh, poll_s, name=name,
+                              on_error=lambda tb: log(f"<span style='color:#c00'>panel error: "
+                                                      f"{html.escape(tb.splitlines()[-1])}</span>"))
+        self.refresh()
+        if autostart:
+            self._poller.start()
+
     def close(self) -> None:
         """Stop refreshing (what the panel watches keeps running)."""
         if self._poller is not None:

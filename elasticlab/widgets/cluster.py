@@ -12,7 +12,7 @@ import html
 
 import ipywidgets as W
 
-from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, html_table
+from elasticlab.widgets._common import LiveFigure, PolledPanel, html_table
 
 _COLUMNS = ["name", "state", "slots", "global_batch", "accum_steps", "step", "epoch", "gns",
             "goodput (M0-samples/s)", "jct (s)", "restarts"]
@@ -103,12 +103,7 @@ class ClusterPanel(PolledPanel):
                               self.metrics_label, chart, self.table,
                               W.HTML("<b>submit a job</b>"), form, W.HTML("<b>events</b>"), self.log])
         self.widget.add_class("elasticlab-cluster-panel")
-        self._poller = Poller(self.refresh, poll_s, name="elasticlab-clusterpanel",
-                              on_error=lambda tb: self._append(f"<span style='color:#c00'>panel error: "
-                                                               f"{html.escape(tb.splitlines()[-1])}</span>"))
-        self.refresh()
-        if autostart_poll:
-            self._poller.start()
+        self._start_polling(poll_s, "elasticlab-clusterpanel", self._append, autostart_poll)
 
     # ---- actions -----------------------------------------------------------------------------------
     def submit(self) -> str | None:

@@ -16,7 +16,7 @@ import time
 import ipywidgets as W
 
 from elasticlab.elastic.states import TERMINAL, JobState, WorkerState
-from elasticlab.widgets._common import LiveFigure, PolledPanel, Poller, subplots_figure, write_json_atomic
+from elasticlab.widgets._common import LiveFigure, PolledPanel, subplots_figure, write_json_atomic
 
 #: The charts: (metric key, title, y-axis label, step-shaped line?, tick format). Whole-number series
 #: (batch, workers) tick at integers; every axis starts at 0 and its range is set from the data, so a
@@ -165,12 +165,7 @@ class JobPanel(PolledPanel):
         self.widget = W.VBox([W.HTML("<b>elasticlab · elastic job</b>"), controls, choices,
                               self.status_label, self.chart.widget, W.HTML("<b>events</b>"), self.log])
         self.widget.add_class("elasticlab-job-panel")
-        self._poller = Poller(self.refresh, poll_s, name="elasticlab-jobpanel",
-                              on_error=lambda tb: self._append_log(f"<span style='color:#c00'>panel error: "
-                                                                   f"{html.escape(tb.splitlines()[-1])}</span>"))
-        self.refresh()
-        if autostart_poll:
-            self._poller.start()
+        self._start_polling(poll_s, "elasticlab-jobpanel", self._append_log, autostart_poll)
 
     # ---- actions -------------------------------------------------------------------------------
     def start(self):
