@@ -19,10 +19,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many optimizer steps (default: when the epochs are done)")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help="fixed global batch (default: the task's base batch)")
-    parser.add_argument("--per-worker-batch", type=int, default=None,
-                        help="fixed per-worker batch with the Dynamic-SGD LR ramp instead")
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=int, default=None,
+                       help="fixed global batch (default: the task's base batch)")
+    batch.add_argument("--per-worker-batch", type=int, default=None,
+                       help="fixed per-worker batch with the Dynamic-SGD LR ramp instead")
     parser.add_argument("--record-samples", default=None, metavar="FILE",
                         help="write the JSONL sample record {epoch, step, rank, world_size, indices}")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -66,6 +67,7 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
+    from elasticlab.checks import seconds
     from elasticlab.elastic import ElasticJob, FixedPerWorkerBatch, JobState
     from elasticlab.elastic.job import parse_schedule
     from elasticlab.elastic.states import OnNoCheckpoint
@@ -80,8 +82,9 @@ def run(args) -> int:
               "is one run's, so remove it or name another file", file=sys.stderr)
         return 2
     try:
+        seconds("--timeout", args.timeout)
         schedule = parse_schedule(args.schedule)
-        policy = FixedPerWorkerBatch(args.per_worker_batch) if args.per_worker_batch else None
+        policy = None if args.per_worker_batch is None else FixedPerWorkerBatch(args.per_worker_batch)
         job = ElasticJob(script, workers=args.workers, schedule=schedule, epochs=args.epochs,
                          max_steps=args.max_steps, global_batch=args.global_batch, policy=policy,
                          record_samples=args.record_samples or False, checkpoint_dir=args.checkpoint_dir,

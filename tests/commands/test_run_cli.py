@@ -39,10 +39,19 @@ def test_run_command_resizes_at_scheduled_steps(tmp_path, capsys):
     (["--schedule", "5:2,5:3"], "schedule step 5 is given twice"),
     (["--global-batch", "0"], "global_batch must be a positive integer, got 0"),
     (["--max-steps", "-5"], "max_steps must be a positive integer, got -5"),
+    (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),  # ran, "timed out"
+    (["--per-worker-batch", "0"], "per_worker_batch must be a positive integer, got 0"),    # was ignored
 ])
 def test_run_command_rejects_bad_arguments(argv, message, capsys):
     assert main(["run", DIGITS, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_command_takes_one_batch_flag(capsys):
+    """Both were accepted and --global-batch silently ignored."""
+    with pytest.raises(SystemExit) as e:
+        main(["run", DIGITS, "--global-batch", "8", "--per-worker-batch", "4"])
+    assert e.value.code == 2 and "not allowed with argument --global-batch" in capsys.readouterr().err
 
 
 def test_run_command_refuses_an_existing_sample_record(tmp_path, capsys):
