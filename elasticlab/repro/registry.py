@@ -275,6 +275,8 @@ def select(only=None, quick: bool = False) -> list[Reproduction]:
     if isinstance(only, str):
         only = [only]
     names = [n.strip() for item in only for n in str(item).split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--only names no claim (got {only!r}); give ids (P5-T1) or prefixes (P5)")
     chosen: list[Reproduction] = []
     for name in names:
         up = name.upper()

@@ -95,6 +95,8 @@ def test_select_by_id_and_prefix(fake_claims):
     assert [r.id for r in repro.select(["ZZ-T2,ZZ-T1"])] == ["ZZ-T1", "ZZ-T2"]
     with pytest.raises(ValueError, match="NOPE-T9"):
         repro.select(["NOPE-T9"])
+    with pytest.raises(ValueError, match=r"--only names no claim \(got \[', '\]\)"):
+        repro.select([", "])       # was empty, reported as "slow claims with no quick version"
     with pytest.raises(KeyError, match="NOPE"):
         repro.get("NOPE")
 
