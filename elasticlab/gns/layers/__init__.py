@@ -9,6 +9,7 @@
 - :mod:`.embedding`: ``nn.Embedding`` (rows of an example sharing an index add up first).
 - :mod:`.embedding_bag`: ``nn.EmbeddingBag`` (each bag an example; sum, mean and max modes).
 - :mod:`.attention`: ``nn.MultiheadAttention`` (its bare in-projection and its ``out_proj``).
+- :mod:`.recurrent`: ``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU`` (a loop over time exposing the pre-activations).
 Importing this package registers them all.
 """
 from elasticlab.gns.layers import (  # noqa: F401  (each module registers its rule on import)
@@ -23,5 +24,6 @@ from elasticlab.gns.layers import (  # noqa: F401  (each module registers its ru
     layernorm,
     linear,
     prelu,
+    recurrent,
     rmsnorm,
 )

@@ -1,0 +1,132 @@
+"""PerSampleGradNorms for nn.RNN / nn.LSTM / nn.GRU against per-example gradients of the layers' own (ATen)
+forward in float64, with hypothesis shapes: layers, directions, batch_first, bias, initial states, losses on
+the outputs, on the final states or on one step only; the output and .grad unchanged; dropout; the errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms
+
+CELLS = {"rnn_tanh": lambda **k: nn.RNN(nonlinearity="tanh", **k), "rnn_relu": lambda **k: nn.RNN(
+    nonlinearity="relu", **k), "lstm": nn.LSTM, "gru": nn.GRU}
+
+
+def loss_of(out, h, which, batch_first):
+    h = h[0] if isinstance(h, tuple) else h
+    if which == "output":
+        return out.pow(2).sum()
+    if which == "final":
+        return h.pow(2).sum() + h.sum()
+    return out.select(1 if batch_first else 0, 0).sum()                # the first step only
+
+
+def run(m, x, hx, which):
+    out, h = m(x, hx) if hx is not None else m(x)
+    return out, h, loss_of(out, h, which, m.batch_first)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cell=st.sampled_from(list(CELLS)), layers=st.integers(1, 2), bi=st.booleans(),
+       batch_first=st.booleans(), bias=st.booleans(), with_hx=st.booleans(),
+       which=st.sampled_from(["output", "final", "first"]), B=st.integers(1, 3), T=st.integers(1, 5),
+       reduction=st.sampled_from(["mean", "sum"]), data=st.data())
+def test_against_the_layers_own_forward(cell, layers, bi, batch_first, bias, with_hx, which, B, T, reduction,
+                                       data):
+    torch.manual_seed(data.draw(st.integers(0, 99)))
+    m = CELLS[cell](input_size=3, hidden_size=4, num_layers=layers, bidirectional=bi, batch_first=batch_first,
+                    bias=bias).double()
+    x = torch.randn(B, T, 3, dtype=torch.float64)
+    x = x if batch_first else x.transpose(0, 1)
+    L = layers * (2 if bi else 1)
+    hx = None
+    if with_hx:
+        hx = torch.randn(L, B, 4, dtype=torch.float64)
+        hx = (hx, torch.randn(L, B, 4, dtype=torch.float64)) if cell == "lstm" else hx
+    want = {k: [] for k, _ in m.named_parameters()}
+    for b in range(B):                                       # the reference: one example at a time
+        xb = x[b:b + 1] if batch_first else x[:, b:b + 1]
+        hb = None if hx is None else (tuple(h[:, b:b + 1] for h in hx) if cell == "lstm" else hx[:, b:b + 1])
+        grads = torch.autograd.grad(run(m, xb, hb, which)[2], list(m.parameters()), allow_unused=True)
+        for k, g in zip(want, grads):
+            want[k].append(0.0 if g is None else float(g.pow(2).sum()))
+    out0, h0, loss0 = run(m, x, hx, which)
+    m.zero_grad()
+    (loss0 / (B if reduction == "mean" else 1)).backward()
+    plain = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad()
+    with PerSampleGradNorms(m, loss_reduction=reduction) as n:
+        out, h, loss = run(m, x, hx, which)
+        (loss / (B if reduction == "mean" else 1)).backward()
+    torch.testing.assert_close(out, out0, rtol=1e-10, atol=1e-12)
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, plain[k], rtol=1e-9, atol=1e-12, msg=k)
+    got = n.param_sq_norms()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], torch.tensor(want[k], dtype=torch.float64), rtol=1e-8, atol=1e-12,
+                                   msg=k)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_dropout_between_layers_with_one_example(cell):
+    """In training with dropout the masks are this forward's own: with one example the per-example norm is
+    the squared norm of .grad, whatever mask was drawn."""
+    torch.manual_seed(0)
+    m = CELLS[cell](input_size=3, hidden_size=4, num_layers=3, dropout=0.5).double().train()
+    with PerSampleGradNorms(m, loss_reduction="sum") as n:
+        out, _ = m(torch.randn(6, 1, 3, dtype=torch.float64))
+        out.pow(2).sum().backward()
+    got = n.param_sq_norms()
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(got[k], p.grad.pow(2).sum().reshape(1), rtol=1e-10, atol=1e-14, msg=k)
+
+
+def test_errors():
+    lstm = nn.LSTM(3, 4)
+    with PerSampleGradNorms(lstm):
+        with pytest.raises(ValueError, match="need a batch dimension: LSTM got an input of shape \\(5, 3\\)"):
+            lstm(torch.randn(5, 3))
+        packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
+        with pytest.raises(ValueError, match="do not support PackedSequence"):
+            lstm(packed)
+    with pytest.raises(ValueError, match="weight_hr_l0"):
+        PerSampleGradNorms(nn.LSTM(3, 4, proj_size=2))
+
+
+def test_in_a_language_model_with_autocast():
+    """An embedding, a 2-layer LSTM and a head under bf16 autocast: norms in float32, near the fp32 ones."""
+    torch.manual_seed(0)
+    emb, lstm, head = nn.Embedding(30, 8), nn.LSTM(8, 16, num_layers=2, batch_first=True), nn.Linear(16, 30)
+    model = nn.ModuleDict({"emb": emb, "lstm": lstm, "head": head})
+    idx = torch.randint(0, 30, (6, 10))
+    norms = {}
+    for dt in (None, torch.bfloat16):
+        model.zero_grad()
+        with PerSampleGradNorms(model, loss_reduction="sum") as n:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dt is not None):
+                logits = head(lstm(emb(idx))[0])
+            F.cross_entropy(logits.float().flatten(0, 1), idx.flatten(), reduction="sum").backward()
+        norms[dt] = n.param_sq_norms()
+    assert len(norms[None]) == 1 + 8 + 2
+    for k, ref in norms[None].items():
+        got = norms[torch.bfloat16][k]
+        assert got.dtype == torch.float32
+        assert ((got - ref).abs() / ref).median() < 0.05, k
+
+
+def test_compiled_equals_eager():
+    """torch.compile (aot_eager) of a model holding a GRU: the same norms as eager."""
+    torch.manual_seed(0)
+    gru = nn.GRU(3, 4, num_layers=2, batch_first=True, bidirectional=True)
+    x = torch.randn(4, 5, 3)
+    got = []
+    for run_it in (gru, torch.compile(gru, backend="aot_eager")):
+        gru.zero_grad()
+        with PerSampleGradNorms(gru) as n:
+            run_it(x)[0].pow(2).mean().backward()
+        got.append(n.sq_norms())
+    torch._dynamo.reset()
+    torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-8)
