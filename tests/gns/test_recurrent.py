@@ -130,3 +130,21 @@ def test_compiled_equals_eager():
         got.append(n.sq_norms())
     torch._dynamo.reset()
     torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_cuda_matches_the_cpu(cell):
+    """The loop on CUDA (the plain layer's forward there is cuDNN's) against the CPU, float64."""
+    torch.manual_seed(0)
+    cpu = CELLS[cell](input_size=3, hidden_size=8, num_layers=2, bidirectional=True).double()
+    cuda = CELLS[cell](input_size=3, hidden_size=8, num_layers=2, bidirectional=True).double().cuda()
+    cuda.load_state_dict(cpu.state_dict())
+    x = torch.randn(7, 5, 3, dtype=torch.float64)
+    norms = []
+    for m, dev in ((cpu, "cpu"), (cuda, "cuda")):
+        with PerSampleGradNorms(m) as n:
+            m(x.to(dev))[0].pow(2).sum().backward()
+        norms.append(n.param_sq_norms())
+    for k, want in norms[0].items():
+        torch.testing.assert_close(norms[1][k].cpu(), want, rtol=1e-9, atol=1e-14, msg=k)
