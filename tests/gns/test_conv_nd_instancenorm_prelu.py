@@ -1,6 +1,6 @@
-"""PerSampleGradNorms for Conv3d, the transposed convolutions, InstanceNorm (instance and running statistics)
-and PReLU against torch.func (vmap of grad) in float64 with hypothesis shapes; the output and ``.grad``
-against plain autograd; bfloat16 autocast against float32."""
+"""PerSampleGradNorms for Conv3d, the transposed convolutions, InstanceNorm (instance and running
+statistics), PReLU and Bilinear against torch.func (vmap of grad) in float64 with hypothesis shapes; the
+output and ``.grad`` against plain autograd; bfloat16 autocast against float32."""
 import copy
 
 import pytest
@@ -14,6 +14,7 @@ from elasticlab.gns import PerSampleGradNorms, rule_for
 from elasticlab.gns.layers.conv_nd import grouped_conv_norms
 from elasticlab.gns.reference import func_param_sq_norms
 
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 SETTINGS = settings(max_examples=10, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 red_fused = dict(reduction=st.sampled_from(["mean", "sum"]), fused=st.booleans(), B=st.integers(1, 3))
@@ -162,3 +163,22 @@ def test_new_layers_on_cuda_match_the_cpu(fused):
     assert set(norms[0]) == set(norms[1]) and len(norms[0]) == 9
     for k, want in norms[0].items():
         torch.testing.assert_close(norms[1][k].cpu(), want, rtol=1e-9, atol=1e-14, msg=k)
+
+
+class BilinearHead(nn.Module):
+    """A Bilinear over two views of the input (its two arguments differ in width)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.bil = nn.Bilinear(3, 2, 4, bias=bias)
+
+    def forward(self, x):
+        return self.bil(x, x[..., :2].sin())
+
+
+@SETTINGS
+@given(seq=st.sampled_from([(), (1,), (5,), (2, 3)]), bias=st.booleans(), **red_fused)
+def test_bilinear(seq, bias, reduction, fused, B):
+    m = BilinearHead(bias).double()
+    x = torch.randn(B, *seq, 3, dtype=torch.float64)
+    check(m, x, reduction, fused)

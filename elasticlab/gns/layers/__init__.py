@@ -5,7 +5,7 @@
 - :mod:`.conv_nd`: ``nn.Conv3d`` and the transposed convolutions (one grouped convolution's weight gradient).
 - :mod:`.layernorm` (Gray et al. 2024), :mod:`.groupnorm`, :mod:`.rmsnorm`, :mod:`.batchnorm` (eval mode
   only), :mod:`.instancenorm`: the normalisation layers' affine parameters.
-- :mod:`.prelu`: ``nn.PReLU``'s slopes.
+- :mod:`.prelu`: ``nn.PReLU``'s slopes; :mod:`.bilinear`: ``nn.Bilinear`` (three Grams over the positions).
 - :mod:`.embedding`: ``nn.Embedding`` (rows of an example sharing an index add up first).
 - :mod:`.embedding_bag`: ``nn.EmbeddingBag`` (each bag an example; sum, mean and max modes).
 - :mod:`.attention`: ``nn.MultiheadAttention`` (its bare in-projection and its ``out_proj``).
@@ -15,6 +15,7 @@ Importing this package registers them all.
 from elasticlab.gns.layers import (  # noqa: F401  (each module registers its rule on import)
     attention,
     batchnorm,
+    bilinear,
     conv,
     conv_nd,
     embedding,
