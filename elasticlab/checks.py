@@ -21,10 +21,13 @@ def number(name, value, ok=lambda x: True, need="a finite number"):
     return float(value)
 
 
-def whole(name, value, least: int, need: str | None = None) -> int:
-    """``value`` as an int when it is a whole real number >= ``least`` (2 or 2.0; not a bool or a string)."""
-    if not (_real(value) and math.isfinite(value) and float(value).is_integer() and value >= least):
-        raise ValueError(f"{name} must be {need or f'a whole number >= {least}'}, got {value!r}")
+def whole(name, value, least: int, need: str | None = None, most: int | None = None) -> int:
+    """``value`` as an int when it is a whole real number in [``least``, ``most``] (2 or 2.0; not a bool or a
+    string)."""
+    if not (_real(value) and math.isfinite(value) and float(value).is_integer() and value >= least
+            and (most is None or value <= most)):
+        bounds = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{name} must be {need or f'a whole number {bounds}'}, got {value!r}")
     return int(value)
 
 

@@ -89,3 +89,9 @@ def test_array_inputs_name_the_argument():
     with pytest.raises(ValueError, match="one GPU count per row"):
         allocation_value(u, [1])
     assert allocation_value(u, [1, 2]) == 2.0 and allocation_value(u, []) == 0.0
+
+
+def test_whole_with_an_upper_bound():
+    assert whole("n", 6, 1, most=6) == 6
+    with pytest.raises(ValueError, match=r"n must be a whole number in \[1, 6\], got 7"):
+        whole("n", 7, 1, most=6)

@@ -14,6 +14,7 @@ import html
 import ipywidgets as W
 import numpy as np
 
+from elasticlab.checks import number, whole
 from elasticlab.widgets._common import LiveFigure, Panel, color, html_table, subplots_figure
 
 
@@ -150,7 +151,14 @@ class AllocationExplorer(Panel):
 
     def __init__(self, jobs=None, capacity: int = 16, p: float = -1.0, gpus_per_node: int = 4,
                  max_capacity: int = 64, baselines=None):
+        from elasticlab.alloc.policies import POLICIES
+
         jobs = default_jobs() if jobs is None else jobs
+        capacity, max_capacity = whole("capacity", capacity, 1), whole("max_capacity", max_capacity, 1)
+        number("p", p, lambda v: -3.0 <= v <= 1.0, "a fairness power in [-3, 1] (the slider's range)")
+        unknown = [b for b in baselines or () if b not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown baseline policies {unknown}; choose from {sorted(POLICIES)}")
         if int(max_capacity) < len(jobs):
             raise ValueError(f"max_capacity {max_capacity!r} is below the number of jobs {len(jobs)}")
         if not len(jobs) <= int(capacity) <= int(max_capacity):

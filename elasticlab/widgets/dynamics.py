@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from elasticlab import dynamics as D
+from elasticlab.checks import number, whole
 from elasticlab.widgets._common import Panel
 
 __all__ = ["DynamicsExplorer"]
@@ -56,6 +57,12 @@ class DynamicsExplorer(Panel):
         self.records = int(records)
         self.seed = int(seed)
         m = self.task.U.shape[1]
+        # The sliders' ranges: a value outside one would be clamped to it without a word.
+        for name, value, lo, hi in (("init_scale", init_scale, 1e-4, 1.0), ("lr", lr, 1e-4, 10 ** -0.5),
+                                    ("horizon", horizon, 1.0, 60.0)):
+            number(name, value, lambda v, lo=lo, hi=hi: lo <= v <= hi, f"in [{lo:g}, {hi:g}]")
+        whole("depth", depth, 1, most=6)
+        whole("width", width, 1, most=64)
         if activation not in ("linear", "relu"):
             raise ValueError(f"activation must be 'linear' or 'relu', got {activation!r}")
         if start not in ("aligned", "random"):

@@ -50,9 +50,17 @@ def test_divergence_is_reported_not_raised():
     assert "diverged" in ex.status.value
 
 
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="activation"):
-        DynamicsExplorer(activation="tanh")
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"activation": "tanh"}, "activation"),
+    ({"depth": 0}, r"depth must be a whole number in \[1, 6\], got 0"),       # was clamped to 1
+    ({"width": 65}, r"width must be a whole number in \[1, 64\], got 65"),
+    ({"lr": -1}, r"lr must be in \[0.0001, 0.316228\], got -1"),
+    ({"lr": "x"}, "lr must be in .* got 'x'"),                                   # was a TraitError
+    ({"horizon": 0}, r"horizon must be in \[1, 60\], got 0"),
+])
+def test_bad_arguments(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        DynamicsExplorer(**kwargs)
 
 
 def test_explorer_phase_rates():

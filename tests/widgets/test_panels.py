@@ -344,6 +344,12 @@ def test_allocation_explorer_sliders_recompute():
     assert list(_arr(spec["data"][0]["y"])) == [after[n] for n in ex.result["jobs"]]
     with pytest.raises(ValueError, match="capacity"):
         AllocationExplorer(jobs=("cifar10", "imagenet"), capacity=1)
+    with pytest.raises(ValueError, match="capacity must be a whole number >= 1, got '8'"):
+        AllocationExplorer(capacity="8")
+    with pytest.raises(ValueError, match=r"p must be a fairness power in \[-3, 1\].*got nan"):
+        AllocationExplorer(p=float("nan"))                       # was "utility contains NaN" from the DP
+    with pytest.raises(ValueError, match=r"unknown baseline policies \['nope'\]; choose from"):
+        AllocationExplorer(baselines=["nope"])                   # was a message in the panel only
 
 
 def test_simulation_dashboard_runs_policies():
