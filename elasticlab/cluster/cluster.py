@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from elasticlab.checks import whole
 from elasticlab.cluster.scheduler import ADMISSION, Scheduler
 from elasticlab.cluster.spec import JobSpec
 from elasticlab.cluster.view import LiveJob
@@ -54,9 +55,7 @@ class LocalCluster(Scheduler):
 
     def __init__(self, slots: int = 4, policy: str = "goodput", interval: float = 2.0, *, launcher=None,
                  **kwargs):
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-        self.slots = slots
+        self.slots = whole("slots", slots, 1, "an integer >= 1")
         self._launch = launcher or _start_elastic_job
         super().__init__(policy, interval, **kwargs)
 

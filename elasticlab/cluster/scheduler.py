@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from elasticlab.alloc.policies.base import Cluster as Shape
+from elasticlab.checks import number, seconds
 from elasticlab.cluster.policies import make_policy
 from elasticlab.cluster.reconcile import Reconciler
 from elasticlab.cluster.reports import ClusterReports
@@ -51,12 +52,12 @@ class Scheduler(Reconciler, ClusterReports):
                  admission: str = "queue", restart_prior_s: float = 2.0, policy_kwargs: dict | None = None,
                  workdir: str | None = None, hysteresis: float = 1.05, crash_grace_s: float = 8.0,
                  tick_s: float = 0.1):
-        if not (isinstance(interval, (int, float)) and interval > 0):
-            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        interval = seconds("interval", interval)
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
-        if not hysteresis >= 1.0:
-            raise ValueError(f"hysteresis must be >= 1, got {hysteresis!r}")
+        number("hysteresis", hysteresis, lambda h: h >= 1.0, "a finite factor >= 1")
+        seconds("crash_grace_s", crash_grace_s, zero_ok=True)
+        seconds("tick_s", tick_s)
         # torch is imported here, in the caller's thread: the loop and the sample counters use it from
         # their own threads, and two threads importing torch for the first time at once abort the process
         import torch.distributed  # noqa: F401

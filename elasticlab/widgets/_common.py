@@ -10,6 +10,8 @@ import threading
 import traceback
 from pathlib import Path
 
+from elasticlab.checks import seconds
+
 #: Colours per policy / series, so a policy has the same colour in every chart of a panel.
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
@@ -123,9 +125,7 @@ class Poller:
     so a UI keeps updating; the kernel is never blocked."""
 
     def __init__(self, fn, interval_s: float = 0.5, *, name: str = "elasticlab-poller", on_error=None):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s!r}")
-        self.fn, self.interval_s, self.on_error = fn, float(interval_s), on_error
+        self.fn, self.interval_s, self.on_error = fn, seconds("interval_s", interval_s), on_error
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -15,6 +15,7 @@ import time
 
 import ipywidgets as W
 
+from elasticlab.checks import seconds, whole
 from elasticlab.elastic.states import TERMINAL, JobState, WorkerState
 from elasticlab.widgets._common import LiveFigure, PolledPanel, subplots_figure, write_json_atomic
 
@@ -89,14 +90,12 @@ class JobPanel(PolledPanel):
             if not callable(getattr(job, name, None)):
                 raise TypeError(f"JobPanel needs an ElasticJob-like object; "
                                 f"{type(job).__name__} has no {name}()")
-        if poll_s <= 0:
-            raise ValueError(f"poll_s must be positive, got {poll_s!r}")
-        if window < 10:
-            raise ValueError(f"window must be >= 10 steps, got {window!r}")
+        seconds("poll_s", poll_s)
         self.job = job
         self.status_file = status_file
-        self.window = int(window)
-        self.chart_every_s, self.max_points = float(chart_every_s), max(10, int(max_points))
+        self.window = whole("window", window, 10, "a whole number of steps >= 10")
+        self.chart_every_s = seconds("chart_every_s", chart_every_s, zero_ok=True)
+        self.max_points = whole("max_points", max_points, 10)
         self._last_chart = 0.0
         self._chart_stale = False
         slots = int(getattr(job, "slots", 8))

@@ -85,6 +85,12 @@ def test_cluster_refuses_a_job_larger_than_the_pool_and_bad_arguments(tmp_path):
     for bad in ({"slots": 0}, {"slots": 2.5}, {"interval": 0}, {"admission": "maybe"}, {"policy": "best"}):
         with pytest.raises(ValueError):
             LocalCluster(**{"slots": 2, **bad})
+    for bad, msg in (({"interval": float("inf")}, "interval must be a finite number of seconds > 0, got inf"),
+                     ({"tick_s": -1}, "tick_s must be a finite number of seconds > 0, got -1"),  # accepted
+                     ({"hysteresis": "1.1"}, "hysteresis must be a finite factor >= 1, got '1.1'"),  # TypeErr
+                     ({"crash_grace_s": float("nan")}, "crash_grace_s must be a finite number of seconds")):
+        with pytest.raises(ValueError, match=msg):
+            LocalCluster(**{"slots": 2, **bad})
     with pytest.raises(ValueError, match="no job named"):
         cl.job("nobody")
     cl.stop()

@@ -215,6 +215,10 @@ def test_job_panel_rejects_bad_input():
         JobPanel(object())
     with pytest.raises(ValueError, match="poll_s"):
         JobPanel(FakeJob(), poll_s=0)
+    with pytest.raises(ValueError, match="max_points must be a whole number >= 10, got 3"):
+        JobPanel(FakeJob(), max_points=3)                # was raised to 10 without a word
+    with pytest.raises(ValueError, match="chart_every_s must be a finite number of seconds >= 0, got 'x'"):
+        JobPanel(FakeJob(), chart_every_s="x")
     panel = JobPanel(FakeJob(), autostart_poll=False)
     with pytest.raises(ValueError, match="workers must be"):
         panel.resize(99)
