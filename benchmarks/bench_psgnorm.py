@@ -2,27 +2,28 @@
 
 Workloads of ``shared/reference/psgnorm-anchors.md``: W1–W4 (the CPU anchors) and the GPU workloads G1
 (GPT-2-small class, B=8, T=1024), G2 (torchvision ResNet-18 with GroupNorm, B=128, 64×64; skipped without
-torchvision) and G3 (the W2 block at D=1024, B=64, T=512). Median of timed steps after warm-up (CUDA events
-on CUDA), methods interleaved round by round so that drift hits all alike; a method slower than ``--slow-s``
-a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused backward),
-``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton fused
-kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
+torchvision) and G3 (the W2 block at D=1024, B=64, T=512); also R1, an LSTM language model (V=10000, D=256,
+H=512, 2 layers, B=32, T=64; not an anchor, not run by default). Median of timed steps after warm-up (CUDA
+events on CUDA), methods interleaved round by round so that drift hits all alike; a method slower than
+``--slow-s`` a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused
+backward), ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton
+fused kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
 layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-untuned`` (the Triton kernel's variant fixed,
-not timed per shape by :mod:`elasticlab.gns.triton_tune`: its nested loop, pointer loads; the tuner's
-timings are printed under each workload as ``tuned``), ``psgn-tritonflat`` (fixed to the flat loop over
-(example, K step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and
-``psgn-tritontmaflat`` (its operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the
-nested and the flat loop), ``psgn-convgrouped`` (convolutions
-on CUDA by one grouped convolution's weight gradient instead of a batched GEMM over the patches,
-:data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16 convolutions on CUDA by
-the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`), ``psgn-py`` (the fused
-layers' Python autograd.Functions instead of their C++ ones), ``psgn-torchops`` (the fused layers' C++
-operators called through torch.ops' boxed entry, not ``_C``'s direct one), ``psgn-calibrated`` (each layer
-shape's form timed at its first backward and the fastest kept, :mod:`elasticlab.gns.calibrate`; the warm-up
-steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks only),
-``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B × #params ×
-4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward) when
-Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go on.
+not timed per shape by :mod:`elasticlab.gns.triton_tune`: its nested loop, pointer loads; the tuner's timings
+are printed under each workload as ``tuned``), ``psgn-tritonflat`` (fixed to the flat loop over (example, K
+step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and ``psgn-tritontmaflat`` (its
+operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the nested and the flat loop),
+``psgn-convgrouped`` (convolutions on CUDA by one grouped convolution's weight gradient instead of a batched
+GEMM over the patches, :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16
+convolutions on CUDA by the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`),
+``psgn-py`` (the fused layers' Python autograd.Functions instead of their C++ ones), ``psgn-torchops`` (the
+fused layers' C++ operators called through torch.ops' boxed entry, not ``_C``'s direct one),
+``psgn-calibrated`` (each layer shape's form timed at its first backward and the fastest kept,
+:mod:`elasticlab.gns.calibrate`; the warm-up steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks
+only), ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B ×
+#params × 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward)
+when Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go
+on.
 
 Precision: ``fp32`` (true fp32 matmuls, PyTorch's default) or ``bf16`` (forward and loss under
 ``torch.autocast(device, bfloat16)``, backward outside it, parameters fp32). A workload entry is ``NAME`` (run
@@ -30,7 +31,8 @@ at each precision of ``--precision``) or ``NAME:PREC[+PREC]``, e.g. ``--workload
 Defaults: on CPU ``W1,W2,W3,W4`` in fp32; on CUDA also ``G1:fp32+bf16,G2:fp32+bf16,G3:bf16``, the workloads
 whose targets are still open first (G3, G2), so that a run cut by ``--max-s`` keeps them.
 
-Checks: every method is first compared with ``torch.func`` in float64 on a small batch of a shrunken model
+Checks: every method is first compared with ``torch.func`` (where vmap cannot batch a layer, as nn.LSTM's,
+a loop of one backward per example) in float64 on a small batch of a shrunken model
 (max relative error of the squared norms); for bf16 entries also the median relative error of psgn's bf16
 norms against its fp32 norms on the same batch. Peak memory: on CUDA ``torch.cuda.max_memory_allocated``
 beyond what model and data hold; on CPU the peak RSS of a child process per method.
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, calibrate, triton_tune
-from elasticlab.gns.reference import func_sq_norms
+from elasticlab.gns.reference import func_sq_norms, loop_sq_norms
 
 try:
     from tqdm import tqdm
@@ -68,7 +70,7 @@ except ImportError:  # pragma: no cover
     def tqdm(x, **_):
         return x
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "G1", "G2", "G3")
+WORKLOADS = ("W1", "W2", "W3", "W4", "G1", "G2", "G3", "R1")
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_CPU = "W1,W2,W3,W4"
 DEFAULT_CUDA = "G3:bf16,G2:fp32+bf16,G1:fp32+bf16,W1,W2,W3,W4"
@@ -150,6 +152,20 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class LSTMLM(nn.Module):
+    """R1 (not in the anchors' list; not run by default): an LSTM language model, token embedding, L-layer
+    LSTM, Linear head. Its LSTM runs as elasticlab's loop over time while norms are measured
+    (:mod:`elasticlab.gns.layers.recurrent`)."""
+
+    def __init__(self, V=10000, D=256, H=512, L=2):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(H, V)
+        self.lstm = nn.LSTM(D, H, L, batch_first=True)
+
+    def forward(self, idx):
+        return self.head(self.lstm(self.emb(idx))[0])
+
+
 def _resnet18_gn() -> nn.Module:
     try:
         import torchvision
@@ -188,6 +204,11 @@ def workload(name: str, quick: bool = False, check: bool = False):
     if name == "G3":
         D, B, T = (64, 4, 16) if check else (1024, 2, 128) if quick else (1024, 64, 512)
         return SeqBlock(D), torch.randn(B, T, D, generator=g), torch.randint(0, 10, (B,), generator=g)
+    if name == "R1":
+        (V, D, H), (B, T) = ((64, 8, 16), (4, 6)) if check else ((1000, 64, 128), (4, 16)) if quick else \
+            ((10000, 256, 512), (32, 64))
+        return (LSTMLM(V, D, H), torch.randint(0, V, (B, T), generator=g),
+                torch.randint(0, V, (B, T), generator=g))
     raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
 
 
@@ -417,10 +438,14 @@ def check_methods(name: str, methods, device) -> tuple[dict, dict]:
     model, x, y = model.double().to(device), x.to(device), y.to(device)
     if x.is_floating_point():
         x = x.double()
-    try:                                               # ‖∇ℓ_i‖², ℓ_i the loss of example i alone
-        ref = func_sq_norms(model, lambda o, t: loss_fn(o, t) * o.shape[0], x, y)
-    except Exception as e:
-        return {}, {"reference": "check " + error_text(e)}
+    per_example = lambda o, t: loss_fn(o, t) * o.shape[0]    # noqa: E731  (ℓ_i, the loss of example i alone)
+    try:
+        ref = func_sq_norms(model, per_example, x, y)
+    except Exception:                                  # vmap cannot batch some layers (nn.LSTM): a loop
+        try:
+            ref = loop_sq_norms(model, per_example, x, y)
+        except Exception as e:
+            return {}, {"reference": "check " + error_text(e)}
     errs, failed = {}, {}
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)             # for scratch tensors made without a dtype (Opacus)

@@ -1,6 +1,7 @@
-"""Reference per-example squared gradient norms by ``torch.func`` (vmap of grad), for tests and benchmarks.
+"""Reference per-example squared gradient norms by ``torch.func`` (vmap of grad), for tests and benchmarks,
+and by a loop of one backward per example where vmap does not batch a layer (``nn.LSTM``'s ATen kernel).
 
-This materialises every per-example gradient (B × #params): exact but memory-hungry.
+Both materialise per-example gradients: exact but memory-hungry (vmap) or slow (the loop).
 """
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def func_sq_norms(model: nn.Module, loss_fn, x, y, chunk_size: int | None = None
     """(B,) ‖∇θ ℓ_i‖² over all trainable parameters, by torch.func."""
     vals = list(func_param_sq_norms(model, loss_fn, x, y, chunk_size).values())
     return torch.stack(vals).sum(0)
+
+
+def loop_sq_norms(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B,) ‖∇θ ℓ_i‖², ℓ_i = loss_fn(model(x_i[None]), y_i[None]): one forward and backward per example."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), params, allow_unused=True)
+        out.append(sum(g.detach().pow(2).sum() for g in grads if g is not None))
+    return torch.stack(out)

@@ -148,3 +148,23 @@ def test_cuda_matches_the_cpu(cell):
         norms.append(n.param_sq_norms())
     for k, want in norms[0].items():
         torch.testing.assert_close(norms[1][k].cpu(), want, rtol=1e-9, atol=1e-14, msg=k)
+
+
+def test_loop_reference_equals_torch_func_and_psgn():
+    """reference.loop_sq_norms (the benchmark's check where vmap cannot batch nn.LSTM) against torch.func on
+    a model vmap handles, and against PerSampleGradNorms on an LSTM."""
+    from elasticlab.gns.reference import func_sq_norms, loop_sq_norms
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+
+    def sq(o, t):
+        return (o - t).pow(2).sum()
+    torch.testing.assert_close(loop_sq_norms(mlp, sq, x, y), func_sq_norms(mlp, sq, x, y), rtol=1e-12, atol=0)
+    lstm = nn.LSTM(3, 4, batch_first=True).double()
+    xs, ys = torch.randn(4, 5, 3, dtype=torch.float64), torch.randn(4, 5, 4, dtype=torch.float64)
+    want = loop_sq_norms(lstm, lambda o, t: sq(o[0], t), xs, ys)
+    with PerSampleGradNorms(lstm, loss_reduction="sum") as n:
+        sq(lstm(xs)[0], ys).backward()
+    torch.testing.assert_close(n.sq_norms(), want, rtol=1e-10, atol=0)
