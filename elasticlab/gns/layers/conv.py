@@ -44,14 +44,19 @@ def _chunk_elems(x: torch.Tensor) -> int:
     return CONV_CHUNK_ELEMS.get(x.device.type, CONV_CHUNK_ELEMS["cpu"])
 
 
+def padded_input(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(x, padding) for the convolution's own geometry: a padding mode other than zeros, or a string padding,
+    is applied to x here (zero padding is left to the convolution)."""
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=mode), (0,) * len(module.kernel_size)
+    return x, module.padding
+
+
 def conv_unfold(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """im2col of a Conv1d/Conv2d input: (B, Cin·k, L), padding modes and string paddings included."""
     nd = 1 if isinstance(module, nn.Conv1d) else 2
-    padding = module.padding
-    if module.padding_mode != "zeros" or isinstance(padding, str):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0,) * nd
+    x, padding = padded_input(module, x)
     if nd == 1:
         x = x.unsqueeze(2)
         k, s, p, dil = (1, *module.kernel_size), (1, *module.stride), (0, *padding), (1, *module.dilation)
@@ -66,11 +71,7 @@ def conv_patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     kernel per example, which took 66% of G2's kernel time on an H100). Columns are ordered (channel, kernel
     offsets) like ``weight.view(Cout, -1)``, so group g owns the columns [g·K/G, (g+1)·K/G). Padding modes
     other than zeros, and string paddings, are applied first."""
-    padding = module.padding
-    if module.padding_mode != "zeros" or isinstance(padding, str):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0,) * len(module.kernel_size)
+    x, padding = padded_input(module, x)
     return kernels.conv_patches(x, module.kernel_size, module.stride, padding, module.dilation)
 
 

@@ -11,13 +11,12 @@ Hook rule only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvTransposeNd
 
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import batched, cast
-from elasticlab.gns.layers.conv import grouped_weight_grads
+from elasticlab.gns.layers.conv import grouped_weight_grads, padded_input
 from elasticlab.gns.registry import register_rule
 
 
@@ -38,13 +37,10 @@ def grouped_conv_norms(module: nn.Module, inputs, d: torch.Tensor, need) -> dict
     out = {}
     if "weight" in need:
         transposed = isinstance(module, _ConvTransposeNd)
-        padding, op = module.padding, None
-        if transposed:
-            op = output_padding(module, x, d)
-        elif module.padding_mode != "zeros" or isinstance(padding, str):
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-            padding = (0,) * nd
+        if transposed:                      # (zero padding only, as PyTorch allows)
+            padding, op = module.padding, output_padding(module, x, d)
+        else:
+            (x, padding), op = padded_input(module, x), None
         w = cast(module.weight.detach(), d.dtype)
         geometry = (module.stride, padding, module.dilation, module.groups)
         out["weight"] = grouped_weight_grads(x, d, w, geometry, transposed, op, with_grad=False)[0]
