@@ -15,7 +15,7 @@
 from elasticlab.gns.estimator import GNSEstimator, per_example_estimates, two_batch_estimates
 from elasticlab.gns.monitor import GNSMonitor
 from elasticlab.gns.norms import PerSampleGradNorms
-from elasticlab.gns.registry import RULES, Rule, register_rule, rule_for
+from elasticlab.gns.registry import RULES, Rule, covered_params, register_rule, rule_for
 
-__all__ = ["GNSEstimator", "GNSMonitor", "PerSampleGradNorms", "RULES", "Rule", "per_example_estimates",
-           "register_rule", "rule_for", "two_batch_estimates"]
+__all__ = ["GNSEstimator", "GNSMonitor", "PerSampleGradNorms", "RULES", "Rule", "covered_params",
+           "per_example_estimates", "register_rule", "rule_for", "two_batch_estimates"]

@@ -30,7 +30,7 @@ from torch import nn
 
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns.block import NormBlock
-from elasticlab.gns.registry import rule_for
+from elasticlab.gns.registry import covered_params, rule_for
 from elasticlab.gns.slot import Slot
 
 
@@ -70,7 +70,8 @@ class PerSampleGradNorms:
                         p.requires_grad for p in mod.parameters()):
                     self._slots.append(Slot(self, name, mod, rule, ()))
                 continue
-            covered = tuple(pn for pn in direct if rule is not None and pn in rule.params)
+            names = () if rule is None else covered_params(rule, mod)
+            covered = tuple(pn for pn in direct if pn in names)
             missing = [pn for pn in direct if pn not in covered]
             if missing:
                 full = [f"{name}.{pn}" if name else pn for pn in missing]

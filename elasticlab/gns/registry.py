@@ -3,13 +3,16 @@
 Each layer family lives in its own module of :mod:`elasticlab.gns.layers` and registers its rule there with
 :func:`register_rule`. A rule's ``norms(module, inputs, grad_output, need)`` returns {param name: (B,) squared
 norms} of the per-example gradients *of the loss as reduced* (no B² rescaling; the caller applies it), from
-the layer's inputs and the gradient of its output, for the direct parameters named in ``need``. Its optional
-``fused(module, slot)`` returns a replacement forward whose backward forms the parameter gradients and the
-norms in one pass, or None when that configuration is not supported. Its optional ``check(module)`` runs at
-every forward and raises a ValueError when per-example gradients are not defined in the module's current
-state (BatchNorm in training mode). ``calls_children``: the fused forward calls child modules whose
-parameters the module's own forward uses directly (``nn.MultiheadAttention``'s ``out_proj``), so it is
-installed whenever any parameter below the module trains, even with none of its own trainable.
+the layer's inputs and the gradient of its output, for the direct parameters named in ``need``. Its
+``params`` names the direct parameters it covers: a tuple of names, or a callable ``params(module)`` giving
+them for one module instance (the recurrent layers', which depend on ``num_layers``), read through
+:func:`covered_params`. Its optional ``fused(module, slot)`` returns a replacement forward whose backward
+forms the parameter gradients and the norms in one pass, or None when that configuration is not supported.
+Its optional ``check(module)`` runs at every forward and raises a ValueError when per-example gradients are
+not defined in the module's current state (BatchNorm in training mode). ``calls_children``: the fused
+forward calls child modules whose parameters the module's own forward uses directly
+(``nn.MultiheadAttention``'s ``out_proj``), so it is installed whenever any parameter below the module
+trains, even with none of its own trainable.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch import nn
 @dataclass(frozen=True)
 class Rule:
     norms: Callable | None
-    params: tuple[str, ...] = ("weight", "bias")
+    params: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ("weight", "bias")
     fused: Callable | None = None
     check: Callable | None = None
     calls_children: bool = False
@@ -43,7 +46,13 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
         raise ValueError(f"register_rule: norms must be callable or None, got {norms!r}")
     if calls_children and fused is None:
         raise ValueError(f"register_rule: {module_type.__name__}: calls_children needs a fused form")
-    rule = Rule(norms=norms, params=tuple(params), fused=fused, check=check,
+    if not callable(params):
+        names = tuple(params) if isinstance(params, (tuple, list)) else None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"register_rule: {module_type.__name__}: params must be a tuple of parameter "
+                             f"names or a callable params(module) giving them, got {params!r}")
+        params = names
+    rule = Rule(norms=norms, params=params, fused=fused, check=check,
                 calls_children=bool(calls_children))
     RULES[module_type] = rule
     return rule
@@ -56,3 +65,9 @@ def rule_for(module: nn.Module) -> Rule | None:
         if rule is not None:
             return rule if type(module).forward is cls.forward else None
     return None
+
+
+def covered_params(rule: Rule, module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s direct parameters that ``rule`` covers (its ``params``, called on the module
+    when it is a callable)."""
+    return tuple(rule.params(module)) if callable(rule.params) else rule.params

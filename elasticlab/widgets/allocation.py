@@ -155,22 +155,22 @@ class AllocationExplorer(Panel):
 
         jobs = default_jobs() if jobs is None else jobs
         capacity, max_capacity = whole("capacity", capacity, 1), whole("max_capacity", max_capacity, 1)
-        number("p", p, lambda v: -3.0 <= v <= 1.0, "a fairness power in [-3, 1] (the slider's range)")
+        p = number("p", p, lambda v: -3.0 <= v <= 1.0, "a fairness power in [-3, 1] (the slider's range)")
         unknown = [b for b in baselines or () if b not in POLICIES]
         if unknown:
             raise ValueError(f"unknown baseline policies {unknown}; choose from {sorted(POLICIES)}")
-        if int(max_capacity) < len(jobs):
+        if max_capacity < len(jobs):
             raise ValueError(f"max_capacity {max_capacity!r} is below the number of jobs {len(jobs)}")
-        if not len(jobs) <= int(capacity) <= int(max_capacity):
+        if not len(jobs) <= capacity <= max_capacity:
             raise ValueError(f"capacity must be in [{len(jobs)}, {max_capacity}], got {capacity!r}")
         self.table = job_table(jobs)
         self.jobs = make_jobs(self.table)
         self.gpus_per_node = int(gpus_per_node)
         self.baselines = baseline_policies() if baselines is None else tuple(baselines)
-        self.capacity = W.IntSlider(value=int(capacity), min=len(self.jobs), max=int(max_capacity),
+        self.capacity = W.IntSlider(value=capacity, min=len(self.jobs), max=max_capacity,
                                     description="GPUs", continuous_update=False)
         self.capacity.add_class("elasticlab-capacity")
-        self.p = W.FloatSlider(value=float(p), min=-3.0, max=1.0, step=0.25, description="fairness p",
+        self.p = W.FloatSlider(value=p, min=-3.0, max=1.0, step=0.25, description="fairness p",
                                continuous_update=False)
         self.p.add_class("elasticlab-fairness")
         self.totals = W.HTML()

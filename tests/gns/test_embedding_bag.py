@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.reference import example_param_sq_norms
 
 
 class Bags(nn.Module):
@@ -20,18 +21,6 @@ class Bags(nn.Module):
 
     def forward(self, idx, offsets=None, psw=None):
         return self.head(self.bag(idx, offsets=offsets, per_sample_weights=psw))
-
-
-def per_bag_sq_norms(model, args, y):
-    """‖∇ ℓ_b‖² of every parameter, bag by bag, with ℓ_b = ‖out_b − y_b‖² (bags do not interact)."""
-    out = model(*args)
-    params = dict(model.named_parameters())
-    rows = []
-    for b in range(out.shape[0]):
-        gs = torch.autograd.grad((out[b] - y[b]).pow(2).sum(), list(params.values()), retain_graph=True,
-                                 allow_unused=True)
-        rows.append([0.0 if g is None else g.pow(2).sum() for g in gs])
-    return {k: torch.tensor([float(r[i]) for r in rows], dtype=torch.float64) for i, k in enumerate(params)}
 
 
 @settings(max_examples=40, deadline=None)
@@ -53,9 +42,11 @@ def test_against_per_bag_autograd(mode, form, pad, weighted, reduction, fused, c
     if weighted and mode == "sum":
         psw = torch.randn(idx.shape, dtype=torch.float64)
     args = (idx, offsets, psw)
-    B = model(*args).shape[0]
+    out = model(*args)
+    B = out.shape[0]
     y = torch.randn(B, 2, dtype=torch.float64)
-    want = per_bag_sq_norms(model, args, y)
+    # The reference: ‖∇ ℓ_b‖² of every parameter, bag by bag, ℓ_b = ‖out_b − y_b‖² (bags do not interact).
+    want = example_param_sq_norms(model, ((out[b] - y[b]).pow(2).sum() for b in range(B)))
     model.zero_grad()
     with PerSampleGradNorms(model, loss_reduction=reduction, fused=fused) as n:
         loss = (model(*args) - y).pow(2).sum()

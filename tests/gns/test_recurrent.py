@@ -1,6 +1,8 @@
 """PerSampleGradNorms for nn.RNN / nn.LSTM / nn.GRU against per-example gradients of the layers' own (ATen)
 forward in float64, with hypothesis shapes: layers, directions, batch_first, bias, initial states, losses on
-the outputs, on the final states or on one step only; the output and .grad unchanged; dropout; the errors."""
+the outputs, on the final states or on one step only; the output and .grad unchanged; dropout; the errors;
+the rule's parameter names taken from the module (register_rule's params as a callable); the loop
+references of elasticlab.gns.reference."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns import RULES, PerSampleGradNorms, covered_params, register_rule, rule_for
+from elasticlab.gns.reference import (
+    example_param_sq_norms,
+    func_param_sq_norms,
+    func_sq_norms,
+    loop_param_sq_norms,
+    loop_sq_norms,
+)
 
 CELLS = {"rnn_tanh": lambda **k: nn.RNN(nonlinearity="tanh", **k), "rnn_relu": lambda **k: nn.RNN(
     nonlinearity="relu", **k), "lstm": nn.LSTM, "gru": nn.GRU}
@@ -45,13 +54,12 @@ def test_against_the_layers_own_forward(cell, layers, bi, batch_first, bias, wit
     if with_hx:
         hx = torch.randn(L, B, 4, dtype=torch.float64)
         hx = (hx, torch.randn(L, B, 4, dtype=torch.float64)) if cell == "lstm" else hx
-    want = {k: [] for k, _ in m.named_parameters()}
-    for b in range(B):                                       # the reference: one example at a time
+
+    def example_loss(b):                                     # the reference: one example at a time
         xb = x[b:b + 1] if batch_first else x[:, b:b + 1]
         hb = None if hx is None else (tuple(h[:, b:b + 1] for h in hx) if cell == "lstm" else hx[:, b:b + 1])
-        grads = torch.autograd.grad(run(m, xb, hb, which)[2], list(m.parameters()), allow_unused=True)
-        for k, g in zip(want, grads):
-            want[k].append(0.0 if g is None else float(g.pow(2).sum()))
+        return run(m, xb, hb, which)[2]
+    want = example_param_sq_norms(m, (example_loss(b) for b in range(B)))
     out0, h0, loss0 = run(m, x, hx, which)
     m.zero_grad()
     (loss0 / (B if reduction == "mean" else 1)).backward()
@@ -66,8 +74,7 @@ def test_against_the_layers_own_forward(cell, layers, bi, batch_first, bias, wit
     got = n.param_sq_norms()
     assert set(got) == set(want)
     for k in want:
-        torch.testing.assert_close(got[k], torch.tensor(want[k], dtype=torch.float64), rtol=1e-8, atol=1e-12,
-                                   msg=k)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
@@ -94,6 +101,40 @@ def test_errors():
             lstm(packed)
     with pytest.raises(ValueError, match="weight_hr_l0"):
         PerSampleGradNorms(nn.LSTM(3, 4, proj_size=2))
+
+
+def test_the_rule_covers_the_layers_own_parameters():
+    """The rule's names come from the module (any depth): exactly its parameters, without proj_size's."""
+    for m in (nn.GRU(3, 4, num_layers=3, bidirectional=True), nn.LSTM(3, 4, num_layers=2, bias=False),
+              nn.RNN(3, 4)):
+        assert covered_params(rule_for(m), m) == tuple(k for k, _ in m.named_parameters())
+    lstm = nn.LSTM(3, 4, proj_size=2, bidirectional=True)
+    assert set(dict(lstm.named_parameters())) - set(covered_params(rule_for(lstm), lstm)) == {
+        "weight_hr_l0", "weight_hr_l0_reverse"}
+
+
+def test_register_rule_takes_a_tuple_or_a_callable_for_params():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return x * self.a * self.b
+
+    for bad in ("a", 3, None, ("a", 3)):
+        with pytest.raises(ValueError, match="Two: params must be a tuple of parameter names or a callable"):
+            register_rule(Two, lambda *args: {}, params=bad)
+    assert Two not in RULES
+    try:
+        rule = register_rule(Two, lambda *args: {}, params=lambda m: ("a",))
+        assert covered_params(rule, Two()) == ("a",)
+        with pytest.raises(ValueError, match=r"of type Two \(parameters \['b'\]\)"):
+            PerSampleGradNorms(Two())
+        assert covered_params(register_rule(Two, lambda *args: {}, params=["a", "b"]), Two()) == ("a", "b")
+        PerSampleGradNorms(Two())
+    finally:
+        RULES.pop(Two, None)
 
 
 def test_in_a_language_model_with_autocast():
@@ -151,10 +192,9 @@ def test_cuda_matches_the_cpu(cell):
 
 
 def test_loop_reference_equals_torch_func_and_psgn():
-    """reference.loop_sq_norms (the benchmark's check where vmap cannot batch nn.LSTM) against torch.func on
-    a model vmap handles, and against PerSampleGradNorms on an LSTM."""
-    from elasticlab.gns.reference import func_sq_norms, loop_sq_norms
-
+    """reference.loop_sq_norms (the benchmark's check where vmap cannot batch nn.LSTM) and its per-parameter
+    loop_param_sq_norms against torch.func on a model vmap handles, and against PerSampleGradNorms on an
+    LSTM."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
@@ -162,9 +202,16 @@ def test_loop_reference_equals_torch_func_and_psgn():
     def sq(o, t):
         return (o - t).pow(2).sum()
     torch.testing.assert_close(loop_sq_norms(mlp, sq, x, y), func_sq_norms(mlp, sq, x, y), rtol=1e-12, atol=0)
+    per, ref = loop_param_sq_norms(mlp, sq, x, y), func_param_sq_norms(mlp, sq, x, y)
+    assert list(per) == list(ref)
+    for k in ref:
+        torch.testing.assert_close(per[k], ref[k], rtol=1e-12, atol=0, msg=k)
     lstm = nn.LSTM(3, 4, batch_first=True).double()
     xs, ys = torch.randn(4, 5, 3, dtype=torch.float64), torch.randn(4, 5, 4, dtype=torch.float64)
     want = loop_sq_norms(lstm, lambda o, t: sq(o[0], t), xs, ys)
     with PerSampleGradNorms(lstm, loss_reduction="sum") as n:
         sq(lstm(xs)[0], ys).backward()
     torch.testing.assert_close(n.sq_norms(), want, rtol=1e-10, atol=0)
+    per = loop_param_sq_norms(lstm, lambda o, t: sq(o[0], t), xs, ys)
+    for k, v in n.param_sq_norms().items():
+        torch.testing.assert_close(v, per[k], rtol=1e-10, atol=0, msg=k)

@@ -1,7 +1,8 @@
 """``nn.Embedding``: rows of one example that share an index add up before the norm.
 
-‖∇E ℓ_b‖² = Σ_v ‖Σ_{t: idx_{b,t}=v} δ_{b,t}‖². The segment sums over (example, index) keys are formed with a
-sort and a cumulative sum into a buffer of fixed size (one row per position), so nothing waits on the host.
+‖∇E ℓ_b‖² = Σ_v ‖Σ_{t: idx_{b,t}=v} δ_{b,t}‖². The segment sums over (example, index) keys
+(:func:`segment_sums`, shared with :mod:`.embedding_bag`) are formed with a sort and a cumulative sum into a
+buffer of fixed size (one row per position), so nothing waits on the host.
 An embedding called on an index without the batch dimension (a positional embedding on ``arange(T)``,
 broadcast over the batch) receives the batch-summed gradient, from which per-example norms cannot be
 recovered: expand the index over the batch instead (``pos.unsqueeze(0).expand(B, -1)``).
@@ -14,6 +15,22 @@ from torch import nn
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import batched
 from elasticlab.gns.registry import register_rule
+
+
+def segment_sums(example: torch.Tensor, index: torch.Tensor, size: int, values: torch.Tensor):
+    """Sums of ``values`` (N,) or (N, D) over the positions sharing an (example, index) key, index < ``size``
+    (``example`` and ``index`` broadcast to N positions): (sums, owner), one slot per position, the segments
+    first in key order and the rest zero; ``owner`` is each segment's example (0 for the unused slots).
+    A sort and a cumulative sum into buffers of fixed size: nothing waits on the host."""
+    key = (example * size + index).reshape(-1)
+    skey, order = torch.sort(key)
+    first = torch.ones_like(skey, dtype=torch.bool)
+    first[1:] = skey[1:] != skey[:-1]
+    group = torch.cumsum(first, 0) - 1                               # segment id of each sorted position
+    sums = values.new_zeros(values.shape).index_add_(0, group, values[order])
+    owner = torch.zeros(key.numel(), dtype=torch.long, device=key.device)
+    owner[group] = torch.div(skey, size, rounding_mode="floor")
+    return sums, owner
 
 
 def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict:
@@ -31,16 +48,8 @@ def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict
     d2 = d2.to(kernels.acc_dtype(d2.dtype))
     if module.padding_idx is not None:
         d2 = d2.masked_fill((idx2 == module.padding_idx).unsqueeze(-1), 0)
-    key = (torch.arange(B, device=idx.device).unsqueeze(1) * V + idx2).reshape(-1)
-    skey, order = torch.sort(key)
-    first = torch.ones_like(skey, dtype=torch.bool)
-    first[1:] = skey[1:] != skey[:-1]
-    group = torch.cumsum(first, 0) - 1                               # segment id of each sorted position
-    rows = d2.new_zeros(key.numel(), D).index_add_(0, group, d2.reshape(-1, D)[order])
-    # Every segment belongs to one example; unused rows are zero and add nothing.
-    owner = torch.zeros(key.numel(), dtype=torch.long, device=idx.device)
-    owner[group] = torch.div(skey, V, rounding_mode="floor")
-    per = d2.new_zeros(B).index_add_(0, owner, kernels.row_sq(rows))
+    sums, owner = segment_sums(torch.arange(B, device=idx.device).unsqueeze(1), idx2, V, d2.reshape(-1, D))
+    per = d2.new_zeros(B).index_add_(0, owner, kernels.row_sq(sums))
     return {"weight": per}
 
 

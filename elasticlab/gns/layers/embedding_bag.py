@@ -3,11 +3,11 @@
 Bag b's output is o_b = Σ_j c_j E[idx_j] over its positions j (``sum``: c_j = 1, or the per-sample weight;
 ``mean``: c_j = 1/n_b over its n_b non-padding positions), so ∇E ℓ_b puts (Σ_{j: idx_j=v} c_j)·δ_b on row
 v, and ‖∇E ℓ_b‖² = ‖δ_b‖² · Σ_v (Σ_{j: idx_j=v} c_j)². Under ``max`` each output coordinate takes one row,
-so ‖∇E ℓ_b‖² = ‖δ_b‖² for a non-empty bag. The coefficient sums over (bag, index) keys use a sort, as
-:mod:`.embedding` does, with nothing waiting on the host. The batch is the bags: the rows of a 2-D input, or
-the bags its ``offsets`` cut a 1-D input into. A replacement forward (it sees ``offsets`` and
-``per_sample_weights`` passed by keyword, which a forward hook does not) runs the module's own forward and
-hooks its output's gradient.
+so ‖∇E ℓ_b‖² = ‖δ_b‖² for a non-empty bag. The coefficient sums over (bag, index) keys are
+:func:`.embedding.segment_sums`' (a sort), with nothing waiting on the host. The batch is the bags: the rows
+of a 2-D input, or the bags its ``offsets`` cut a 1-D input into. A replacement forward (it sees
+``offsets`` and ``per_sample_weights`` passed by keyword, which a forward hook does not) runs the module's
+own forward and hooks its output's gradient.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from elasticlab.gns import kernels
+from elasticlab.gns.layers.embedding import segment_sums
 from elasticlab.gns.registry import register_rule
 
 
@@ -38,15 +39,7 @@ def bag_coefficient_sq(module: nn.EmbeddingBag, idx: torch.Tensor, offsets, per_
     c = keep if per_sample_weights is None else keep * per_sample_weights.reshape(-1).to(dtype)
     if module.mode == "mean":
         c = c / count.clamp_min(1)[bag]
-    V = module.num_embeddings
-    key = bag * V + idx
-    skey, order = torch.sort(key)
-    first = torch.ones_like(skey, dtype=torch.bool)
-    first[1:] = skey[1:] != skey[:-1]
-    group = torch.cumsum(first, 0) - 1
-    sums = c.new_zeros(key.numel()).index_add_(0, group, c[order])
-    owner = torch.zeros(key.numel(), dtype=torch.long, device=dev)
-    owner[group] = torch.div(skey, V, rounding_mode="floor")
+    sums, owner = segment_sums(bag, idx, module.num_embeddings, c)
     return c.new_zeros(bags).index_add_(0, owner.clamp(0, bags - 1), sums * sums)
 
 

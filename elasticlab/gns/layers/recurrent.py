@@ -21,9 +21,14 @@ from elasticlab.gns import kernels
 from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
 
-_MAX_LAYERS = 64
-_PARAMS = tuple(f"{kind}_{side}_l{k}{sfx}" for k in range(_MAX_LAYERS) for sfx in ("", "_reverse")
-                for kind in ("weight", "bias") for side in ("ih", "hh"))
+
+def recurrent_params(module: nn.Module) -> tuple[str, ...]:
+    """The parameters the rule covers, in the module's order: W_ih, W_hh (and b_ih, b_hh with ``bias``) of
+    every layer and direction; not an LSTM's projection ``weight_hr`` (no rule)."""
+    kinds = ("weight", "bias") if module.bias else ("weight",)
+    sfxs = ("", "_reverse") if module.bidirectional else ("",)
+    return tuple(f"{kind}_{side}_l{k}{sfx}" for k in range(module.num_layers) for sfx in sfxs
+                 for kind in kinds for side in ("ih", "hh"))
 
 
 def _cell(module: nn.Module, gi, gh, state):
@@ -122,4 +127,4 @@ def recurrent_forward(module: nn.Module, slot):
 
 
 for _cls in (nn.RNN, nn.LSTM, nn.GRU):
-    register_rule(_cls, None, params=_PARAMS, fused=recurrent_forward, check=recurrent_check)
+    register_rule(_cls, None, params=recurrent_params, fused=recurrent_forward, check=recurrent_check)
