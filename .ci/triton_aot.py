@@ -3,7 +3,8 @@ ptxas, for every tile the wrappers choose, each dtype and precision, both loops,
 gradient, and the tile sweeps of benchmarks/bench_seq_linear_cuda.py. Fails on a kernel that does not compile,
 that needs more shared memory than an sm_90 block may have, or, among those the layers launch by default
 (16-bit, row-major operands, the wrappers' and the tuner's configs: :func:`on_default_path`), that spills
-registers; prints each kernel's shared memory, registers and spills (ptxas's log). Run by .ci/run in
+registers (the tuner's wide tile, which spills by design: more than :data:`WIDE_SPILL_BYTES`);
+prints each kernel's shared memory, registers and spills (ptxas's log). Run by .ci/run in
 .venv-cuda (its torch ships Triton):
 
     .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2] [--digest FILE] [--kernels outer-tma,ghost]
@@ -54,7 +55,7 @@ def cases() -> list[tuple]:
     """(kernel, dtype, meta, num_warps, num_stages, ints specialised to 1) for every variant checked."""
     import bench_seq_linear_cuda as bench
 
-    from elasticlab.gns import triton_conv
+    from elasticlab.gns import triton_conv, triton_outer
     out = []
     import torch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -71,6 +72,11 @@ def cases() -> list[tuple]:
         out.append((kernel, dt, meta, w, s, ()))
         if kernel == "outer":
             out.append((kernel, dt, meta, w, s, ROW_MAJOR))
+    # the tuner's wide tile (TMA loads, 16-bit layers), both loops, with and without the gradient
+    for dt, flat, grad in itertools.product(("bf16", "fp16"), (False, True), (False, True)):
+        bm, bn, bk, w, s = triton_outer.WIDE
+        meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION="tf32", FLAT=flat)
+        out.append(("outer-tma", dt, meta, w, s, ()))
     for bm, bn, bk, w, s, flat, tma in bench.SWEEP["configs"]:
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", "bf16", meta, w, s, ()) if tma else ("outer", "bf16", meta, w, s, ROW_MAJOR))
@@ -127,6 +133,22 @@ def on_default_path(case: tuple) -> bool:
     if name == "ghost":
         return (meta["BT"], meta["BK"], warps, stages) in _ghost_configs(half)
     return False
+
+
+# The wide tile's two float32 tiles pass 255 registers a thread by design: ptxas spills about 170 B of them
+# (Triton 3.8). Above this many bytes stored it is a regression (checked like a default tile's spill).
+WIDE_SPILL_BYTES = 256
+
+
+def wide_spill_over(case: tuple, label: str) -> bool:
+    """Whether ``case`` is the tuner's wide tile (:data:`elasticlab.gns.triton_outer.WIDE`) in 16-bit and
+    spills more than :data:`WIDE_SPILL_BYTES` stored."""
+    from elasticlab.gns import triton_outer
+    name, dt, meta, warps, stages, _ = case
+    tile = (meta.get("BM"), meta.get("BN"), meta.get("BK"), warps, stages)
+    m = re.search(r"SPILLS (\d+) B stored", label)
+    return (name == "outer-tma" and dt in ("bf16", "fp16") and tile == triton_outer.WIDE and m is not None
+            and int(m.group(1)) > WIDE_SPILL_BYTES)
 
 
 def _ptxas_report(log: str) -> str:
@@ -218,7 +240,8 @@ def main(argv=None) -> int:
         todo = [c for c in todo if c[0] in names]
     # a fresh cache: a kernel found in Triton's cache is not compiled again, and so has no ptxas log
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_aot_")
-    bad = spills = 0
+    from elasticlab.gns import triton_outer
+    bad = spills = wide = 0
     default_spills, digests = [], {}
     with ProcessPoolExecutor(args.jobs) as pool:
         run = functools.partial(compile_case, digest=bool(args.digest))
@@ -227,14 +250,18 @@ def main(argv=None) -> int:
                 digests[label.split(", ")[0]] = sha          # the label before its registers
             bad += bool(err)
             spills += "SPILLS" in label
-            if "SPILLS" in label and on_default_path(case):
+            wide += "SPILLS" in label and case[0] == "outer-tma" and case[1] in ("bf16", "fp16") and (
+                case[2]["BM"], case[2]["BN"], case[2]["BK"], case[3], case[4]) == triton_outer.WIDE
+            if "SPILLS" in label and on_default_path(case) or wide_spill_over(case, label):
                 default_spills.append(label)
             print(("FAIL " if err else "ok   ") + label + (f": {err}" if err else f" (shared {shared} B)"),
                   flush=True)
     print(f"{len(todo) - bad} of {len(todo)} Triton kernels compile for sm_90; {spills} spill registers, "
-          f"{len(default_spills)} of those the layers launch by default (16-bit, row-major)")
+          f"{wide} of those the tuner's wide tile (at most {WIDE_SPILL_BYTES} B allowed), "
+          f"{len(default_spills)} over the rules (a tile the layers launch by default, 16-bit, row-major, "
+          "or the wide tile over its bound)")
     for label in default_spills:         # a regression of a default tile: its registers reach local memory
-        print(f"FAIL spills on the default path: {label}")
+        print(f"FAIL spills on the default path (the wide tile: over {WIDE_SPILL_BYTES} B): {label}")
     if args.digest:
         with open(args.digest, "w") as f:
             json.dump(digests, f, indent=0, sort_keys=True)

@@ -120,12 +120,17 @@ def _scratch_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
 
 
-_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
-          (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
-# (BM, BN, BK, warps, stages, flat, tma): each tile shape in both loops, with pointer and with TMA loads
-SWEEP = {"layers": ["G3.up", "G1.head"],
-         "configs": [t + (f, m) for t in _TILES for m in (False, True)[:1 + triton_tune.TMA]
-                     for f in (False, True)]}
+# Pointer loads: the default 128×128 tile at 3 and 4 stages. TMA loads, which won every large-layer sweep
+# since session 10 (H100, H200): those, narrower and wider tiles (the tuner's WIDE first among them), a
+# K step of 128 (half the loop turns a T = 512 example), and a 256-row tile.
+_POINTER_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
+_TMA_TILES = _POINTER_TILES + [(128, 64, 64, 4, 4), (64, 128, 64, 4, 4), triton_outer.WIDE,
+                               (128, 256, 64, 8, 4), (128, 256, 32, 8, 5), (256, 128, 64, 8, 3),
+                               (128, 128, 128, 8, 3)]
+# (BM, BN, BK, warps, stages, flat, tma): each tile in both loops
+SWEEP = {"layers": ["G3.up", "G3.down", "G1.head"],
+         "configs": [t + (f, False) for t in _POINTER_TILES for f in (False, True)]
+         + ([t + (f, True) for t in _TMA_TILES for f in (False, True)] if triton_tune.TMA else [])}
 
 
 def _sweep_layer(name: str, iters: int, configs, form) -> dict:
@@ -144,10 +149,11 @@ def _sweep_layer(name: str, iters: int, configs, form) -> dict:
     return row
 
 
-def sweep_triton(iters: int) -> dict:
-    """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16)."""
+def sweep_triton(iters: int, layers=None) -> dict:
+    """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16), on
+    ``layers`` (default: :data:`SWEEP`'s)."""
     out = {}
-    for name in SWEEP["layers"]:
+    for name in layers or SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters, SWEEP["configs"], triton_outer.outer_norms)
         for tma in (False, True):
             for flat in (False, True):              # one line per loop: BMxBNxBK/warps/stages ratio
@@ -215,9 +221,23 @@ def sweep_chunks(iters: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sweep-only", metavar="LAYERS", nargs="?", const=",".join(SWEEP["layers"]),
+                    help="only the Triton tile sweep, on these layers (comma-separated; default: "
+                    + ",".join(SWEEP["layers"]) + ")")
     args = ap.parse_args(argv)
+    if args.sweep_only is not None:
+        unknown = [n for n in args.sweep_only.split(",") if n not in SHAPES]
+        if unknown:
+            ap.error(f"--sweep-only: unknown layer {', '.join(unknown)} (known: {', '.join(SHAPES)})")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
+    if args.sweep_only is not None:
+        if not triton_outer.HAS_TRITON:
+            raise SystemExit("--sweep-only needs Triton")
+        torch.manual_seed(0)
+        sweep = sweep_triton(args.iters, args.sweep_only.split(","))
+        print("RESULT " + json.dumps({"triton_sweep": sweep}))
+        return 0
     torch.manual_seed(0)
     ceil = ceilings(args.iters)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))

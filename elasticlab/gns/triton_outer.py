@@ -270,6 +270,22 @@ def _config(Din: int, Dout: int, dtype: torch.dtype | None = None) -> tuple[int,
     return bm, bn, 64, 8 if wide else 4, stages, FLAT
 
 
+# A wider tile, timed by :mod:`elasticlab.gns.triton_tune` beside :func:`_config`'s on 16-bit layers wide
+# enough to fill it (:func:`wide_ok`), in the TMA form: 128×256, 8 warps, 3 stages. It loads a quarter fewer
+# operand bytes per multiply-add; its two float32 tiles (the example's and the gradient's) need over 255
+# registers a thread, so it spills about 170 B in the epilogue (ptxas for sm_90; .ci/triton_aot.py bounds
+# it). On an H200 (2026-11-28, bench_seq_linear_cuda.py's sweep, bf16) it was still the fastest of 24
+# configs on G3.up (TMA, flat loop: 1.32× the weight-gradient GEMM, against 1.39× for the default tile) and on
+# G1.head (1.19× against 1.40×). Not a default: the tuner keeps it only where it times fastest.
+WIDE = (128, 256, 64, 8, 3)
+
+
+def wide_ok(din: int, dout: int, dtype: torch.dtype) -> bool:
+    """Whether :data:`WIDE` is a candidate for a (Din → Dout) layer of ``dtype``: 16-bit operands, Din ≥ 256
+    and Dout ≥ 128 (a narrower layer would leave most of the tile empty)."""
+    return dtype in (torch.bfloat16, torch.float16) and din >= WIDE[1] and dout >= WIDE[0]
+
+
 def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tuple | None = None,
                   tma: bool = False, dtype: torch.dtype | None = None) -> int:
     """Bytes :func:`outer_norms` allocates beyond its results: the partial norms (B × tiles floats, × BM for

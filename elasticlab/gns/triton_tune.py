@@ -2,7 +2,8 @@
 
 :mod:`elasticlab.gns.triton_outer` has four variants of one computation: two loops (``flat``: one loop over
 (example, K step) pairs; nested: a K loop per example) × two ways of loading the operands (pointers, or
-Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`). Beside them, where its
+Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`), and with TMA loads on wide
+16-bit layers a wider tile too (:data:`~elasticlab.gns.triton_outer.WIDE`, "-wide"). Beside them, where its
 multiply-adds are fewer (:func:`elasticlab.gns.triton_gram.worthwhile`) and :data:`GHOST` is on, the fused
 Gram form ("ghost": :func:`elasticlab.gns.triton_gram.ghost_norms` and the plain weight-gradient GEMM, whose
 gradient is then in the inputs' dtype, as the plain layer's). The H100 sweeps of ``bench_seq_linear_cuda.py``
@@ -44,16 +45,23 @@ def active(a: torch.Tensor) -> bool:
 
 def variant_name(config: tuple) -> str:
     """Which variant a full config (BM, BN, BK, warps, stages, flat, tma) runs: "pointer" or "tma", then
-    "-nested" or "-flat"."""
-    return ("tma" if config[6] else "pointer") + ("-flat" if config[5] else "-nested")
+    "-nested" or "-flat", then "-wide" for the tile :data:`~elasticlab.gns.triton_outer.WIDE`."""
+    return (("tma" if config[6] else "pointer") + ("-flat" if config[5] else "-nested")
+            + ("-wide" if tuple(config[:5]) == triton_outer.WIDE else ""))
 
 
 def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     """The full configs timed for these operands: the tile of :func:`~elasticlab.gns.triton_outer._config`,
-    both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands."""
-    base = triton_outer._config(a.shape[2], d.shape[2], a.dtype)[:5]
-    loads = (False, True) if TMA and triton_outer.tma_ok(a, d) else (False,)
-    return [base + (flat, tma) for tma in loads for flat in (False, True)]
+    both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands; with TMA loads,
+    where :func:`~elasticlab.gns.triton_outer.wide_ok`, the tile :data:`~elasticlab.gns.triton_outer.WIDE`
+    in both loops as well."""
+    din, dout = a.shape[2], d.shape[2]
+    base = triton_outer._config(din, dout, a.dtype)[:5]
+    tma = TMA and triton_outer.tma_ok(a, d)
+    out = [base + (flat, t) for t in ((False, True) if tma else (False,)) for flat in (False, True)]
+    if tma and triton_outer.wide_ok(din, dout, a.dtype):
+        out += [triton_outer.WIDE + (flat, True) for flat in (False, True)]
+    return out
 
 
 def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):

@@ -71,6 +71,27 @@ def test_every_config_of_the_gram_sweep_gives_the_reference_norms(bench):
         torch.testing.assert_close(norms.double().cpu(), ref, rtol=2e-5, atol=0, msg=str(cfg))
 
 
+@pytest.mark.skipif(not triton_outer.HAS_TRITON, reason="the outer kernel needs Triton")
+def test_every_config_of_the_tile_sweep_gives_the_reference_norms_and_gradient(bench):
+    """``SWEEP``'s tiles (the tuner's wide one among them), both loops and both loads, on a layer that cuts
+    every tile at its edges (Din = 264, Dout = 136; T = 70 off each K step)."""
+    seq, _ = bench
+    dev = triton_outer.kernel_device()
+    if dev is None:
+        pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(2, 70, 264, generator=g).to(dev, DTYPES[1])
+    d = (torch.randn(2, 70, 136, generator=g) / 70 ** 0.5).to(dev, DTYPES[1])
+    ref, ref_grad = kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu(), True)
+    configs = seq.SWEEP["configs"]
+    assert any(c[:5] == triton_outer.WIDE for c in configs) == bool(seq.triton_tune.TMA)
+    for cfg in configs:
+        norms, grad = triton_outer.outer_norms(a, d, True, cfg)
+        torch.testing.assert_close(norms.double().cpu(), ref, rtol=2e-5, atol=0, msg=str(cfg))
+        torch.testing.assert_close(grad.double().cpu(), ref_grad, rtol=2e-5,
+                                   atol=2e-5 * ref_grad.abs().max().item(), msg=str(cfg))
+
+
 def test_sequence_linear_head_leaves_out_the_gram_form(bench):
     seq, _ = bench
     a, d = torch.randn(2, 3, 4), torch.randn(2, 3, 5)

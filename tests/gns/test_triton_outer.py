@@ -108,6 +108,7 @@ TMA_CASES = [
     (3, 70, 40, 136, None),
     (5, 33, 72, 24, (32, 32, 16, 4, 2)),
     (9, 16, 48, 64, (32, 32, 16, 4, 2)),
+    (2, 70, 264, 136, triton_outer.WIDE),             # the tuner's wide tile, both edges cut
 ]
 
 

@@ -172,6 +172,38 @@ def test_tma_variants_can_be_kept_out(monkeypatch):
                                                                                   "pointer-flat"}
 
 
+@pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")
+def test_the_wide_tile_is_timed_on_wide_16_bit_layers_with_tma_loads(monkeypatch):
+    """Din = 264 ≥ 256, Dout = 136 ≥ 128 in float16: the wide tile in both loops joins the four variants, is
+    timed, and when the clock says it is the fastest it is kept and its result is right. Narrower layers,
+    float32 ones and those without TMA loads do not time it."""
+    a, d = _inputs(2, 20, 264, 136)
+    names = {triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)}
+    assert names == {"pointer-nested", "pointer-flat", "tma-nested", "tma-flat", "tma-nested-wide",
+                     "tma-flat-wide"}
+    narrow = _inputs(2, 20, 248, 136)[0]
+    assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(narrow, d))
+    assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(a.float(), d.float()))
+    monkeypatch.setattr(triton_tune, "TMA", False)
+    assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(a, d))
+    monkeypatch.setattr(triton_tune, "TMA", True)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    real = triton_tune.timing.elapsed
+
+    def clock(fn, device, repeats=3):
+        real(fn, device, 1)
+        c = fn.args[3]                                    # a Gram-kernel config has 4 entries
+        return 0.0 if len(c) == 7 and triton_tune.variant_name(c) == "tma-flat-wide" else 1.0
+
+    monkeypatch.setattr(triton_tune.timing, "elapsed", clock)
+    want = _reference(a, d)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    assert list(triton_tune.chosen().values()) == ["tma-flat-wide"]
+    seen = _count_configs(monkeypatch)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    assert [c[:5] for c in seen] == [triton_outer.WIDE]
+
+
 def test_off_or_untunable_it_runs_the_fixed_variant(monkeypatch):
     a, d = _inputs(2, 9, 16, 24)
     seen = _count_configs(monkeypatch)
