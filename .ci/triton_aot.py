@@ -77,7 +77,7 @@ def cases() -> list[tuple]:
         bm, bn, bk, w, s = triton_outer.WIDE
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", dt, meta, w, s, ()))
-    for bm, bn, bk, w, s, flat, tma in bench.SWEEP["configs"]:
+    for bm, bn, bk, w, s, flat, tma, *_ in bench.SWEEP["configs"]:          # a swap runs the same kernel
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", "bf16", meta, w, s, ()) if tma else ("outer", "bf16", meta, w, s, ROW_MAJOR))
     # as launched on a contiguous layer with one split: SPLIT is specialised to 1 too

@@ -127,10 +127,13 @@ _POINTER_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
 _TMA_TILES = _POINTER_TILES + [(128, 64, 64, 4, 4), (64, 128, 64, 4, 4), triton_outer.WIDE,
                                (128, 256, 64, 8, 4), (128, 256, 32, 8, 5), (256, 128, 64, 8, 3),
                                (128, 128, 128, 8, 3)]
-# (BM, BN, BK, warps, stages, flat, tma): each tile in both loops
+# (BM, BN, BK, warps, stages, flat, tma[, swap]): each tile in both loops; the default and the wide tile in
+# the TMA flat loop on the mirrored shape too (swap: G3.down then runs as G3.up's geometry, plus a transpose)
 SWEEP = {"layers": ["G3.up", "G3.down", "G1.head"],
          "configs": [t + (f, False) for t in _POINTER_TILES for f in (False, True)]
-         + ([t + (f, True) for t in _TMA_TILES for f in (False, True)] if triton_tune.TMA else [])}
+         + ([t + (f, True) for t in _TMA_TILES for f in (False, True)]
+            + [t + (True, True, True) for t in ((128, 128, 64, 8, 4), triton_outer.WIDE)]
+            if triton_tune.TMA else [])}
 
 
 def _sweep_layer(name: str, iters: int, configs, form) -> dict:
@@ -155,12 +158,14 @@ def sweep_triton(iters: int, layers=None) -> dict:
     out = {}
     for name in layers or SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters, SWEEP["configs"], triton_outer.outer_norms)
-        for tma in (False, True):
-            for flat in (False, True):              # one line per loop: BMxBNxBK/warps/stages ratio
-                loop = ("tma-" if tma else "") + ("flat" if flat else "nested")
-                print(f"sweep {name:8s} {loop:10s} " + "  ".join(
-                    f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
-                    for c, v in zip(SWEEP["configs"], row.values()) if c[5] == flat and c[6] == tma))
+        for tma, flat, swap in ((False, False, False), (False, True, False), (True, False, False),
+                                (True, True, False), (True, True, True)):
+            # one line per variant: BMxBNxBK/warps/stages ratio
+            loop = ("tma-" if tma else "") + ("flat" if flat else "nested") + ("-swap" if swap else "")
+            print(f"sweep {name:8s} {loop:13s} " + "  ".join(
+                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
+                for c, v in zip(SWEEP["configs"], row.values())
+                if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))
     return out
 
 

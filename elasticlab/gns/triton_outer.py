@@ -308,9 +308,12 @@ def _precision(dtype: torch.dtype, tf32: bool | None = None) -> str:
 
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
     """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
-    ``config``: (BM, BN, BK, num_warps, num_stages[, flat[, tma]]) instead of :func:`_config`'s (for tuning
-    sweeps; without ``flat``, the loop of :data:`FLAT`; without ``tma``, :data:`TMA`, which takes effect where
-    :func:`tma_ok`).
+    ``config``: (BM, BN, BK, num_warps, num_stages[, flat[, tma[, swap]]]) instead of :func:`_config`'s
+    (for tuning sweeps; without ``flat``, the loop of :data:`FLAT`; without ``tma``, :data:`TMA`, which takes
+    effect where :func:`tma_ok`). With ``swap`` the kernel forms G_bᵀ = Σ_t a_{b,t} δ_{b,t}ᵀ, the
+    gradient's rows over Din (same norms; the gradient comes back transposed into (Dout, Din), one copy):
+    the same kernel on the mirrored shape, which the tuner times beside the direct one (a layer Din → Dout
+    then runs as its mirror Dout → Din would).
     With ``with_grad=False`` no gradient buffer is allocated and the kernel stores no gradient tile (the
     partial-norm buffer, B × tiles floats, is all it writes)."""
     B, T, Din = a.shape
@@ -318,6 +321,9 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     if B == 0 or T == 0 or Din == 0 or Dout == 0:
         z = torch.zeros(B, device=a.device)
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
+    if config is not None and len(config) > 7 and config[7]:
+        norms, g = outer_norms(d, a, with_grad, tuple(config[:7]))
+        return norms, (g.t().contiguous() if g is not None else None)
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout, a.dtype)
     flat = bool(rest[0]) if rest else FLAT
     tma = bool(rest[1]) if len(rest) > 1 else TMA

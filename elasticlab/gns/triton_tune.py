@@ -3,7 +3,8 @@
 :mod:`elasticlab.gns.triton_outer` has four variants of one computation: two loops (``flat``: one loop over
 (example, K step) pairs; nested: a K loop per example) × two ways of loading the operands (pointers, or
 Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`), and with TMA loads on wide
-16-bit layers a wider tile too (:data:`~elasticlab.gns.triton_outer.WIDE`, "-wide"). Beside them, where its
+16-bit layers a wider tile too (:data:`~elasticlab.gns.triton_outer.WIDE`, "-wide"); each also on the
+layer's mirrored shape ("-swap", the gradient's rows over Din). Beside them, where its
 multiply-adds are fewer (:func:`elasticlab.gns.triton_gram.worthwhile`) and :data:`GHOST` is on, the fused
 Gram form ("ghost": :func:`elasticlab.gns.triton_gram.ghost_norms` and the plain weight-gradient GEMM, whose
 gradient is then in the inputs' dtype, as the plain layer's). The H100 sweeps of ``bench_seq_linear_cuda.py``
@@ -44,24 +45,36 @@ def active(a: torch.Tensor) -> bool:
 
 
 def variant_name(config: tuple) -> str:
-    """Which variant a full config (BM, BN, BK, warps, stages, flat, tma) runs: "pointer" or "tma", then
-    "-nested" or "-flat", then "-wide" for the tile :data:`~elasticlab.gns.triton_outer.WIDE`."""
+    """Which variant a full config (BM, BN, BK, warps, stages, flat, tma[, swap]) runs: "pointer" or "tma",
+    then "-nested" or "-flat", then "-wide" for the tile :data:`~elasticlab.gns.triton_outer.WIDE`, then
+    "-swap" for the mirrored shape."""
     return (("tma" if config[6] else "pointer") + ("-flat" if config[5] else "-nested")
-            + ("-wide" if tuple(config[:5]) == triton_outer.WIDE else ""))
+            + ("-wide" if tuple(config[:5]) == triton_outer.WIDE else "")
+            + ("-swap" if len(config) > 7 and config[7] else ""))
+
+
+def _oriented(din: int, dout: int, dtype: torch.dtype, tma: bool, swap: bool) -> list[tuple]:
+    """The configs of one orientation of a (Din → Dout) layer (``swap``: its mirror, Dout → Din)."""
+    if swap:
+        din, dout = dout, din
+    base = triton_outer._config(din, dout, dtype)[:5]
+    out = [base + (flat, t) for t in ((False, True) if tma else (False,)) for flat in (False, True)]
+    if tma and triton_outer.wide_ok(din, dout, dtype):
+        out += [triton_outer.WIDE + (flat, True) for flat in (False, True)]
+    return [c + (True,) for c in out] if swap else out
 
 
 def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     """The full configs timed for these operands: the tile of :func:`~elasticlab.gns.triton_outer._config`,
     both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands; with TMA loads,
     where :func:`~elasticlab.gns.triton_outer.wide_ok`, the tile :data:`~elasticlab.gns.triton_outer.WIDE`
-    in both loops as well."""
+    in both loops as well. Where Din ≠ Dout, each again on the mirrored shape ("-swap": the gradient's rows
+    over Din; H200, 2026-11-28: G3's 4096 → 1024 layer took 1.72× the weight-gradient GEMM where its mirror,
+    1024 → 4096, took 1.39×, in the same variant)."""
     din, dout = a.shape[2], d.shape[2]
-    base = triton_outer._config(din, dout, a.dtype)[:5]
     tma = TMA and triton_outer.tma_ok(a, d)
-    out = [base + (flat, t) for t in ((False, True) if tma else (False,)) for flat in (False, True)]
-    if tma and triton_outer.wide_ok(din, dout, a.dtype):
-        out += [triton_outer.WIDE + (flat, True) for flat in (False, True)]
-    return out
+    out = _oriented(din, dout, a.dtype, tma, False)
+    return out + (_oriented(din, dout, a.dtype, tma, True) if din != dout else [])
 
 
 def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):

@@ -69,15 +69,18 @@ def test_first_call_times_every_variant_and_later_calls_run_the_kept_one(monkeyp
     expect = {"pointer-nested", "pointer-flat"}
     if triton_outer.tma_ok(a, d):
         expect |= {"tma-nested", "tma-flat"}
-    assert set(names) == expect
-    assert len(seen) == 3 * len(names)                   # each variant: one warm-up call, then REPEATS timed
+    expect |= {n + "-swap" for n in expect}                 # Din ≠ Dout: each on the mirrored shape too
+    assert set(names) == expect and len(names) == len(expect)
+    # each variant: one warm-up call, then REPEATS timed; a swapped one calls the kernel's wrapper again
+    assert len(seen) == 3 * len(names) + 3 * sum(n.endswith("-swap") for n in names)
     (key, times), = triton_tune.tunings().items()
     assert key[:4] == (3, 40, 32, 48) and set(times) == expect and all(t > 0 for t in times.values())
     kept = triton_tune.chosen()[key]
     assert kept == min(times, key=times.get)
     seen.clear()
     _close(triton_tune.outer_norms(a, d, True), want)     # the kept variant, once, no timing
-    assert [triton_tune.variant_name(c) for c in seen] == [kept]
+    assert triton_tune.variant_name(seen[0]) == kept
+    assert len(seen) == 1 + kept.endswith("-swap")      # the mirror: the wrapper again, on (d, a)
     # norms only is another key, tuned at its own first call
     n, g = triton_tune.outer_norms(a, d, False)
     assert g is None and len(triton_tune.tunings()) == 2
@@ -150,7 +153,7 @@ def test_a_variant_that_raises_is_left_out_with_a_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="pointer-flat.*out of resources"):
         _close(triton_tune.outer_norms(a, d, True), _reference(a, d))
     (times,) = triton_tune.tunings().values()
-    assert times and not any(name.endswith("-flat") for name in times)
+    assert times and not any("-flat" in name for name in times)
 
 
 def test_when_every_variant_raises_the_error_propagates(monkeypatch):
@@ -168,8 +171,8 @@ def test_when_every_variant_raises_the_error_propagates(monkeypatch):
 def test_tma_variants_can_be_kept_out(monkeypatch):
     a, d = _inputs(2, 9, 16, 24)
     monkeypatch.setattr(triton_tune, "TMA", False)
-    assert {triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)} == {"pointer-nested",
-                                                                                  "pointer-flat"}
+    assert {triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)} == {
+        "pointer-nested", "pointer-flat", "pointer-nested-swap", "pointer-flat-swap"}
 
 
 @pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")
@@ -179,8 +182,10 @@ def test_the_wide_tile_is_timed_on_wide_16_bit_layers_with_tma_loads(monkeypatch
     float32 ones and those without TMA loads do not time it."""
     a, d = _inputs(2, 20, 264, 136)
     names = {triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)}
+    # the mirror (136 → 264) is too narrow for the wide tile
     assert names == {"pointer-nested", "pointer-flat", "tma-nested", "tma-flat", "tma-nested-wide",
-                     "tma-flat-wide"}
+                     "tma-flat-wide", "pointer-nested-swap", "pointer-flat-swap", "tma-nested-swap",
+                     "tma-flat-swap"}
     narrow = _inputs(2, 20, 248, 136)[0]
     assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(narrow, d))
     assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(a.float(), d.float()))
@@ -202,6 +207,35 @@ def test_the_wide_tile_is_timed_on_wide_16_bit_layers_with_tma_loads(monkeypatch
     seen = _count_configs(monkeypatch)
     _close(triton_tune.outer_norms(a, d, True), want)
     assert [c[:5] for c in seen] == [triton_outer.WIDE]
+
+
+def test_the_mirrored_shape_gives_the_same_norms_and_the_gradient_in_place(monkeypatch):
+    """A swapped config runs the kernel on (d, a): the same norms, and the gradient transposed back into a
+    contiguous (Dout, Din); when the clock says it is the fastest, the tuner keeps it. A square layer has no
+    mirror to time."""
+    a, d = _inputs(3, 21, 40, 24)
+    want = _reference(a, d)
+    cfg = triton_outer._config(24, 40, a.dtype)[:5] + (True, False, True)
+    n, g = triton_outer.outer_norms(a, d, True, cfg)
+    assert g.shape == (24, 40) and g.is_contiguous()
+    _close((n, g), want)
+    n2, g2 = triton_outer.outer_norms(a, d, False, cfg)
+    assert g2 is None
+    torch.testing.assert_close(n2, n, rtol=1e-6, atol=0)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    real = triton_tune.timing.elapsed
+
+    def clock(fn, device, repeats=3):
+        real(fn, device, 1)
+        c = fn.args[3]
+        return 0.0 if len(c) == 8 and triton_tune.variant_name(c) == "pointer-flat-swap" else 1.0
+
+    monkeypatch.setattr(triton_tune.timing, "elapsed", clock)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    assert list(triton_tune.chosen().values()) == ["pointer-flat-swap"]
+    _close(triton_tune.outer_norms(a, d, True), want)
+    square = _inputs(2, 9, 32, 32)
+    assert not any(len(c) > 7 for c in triton_tune.candidates(*square))
 
 
 def test_off_or_untunable_it_runs_the_fixed_variant(monkeypatch):
