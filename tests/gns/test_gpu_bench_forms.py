@@ -53,18 +53,23 @@ def test_sequence_linear_methods_give_the_reference_norms(bench, dt):
                                    msg=m)
 
 
+def _kernel_case(B, T, Din, Dout, seed):
+    """(a, d, (float64 norms, gradient)) in float16 where the Triton kernels run (skips elsewhere)."""
+    dev = triton_outer.kernel_device()
+    if dev is None:
+        pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, T, Din, generator=g).to(dev, DTYPES[1])
+    d = (torch.randn(B, T, Dout, generator=g) / T ** 0.5).to(dev, DTYPES[1])
+    return a, d, kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu(), True)
+
+
 @pytest.mark.skipif(not triton_outer.HAS_TRITON, reason="the fused Gram kernel needs Triton")
 def test_every_config_of_the_gram_sweep_gives_the_reference_norms(bench):
     """``GHOST_SWEEP``'s configs (those ``triton_tune`` times among them) on a sequence of three blocks of the
     smallest one (T = 150): diagonal and off-diagonal pairs, the last block cut at T, K loops cut at Din."""
     seq, _ = bench
-    dev = triton_outer.kernel_device()
-    if dev is None:
-        pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
-    g = torch.Generator().manual_seed(1)
-    a = torch.randn(2, 150, 72, generator=g).to(dev, DTYPES[1])
-    d = (torch.randn(2, 150, 40, generator=g) / 150 ** 0.5).to(dev, DTYPES[1])
-    ref = kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu())[0]
+    a, d, (ref, _) = _kernel_case(2, 150, 72, 40, seed=1)
     assert len(seq.GHOST_SWEEP["configs"]) >= 2
     for cfg in seq.GHOST_SWEEP["configs"]:
         norms, _ = seq.triton_tune.ghost(a, d, False, cfg)
@@ -76,13 +81,7 @@ def test_every_config_of_the_tile_sweep_gives_the_reference_norms_and_gradient(b
     """``SWEEP``'s tiles (the tuner's wide one among them), both loops and both loads, on a layer that cuts
     every tile at its edges (Din = 264, Dout = 136; T = 70 off each K step)."""
     seq, _ = bench
-    dev = triton_outer.kernel_device()
-    if dev is None:
-        pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
-    g = torch.Generator().manual_seed(2)
-    a = torch.randn(2, 70, 264, generator=g).to(dev, DTYPES[1])
-    d = (torch.randn(2, 70, 136, generator=g) / 70 ** 0.5).to(dev, DTYPES[1])
-    ref, ref_grad = kernels.seq_linear_outer_norms_ref(a.double().cpu(), d.double().cpu(), True)
+    a, d, (ref, ref_grad) = _kernel_case(2, 70, 264, 136, seed=2)
     configs = seq.SWEEP["configs"]
     assert any(c[:5] == triton_outer.WIDE for c in configs) == bool(seq.triton_tune.TMA)
     for cfg in configs:
