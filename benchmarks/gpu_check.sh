@@ -26,7 +26,8 @@
 #            without ray/jars and the dashboard's web client, as ray-stripped.tar.xz, ~30 MB, plus its
 #            dependencies' wheels, made by benchmarks/ray_for_gpu.sh). Alone, without building: STAGES="env ray".
 # Stage limits: TEST_S, OPS_S, BENCH_S (BENCH_MAX_S: no new workload after it), PROFILE_S; extra arguments:
-# OPS_ARGS, BENCH_ARGS, PROFILE_ARGS.
+# OPS_ARGS (bench_seq_linear_cuda.py's, e.g. "--sweep-only G3.up,G3.down"), CONV_ARGS (bench_conv_cuda.py's;
+# OPS_CONV=0 leaves it out), BENCH_ARGS, PROFILE_ARGS; TEST_PATHS: what pytest -m gpu collects (tests/).
 # $OUT receives eight files: those seven and summary.txt, which is printed at the end. A rerun on the same machine
 # can skip stages (STAGES="bench profile": the built extension stays in the tree). The repository is not
 # pip-installed there: its root goes first on PYTHONPATH. Wheels in .whl/ (Opacus: pure Python, fetched with
@@ -110,8 +111,8 @@ if want test; then
   # Two pytest-xdist workers where the machine has it: a test that crashes its process (SIGSEGV) is then
   # reported as failed and the worker replaced, where one process would end the run (session 10 lost a call).
   XDIST=$($PY -c 'import xdist' > /dev/null 2>&1 && echo "-n 2")
-  run_stage "pytest -m gpu tests/ ${XDIST:-(one process)}" "${TEST_S:-240}" pytest_gpu.log \
-    $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors $XDIST tests/
+  run_stage "pytest -m gpu ${TEST_PATHS:-tests/} ${XDIST:-(one process)}" "${TEST_S:-240}" pytest_gpu.log \
+    $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors $XDIST ${TEST_PATHS:-tests/}
   { grep -E "^(FAILED|ERROR) |crashed while running" "$OUT/pytest_gpu.log" | cut -c1-200 | head -25
     tail -1 "$OUT/pytest_gpu.log"; } | note
   # The TMA kernel had never run on a GPU before this script first ran it: if one of its tests failed or
@@ -129,8 +130,10 @@ if want test; then
 fi
 
 if want ops; then
-  run_stage "bench_seq_linear_cuda + bench_conv_cuda" "${OPS_S:-120}" ops.log bash -c \
-    "$PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}; $PY benchmarks/bench_conv_cuda.py ${OPS_ARGS:-}"
+  CONV="; $PY benchmarks/bench_conv_cuda.py ${CONV_ARGS:-}"
+  [ "${OPS_CONV:-1}" = 0 ] && CONV=""
+  run_stage "bench_seq_linear_cuda${CONV:+ + bench_conv_cuda}" "${OPS_S:-120}" ops.log bash -c \
+    "$PY benchmarks/bench_seq_linear_cuda.py ${OPS_ARGS:-}$CONV"
   grep -v "^RESULT" "$OUT/ops.log" | tail -50 | cut -c1-150 | note
 fi
 

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 STAND_IN = """#!/usr/bin/env bash
@@ -85,3 +87,31 @@ def test_a_failed_tma_or_gram_kernel_test_keeps_those_forms_out_of_the_later_sta
     assert "switches TMA=0 GHOST=0" in summary, summary
     summary = _run_test_and_bench(tmp_path / "b", ["tests/gns/test_kernels.py::test_cuda_gram_norms - Error"])
     assert "test failed" not in summary and "switches TMA=unset GHOST=unset" in summary, summary
+
+
+ECHO = """#!/usr/bin/env bash
+# python for gpu_check.sh: prints what it was asked to run
+echo "ran: $*"
+"""
+
+
+@pytest.mark.parametrize("conv", ["1", "0"])
+def test_the_ops_and_test_stages_take_their_arguments(tmp_path, conv):
+    """OPS_ARGS go to bench_seq_linear_cuda.py (a sweep on chosen layers), CONV_ARGS to bench_conv_cuda.py,
+    which OPS_CONV=0 leaves out; TEST_PATHS replaces tests/ as what pytest -m gpu collects."""
+    py = tmp_path / "python"
+    py.write_text(ECHO)
+    py.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(py), STAGES="test ops", DEADLINE_S="100", OPS_CONV=conv,
+               OPS_ARGS="--sweep-only G3.up,G3.down", CONV_ARGS="--iters 3",
+               TEST_PATHS="tests/gns/test_triton_tune.py tests/gns/test_triton_outer.py")
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ops = (out / "ops.log").read_text()
+    assert "ran: benchmarks/bench_seq_linear_cuda.py --sweep-only G3.up,G3.down" in ops
+    assert ("ran: benchmarks/bench_conv_cuda.py --iters 3" in ops) == (conv == "1"), ops
+    tests = (out / "pytest_gpu.log").read_text()
+    assert tests.strip().endswith("tests/gns/test_triton_tune.py tests/gns/test_triton_outer.py"), tests
+    assert " tests/ " not in tests + " "
