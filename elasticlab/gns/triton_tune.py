@@ -86,6 +86,21 @@ def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | Non
     return norms, d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
 
 
+def scratch_bytes(a: torch.Tensor, d: torch.Tensor, config: tuple) -> int:
+    """Modelled bytes a form of :func:`forms` (its ``config``) allocates beyond its results: the outer
+    kernel's partials and split gradients (its mirror: those of the mirrored shape and the transposed
+    gradient it is copied from), or the fused Gram form's partial sums."""
+    B, T, din = a.shape
+    dout = d.shape[2]
+    if len(config) == 4:                                        # a Gram-kernel block config
+        return triton_gram.scratch_bytes(B, T)
+    swap = len(config) > 7 and config[7]
+    rows, cols = (din, dout) if swap else (dout, din)
+    tma = bool(config[6]) and triton_outer.tma_ok(a, d)
+    return triton_outer.scratch_bytes(B, cols, rows, a.device, tuple(config[:5]), tma=tma) \
+        + (4 * din * dout if swap else 0)
+
+
 def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool) -> dict[str, tuple]:
     """{name: (call, config)} of the forms timed for these operands: :func:`candidates`, and where
     :data:`GHOST` and :func:`~elasticlab.gns.triton_gram.worthwhile`, the fused Gram form in each of

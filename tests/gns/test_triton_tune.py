@@ -262,3 +262,29 @@ def test_cuda_the_default_path_is_tuned_and_gives_the_untuned_result(monkeypatch
     n0, g0 = triton_outer.outer_norms(a, d, True)
     torch.testing.assert_close(n, n0, rtol=1e-4, atol=0)
     torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-4 * float(g0.abs().max()))
+
+
+def test_calibration_takes_the_tuners_forms_each_with_its_scratch(monkeypatch):
+    """The sequence Linear's calibration candidates (``linear.seq_forms``) are the tuner's forms, named
+    ``triton-`` and theirs (one list of forms, not two), and each gives the reference result; its modelled
+    scratch is the one of its config (tile, loads, orientation; a mirror adds its transposed gradient)."""
+    from elasticlab.gns.layers import linear
+
+    monkeypatch.setattr(triton_outer, "supported", lambda a: True)     # CPU tensors under the interpreter
+    a, d = _inputs(2, 20, 264, 136)
+    found = linear.seq_forms(a, d)
+    tuned = triton_tune.forms(a, d, True)
+    assert {f for f in found if f.startswith("triton-")} == {f"triton-{n}" for n in tuned}
+    assert {"triton-tma-flat-wide", "triton-pointer-nested-swap"} <= set(found)
+    want = _reference(a, d)
+    for name in ("triton-pointer-nested", "triton-tma-flat-wide", "triton-tma-flat-swap"):
+        _close(found[name](), want)
+    scratch = linear.seq_scratch(a, d, found)
+    assert set(scratch) == set(found)
+    B, dout, din = 2, 136, 264
+    assert scratch["triton-tma-flat"] == triton_outer.scratch_bytes(B, din, dout, a.device, tma=True,
+                                                                      dtype=a.dtype)
+    assert scratch["triton-tma-flat-swap"] == triton_outer.scratch_bytes(
+        B, dout, din, a.device, triton_outer._config(dout, din, a.dtype)[:5], tma=True) + 4 * din * dout
+    wide = triton_outer.scratch_bytes(B, din, dout, a.device, triton_outer.WIDE, tma=True)
+    assert scratch["triton-tma-nested-wide"] == wide

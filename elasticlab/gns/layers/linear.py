@@ -9,14 +9,12 @@ under ``torch.compile`` and for layers the Triton kernel serves, which take :cla
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from elasticlab.gns import calibrate, form_choice, kernels, triton_gram, triton_outer, triton_tune
+from elasticlab.gns import calibrate, form_choice, kernels, triton_outer, triton_tune
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
 
@@ -53,25 +51,16 @@ def linear_norms(module: nn.Linear, inputs, d: torch.Tensor, need) -> dict:
 def seq_forms(a: torch.Tensor, d: torch.Tensor) -> dict:
     """The fused forms of a sequence Linear's weight norms for a (B,T,Din), d (B,T,Dout), each a call
     returning (‖G_b‖² (B,), Σ_b G_b): ``outer`` (the compiled operator: cuBLAS batched GEMMs and the fold on
-    CUDA), ``gram`` (Gram form, plus the weight-gradient GEMM), and where the Triton kernel takes the inputs,
-    ``triton`` and ``triton-flat`` (its two loops), and where TMA descriptors address them, ``triton-tma``
-    and ``triton-tma-flat``, and where its multiply-adds are fewer, ``ghost`` and ``ghost-k128`` (the fused
-    Gram kernel in :func:`~elasticlab.gns.triton_gram.tuned_configs`, and the weight-gradient GEMM). The
-    candidates of :mod:`elasticlab.gns.calibrate`."""
+    CUDA), ``gram`` (Gram form, plus the weight-gradient GEMM), and where the Triton kernel takes the inputs
+    (row-major), the forms :func:`elasticlab.gns.triton_tune.forms` times, named ``triton-`` and theirs
+    (``triton-pointer-nested``, ``triton-tma-flat-wide``, ``triton-ghost``, …). The candidates of
+    :mod:`elasticlab.gns.calibrate`."""
     compiled = kernels.compiled("seq_linear_outer_norms", a)
     forms = {"outer": lambda: kernels.seq_linear_outer_norms(a, d, with_grad=True, use_kernel=compiled),
              "gram": lambda: (kernels.seq_linear_gram_norms(a, d),
                               d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2])))}
     if triton_outer.supported(a) and a.stride(-1) == 1 and d.stride(-1) == 1:
-        cfg = triton_outer._config(a.shape[2], d.shape[2], a.dtype)[:5]
-        forms["triton"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, False))
-        forms["triton-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, False))
-        if triton_outer.tma_ok(a, d):
-            forms["triton-tma"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (False, True))
-            forms["triton-tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
-        if triton_tune.GHOST and triton_gram.worthwhile(a.shape[1], a.shape[2], d.shape[2]):
-            for name, c in triton_gram.tuned_configs(a.shape[1], a.dtype).items():
-                forms[name] = functools.partial(triton_tune.ghost, a, d, True, c)
+        forms.update({f"triton-{name}": call for name, (call, _) in triton_tune.forms(a, d, True).items()})
     return forms
 
 
@@ -79,11 +68,9 @@ def seq_scratch(a: torch.Tensor, d: torch.Tensor, forms) -> dict[str, int]:
     """Modelled scratch bytes of each of :func:`seq_forms`' ``forms`` (for calibration's memory rule)."""
     (B, T, din), dout = a.shape, d.shape[2]
     out = {f: form_choice.scratch_bytes(f, B, T, din, dout, a.dtype) for f in ("outer", "gram")}
-    for f in forms:
-        if f.startswith("triton"):
-            out[f] = triton_outer.scratch_bytes(B, din, dout, a.device, tma="tma" in f, dtype=a.dtype)
-        elif f.startswith("ghost"):
-            out[f] = triton_gram.scratch_bytes(B, T)
+    if any(f.startswith("triton-") for f in forms):
+        for name, (_, config) in triton_tune.forms(a, d, True).items():
+            out[f"triton-{name}"] = triton_tune.scratch_bytes(a, d, config)
     return out
 
 
