@@ -6,9 +6,10 @@ the plain weight-gradient GEMM Σ_b δ_bᵀ a_b (one cuBLAS GEMM over B·T rows,
 loop per example), ``flat`` (the same kernel with one loop over (example, K step) pairs, pipelined across
 examples: ``triton_outer.FLAT``), ``tma`` and ``tma-flat`` (both loops with the operands loaded through TMA
 descriptors and per-row partial norms: ``triton_outer.TMA``), ``ghost`` (the fused Gram kernel of
-``triton_gram`` and the weight-gradient GEMM it needs), ``cublas`` (batched GEMM + one fold pass; the
-compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still needs), and
-``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
+``triton_gram`` and the weight-gradient GEMM it needs), ``tuned`` (what the layers run: the form
+``triton_tune`` keeps for the shape, named at the end of its row), ``cublas`` (batched GEMM + one fold
+pass; the compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, which the Gram form still
+needs), and ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
 Then sweeps: the cuBLAS form's chunk budget (``chunks``: :data:`CHUNKS`), the fused Gram kernel's blocks
 (``ghost``: :data:`GHOST_SWEEP`), and the outer Triton kernel's tiles and variants (``sweep``).
@@ -86,7 +87,17 @@ def methods(a: torch.Tensor, d: torch.Tensor, name: str = "") -> dict:
             meth["tma-flat"] = lambda: triton_outer.outer_norms(a, d, True, cfg + (True, True))
         if triton_tune.GHOST:                                      # ELASTICLAB_TRITON_GHOST=0: left out
             meth["ghost"] = lambda: triton_tune.ghost(a, d, True)  # fused Gram kernel + the weight GEMM
+        # what the layers run: the form the tuner keeps for this shape (timed at its first call)
+        meth["tuned"] = lambda: triton_tune.outer_norms(a, d, True)
     return meth
+
+
+def kept_form(a: torch.Tensor, d: torch.Tensor) -> str:
+    """The form :mod:`elasticlab.gns.triton_tune` kept for these operands' shape and dtype ("-" if none)."""
+    for key, name in triton_tune.chosen().items():
+        if key[:5] == (*a.shape, d.shape[2], a.dtype) and key[6]:
+            return name
+    return "-"
 
 
 def rel_errors(meth: dict, a: torch.Tensor, d: torch.Tensor) -> dict:
@@ -106,7 +117,7 @@ def run_layer(name: str, dt: torch.dtype, iters: int) -> dict:
     errs = rel_errors(meth, a, d)
     base = timed(lambda: d2.t() @ a2, iters)
     return {"wgrad_ms": base, "ratio": {m: timed(f, iters) / base for m, f in meth.items()}, "rel_err": errs,
-            "scratch_mb": {m: _scratch_mb(f) for m, f in meth.items()}}
+            "scratch_mb": {m: _scratch_mb(f) for m, f in meth.items()}, "tuned": kept_form(a, d)}
 
 
 def _scratch_mb(fn) -> float:
@@ -247,9 +258,9 @@ def main(argv=None) -> int:
     ceil = ceilings(args.iters)
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
     rows = {}
-    cols = ("triton", "flat", "tma", "tma-flat", "ghost", "cublas", "bmm", "gram")
+    cols = ("triton", "flat", "tma", "tma-flat", "ghost", "tuned", "cublas", "bmm", "gram")
     print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} " + " ".join(f"{c:>8s}" for c in cols) + "   "
-          "rel.err vs fp64 (triton / flat / tma / tma-flat / ghost / cublas / gram)")
+          f"rel.err vs fp64 ({' / '.join(c for c in cols if c != 'bmm')})")
     for name, dt in RUNS:
         res = rows[f"{name}:{str(dt).split('.')[-1]}"] = run_layer(name, dt, args.iters)
         torch.cuda.empty_cache()
@@ -257,7 +268,8 @@ def main(argv=None) -> int:
         print(f"{name:10s} {str(dt).split('.')[-1]:9s} {res['wgrad_ms']:9.3f} "
               + " ".join(f"{r[m]:7.2f}x" if m in r else f"{'-':>8s}" for m in cols)
               + "   " + " / ".join(f"{e[m]:.1e}" if m in e else "-" for m in cols if m != "bmm")
-              + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols))
+              + "   scratch MB " + " / ".join(f"{res['scratch_mb'][m]:.0f}" if m in r else "-" for m in cols)
+              + f"   tuned: {res['tuned']}")
     # the chunk sweep first: no compiling, where the Gram and Triton sweeps compile a kernel per configuration
     has_op = kernels.compiled("seq_linear_outer_norms", torch.empty(0, device="cuda"))
     chunks = sweep_chunks(args.iters) if has_op else {}

@@ -36,7 +36,7 @@ def test_sequence_linear_methods_give_the_reference_norms(bench, dt):
     d = (torch.randn(3, 5, 24, generator=g) / 5 ** 0.5).to(dt)
     meth = seq.methods(a, d)
     want = {"bmm"} | ({"cublas", "gram"} if kernels.compiled("seq_linear_outer_norms", a) else set()) \
-        | ({"triton", "flat", "ghost"} if triton_outer.HAS_TRITON else set()) \
+        | ({"triton", "flat", "ghost", "tuned"} if triton_outer.HAS_TRITON else set()) \
         | ({"tma", "tma-flat"} if triton_outer.HAS_TMA else set())                  # 40, 24: aligned rows
     assert set(meth) == want
     ref_norms, ref_grad = kernels.seq_linear_outer_norms_ref(a.double(), d.double(), True)
