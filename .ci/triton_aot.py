@@ -77,6 +77,16 @@ def cases() -> list[tuple]:
         bm, bn, bk, w, s = triton_outer.WIDE
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", dt, meta, w, s, ()))
+    # the tuner's mirrored launches (swap): the gradient tile stored transposed, 16-bit, the default tiles
+    # and the wide one, both loops
+    mirrored = [(t, h) for h in ("bf16", "fp16")
+                for t in sorted(_outer_tiles(torch_dtype[h]) | {triton_outer.WIDE})]
+    for (tile, dt), flat in itertools.product(mirrored, (False, True)):
+        bm, bn, bk, w, s = tile
+        meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat, GRAD_T=True)
+        out.append(("outer-tma", dt, meta, w, s, ()))
+        if tile != triton_outer.WIDE:
+            out.append(("outer", dt, meta, w, s, ROW_MAJOR))
     for bm, bn, bk, w, s, flat, tma, *_ in bench.SWEEP["configs"]:          # a swap runs the same kernel
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", "bf16", meta, w, s, ()) if tma else ("outer", "bf16", meta, w, s, ROW_MAJOR))
@@ -186,8 +196,10 @@ def compile_case(case: tuple, digest: bool = False) -> tuple[str, str, int | Non
     fn = _kernels()[name]
     ptr = "*" + dt.split("/")[0]
     sig, consts = {}, dict(meta)
+    if name in ("outer", "outer-tma"):
+        consts.setdefault("GRAD_T", False)              # the gradient stored as the layer's (Dout, Din)
     for arg in fn.arg_names:
-        if arg in meta or arg in ones:
+        if arg in consts or arg in ones:
             sig[arg] = "constexpr"
             consts.setdefault(arg, 1)
         elif arg.endswith("_desc"):                # [1, BK, BN] blocks of a, [1, BK, BM] of d

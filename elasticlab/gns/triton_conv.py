@@ -73,7 +73,7 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
                 gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
         if WITH_GRAD:
-            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Cout, Din)
+            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Cout, Din, False)
 
 
 def supported(module: torch.nn.Module, x: torch.Tensor) -> bool:

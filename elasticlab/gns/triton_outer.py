@@ -92,16 +92,20 @@ if HAS_TRITON:
         return gacc
 
     @triton.jit
-    def _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din):
-        """The tile's gradient accumulator to split ``split``'s (Dout, Din) slice of the gradient."""
-        g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
+    def _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din, GRAD_T: tl.constexpr):
+        """The tile's gradient accumulator to split ``split``'s (Dout, Din) slice of the gradient, or with
+        ``GRAD_T`` transposed into a (Din, Dout) slice (a mirrored launch writing the layer's own layout)."""
+        if GRAD_T:
+            g_ptrs = grad_ptr + split * Dout * Din + offs_n[None, :] * Dout + offs_m[:, None]
+        else:
+            g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
         tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                            PRECISION: tl.constexpr, FLAT: tl.constexpr):
+                            PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
@@ -139,7 +143,7 @@ if HAS_TRITON:
                                       sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, PRECISION)
                 gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
         if WITH_GRAD:                                        # norms only: no gradient buffer at all
-            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din)
+            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din, GRAD_T)
 
     @triton.jit
     def _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc,
@@ -163,7 +167,7 @@ if HAS_TRITON:
     @triton.jit
     def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, B, T, Din, Dout, SPLIT,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                                PRECISION: tl.constexpr, FLAT: tl.constexpr):
+                                PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr):
         """:func:`_outer_norms_kernel` with operands from TMA descriptors over a (B, T, Din) and d (B, T,
         Dout) (blocks [1, BK, BN] and [1, BK, BM]) and a partial norm per gradient row: partial is (B, tiles,
         BM)."""
@@ -196,7 +200,7 @@ if HAS_TRITON:
         if WITH_GRAD:
             offs_m, offs_n = m0 + rows, n0 + tl.arange(0, BN)
             _store_grad(grad_ptr, gacc, tl.cast(split, tl.int64), offs_m, offs_n, offs_m < Dout, offs_n < Din,
-                        Dout, Din)
+                        Dout, Din, GRAD_T)
 
 
 # Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
@@ -311,9 +315,9 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     ``config``: (BM, BN, BK, num_warps, num_stages[, flat[, tma[, swap]]]) instead of :func:`_config`'s
     (for tuning sweeps; without ``flat``, the loop of :data:`FLAT`; without ``tma``, :data:`TMA`, which takes
     effect where :func:`tma_ok`). With ``swap`` the kernel forms G_bᵀ = Σ_t a_{b,t} δ_{b,t}ᵀ, the
-    gradient's rows over Din (same norms; the gradient comes back transposed into (Dout, Din), one copy):
-    the same kernel on the mirrored shape, which the tuner times beside the direct one (a layer Din → Dout
-    then runs as its mirror Dout → Din would).
+    gradient's rows over Din (same norms; each tile stored transposed, so the gradient is (Dout, Din) still):
+    the kernel on the mirrored shape, which the tuner times beside the direct one (a layer Din → Dout then
+    runs as its mirror Dout → Din would).
     With ``with_grad=False`` no gradient buffer is allocated and the kernel stores no gradient tile (the
     partial-norm buffer, B × tiles floats, is all it writes)."""
     B, T, Din = a.shape
@@ -321,21 +325,21 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     if B == 0 or T == 0 or Din == 0 or Dout == 0:
         z = torch.zeros(B, device=a.device)
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
-    if config is not None and len(config) > 7 and config[7]:
-        norms, g = outer_norms(d, a, with_grad, tuple(config[:7]))
-        return norms, (g.t().contiguous() if g is not None else None)
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout, a.dtype)
     flat = bool(rest[0]) if rest else FLAT
     tma = bool(rest[1]) if len(rest) > 1 else TMA
-    tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
+    if len(rest) > 2 and rest[2]:                  # the mirror: rows over Din, the gradient stored transposed
+        a, d, Din, Dout = d, a, Dout, Din
     meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
-                FLAT=flat, num_warps=warps, num_stages=stages)
+                FLAT=flat, GRAD_T=len(rest) > 2 and bool(rest[2]), num_warps=warps, num_stages=stages)
+    tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
+    shape = (Din, Dout) if meta["GRAD_T"] else (Dout, Din)            # the layer's (out, in) either way
     if tma and tma_ok(a, d):
         operands = (TensorDescriptor(a, list(a.shape), list(a.stride()), [1, bk, bn]),
                     TensorDescriptor(d, list(d.shape), list(d.stride()), [1, bk, bm]))
-        return run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, Dout, Din, with_grad, meta,
+        return run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, *shape, with_grad, meta,
                          operands=operands, rows_per_tile=bm)
-    return run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, Dout, Din,
+    return run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, *shape,
                      with_grad, meta)
 
 

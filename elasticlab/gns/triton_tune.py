@@ -88,8 +88,8 @@ def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | Non
 
 def scratch_bytes(a: torch.Tensor, d: torch.Tensor, config: tuple) -> int:
     """Modelled bytes a form of :func:`forms` (its ``config``) allocates beyond its results: the outer
-    kernel's partials and split gradients (its mirror: those of the mirrored shape and the transposed
-    gradient it is copied from), or the fused Gram form's partial sums."""
+    kernel's partials and split gradients (its mirror: those of the mirrored shape), or the fused Gram form's
+    partial sums."""
     B, T, din = a.shape
     dout = d.shape[2]
     if len(config) == 4:                                        # a Gram-kernel block config
@@ -97,8 +97,7 @@ def scratch_bytes(a: torch.Tensor, d: torch.Tensor, config: tuple) -> int:
     swap = len(config) > 7 and config[7]
     rows, cols = (din, dout) if swap else (dout, din)
     tma = bool(config[6]) and triton_outer.tma_ok(a, d)
-    return triton_outer.scratch_bytes(B, cols, rows, a.device, tuple(config[:5]), tma=tma) \
-        + (4 * din * dout if swap else 0)
+    return triton_outer.scratch_bytes(B, cols, rows, a.device, tuple(config[:5]), tma=tma)
 
 
 def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool) -> dict[str, tuple]:
