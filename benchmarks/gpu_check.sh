@@ -150,7 +150,8 @@ if want profile; then
   run_stage "profile_psgnorm --device cuda" "${PROFILE_S:-90}" profile.log \
     $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 ${PROFILE_ARGS:-}
   # each table's header, column line and top 4 rows, and the psgn/plain ratio (the full tables: profile.log)
-  awk '/^G[0-9]-/{n=6} n>0{print; n--; next} /GPU idle/{m=4} m>0{print; m--; next} /\/plain (kernel|CPU op) time|^device /{print}' \
+  # and the six kernels whose time grew most over plain's
+  awk '/^G[0-9]-/{n=6} n>0{print; n--; next} /GPU idle/{m=4} m>0{print; m--; next} /kernels take .* more than plain/{k=7} k>0{print; k--; next} /\/plain (kernel|CPU op) time|^device /{print}' \
     "$OUT/profile.log" | cut -c1-140 | note
   ((RC != 0)) && grep -v "^RESULT" "$OUT/profile.log" | tail -8 | note
   if [ -f .before/setup.py ]; then

@@ -10,8 +10,9 @@ kernel to the last, less the union of kernels and copies) and its longest gaps, 
 ended it: where the device waited for the host. Where the method's extra host time goes (a host-bound
 step, e.g. G2): the operators whose self CPU time a step grew most over plain (ATen operators, elasticlab's,
 autograd nodes and, on CUDA, runtime calls such as ``cudaLaunchKernel``), with their extra calls a step, and
-what of the wall time's extra no operator holds (Python between operators). A precision whose step raises is
-reported as ``error: ...`` and the others go on.
+what of the wall time's extra no operator holds (Python between operators); on CUDA likewise the kernels
+whose device time a step grew most (where the method's extra device time goes, kernel by kernel). A
+precision whose step raises is reported as ``error: ...`` and the others go on.
 ``--kernels off`` sets ``elasticlab.gns.kernels.USE_KERNELS = False`` (the PyTorch reference paths);
 ``--method`` profiles another method of ``bench_psgnorm.py`` than ``psgn`` (e.g. ``psgn-convtriton``, one
 with a switch flipped; a ``psgn-calibrated`` warm-up does the measuring).
@@ -93,10 +94,17 @@ def host_ops(prof) -> dict[str, tuple[float, int]]:
     return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages() if _device_kind(e) != "CUDA"}
 
 
+def device_ops(prof) -> dict[str, tuple[float, int]]:
+    """{kernel: (self device µs, launches)} over the profiled steps (CUDA kernels and copies; none on a CPU
+    run)."""
+    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+            if _device_kind(e) == "CUDA"}
+
+
 def host_extra(method: dict, plain: dict, steps: int, k: int) -> dict:
-    """The method's extra host work a step over plain, from two :func:`host_ops`: {"ms_per_step": the self CPU
-    time of all operators, method less plain, "top": the k operators that grew most, as {"name", "ms" a step,
-    "calls" a step more}}."""
+    """The method's extra work a step over plain, from two :func:`host_ops` (or two :func:`device_ops`):
+    {"ms_per_step": the self time of all operators (kernels), method less plain, "top": the k that grew most,
+    as {"name", "ms" a step, "calls" a step more}}."""
     rows = []
     for key in set(method) | set(plain):
         (mt, mc), (pt, pc) = method.get(key, (0.0, 0)), plain.get(key, (0.0, 0))
@@ -134,6 +142,7 @@ def profile_method(method: str, prec: str, device, args, k: int) -> dict:
     out["wall_ms_per_step_profiled"] = wall * 1e3
     out.update(launch_counts(prof.events(), args.steps))
     out["host_ops"] = host_ops(prof)              # (for host_extra; left out of the RESULT line)
+    out["device_ops"] = device_ops(prof)
     if device.type == "cuda":
         out["idle"] = idle_gaps(_device_intervals(prof), args.steps)
     return out
@@ -208,9 +217,17 @@ def main(argv=None) -> int:
                   "the operators that grew most:")
             for r in extra["top"]:
                 print(f"  {r['ms']:9.3f} ms/step {r['calls']:+6.0f} calls  {r['name']}")
+            if res[m]["device_ops"] or res["plain"]["device_ops"]:
+                dev = res[f"{m}_device_extra"] = host_extra(res[m]["device_ops"], res["plain"]["device_ops"],
+                                                            args.steps, args.top)
+                print(f"  device: {m}'s kernels take {dev['ms_per_step']:.2f} ms/step more than plain's; the "
+                      "kernels that grew most (time and launches a step):")
+                for r in dev["top"]:
+                    print(f"  {r['ms']:9.3f} ms/step {r['calls']:+6.0f} launches  {r['name']}")
         for r in res.values():
             if isinstance(r, dict):
                 r.pop("host_ops", None)
+                r.pop("device_ops", None)
         result["precisions"][prec] = res
     print("RESULT " + json.dumps(result))
     return 0

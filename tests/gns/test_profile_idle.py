@@ -52,6 +52,32 @@ def test_host_extra_ranks_the_operators_that_grew_over_plain(prof_mod):
         ("elasticlab::conv_norms", pytest.approx(0.4), 2)]
 
 
+def test_device_ops_keep_the_kernels_and_rank_like_the_host_ones(prof_mod):
+    """device_ops takes the CUDA kernels of a profile's averages (the host operators stay with host_ops);
+    host_extra ranks them the same way."""
+    class Evt:
+        def __init__(self, key, kind, dev, cpu, count):
+            self.key, self.device_type, self.count = key, f"DeviceType.{kind}", count
+            self.self_device_time_total, self.self_cpu_time_total = dev, cpu
+
+    class Prof:
+        def __init__(self, evts):
+            self.evts = evts
+
+        def key_averages(self):
+            return self.evts
+
+    psgn = Prof([Evt("gemm", "CUDA", 900.0, 0.0, 6), Evt("_outer_norms_tma_kernel", "CUDA", 500.0, 0.0, 2),
+                 Evt("aten::mm", "CPU", 40.0, 30.0, 6)])
+    plain = Prof([Evt("gemm", "CUDA", 1000.0, 0.0, 8), Evt("aten::mm", "CPU", 50.0, 35.0, 8)])
+    dev = prof_mod.device_ops(psgn)
+    assert dev == {"gemm": (900.0, 6), "_outer_norms_tma_kernel": (500.0, 2)}
+    assert prof_mod.host_ops(psgn) == {"aten::mm": (30.0, 6)}
+    r = prof_mod.host_extra(dev, prof_mod.device_ops(plain), steps=2, k=2)
+    assert r["ms_per_step"] == pytest.approx(0.2)
+    assert [(t["name"], t["calls"]) for t in r["top"]] == [("_outer_norms_tma_kernel", 1), ("gemm", -1)]
+
+
 def test_cpu_smoke_run_prints_the_tables(prof_mod, capsys):
     assert prof_mod.main(["--device", "cpu", "--quick", "--precision", "fp32", "--steps", "1",
                           "--warmup", "1", "--top", "3"]) == 0
@@ -66,4 +92,5 @@ def test_cpu_smoke_run_prints_the_tables(prof_mod, capsys):
     assert len(extra["top"]) == 3 and "wall_ms_per_step" in extra   # (timings: noisy, so no ranking asserted)
     assert all(isinstance(t["calls"], float) for t in extra["top"]), extra["top"]
     assert "host_ops" not in fp32["psgn"], "host_ops belongs out of the RESULT line"
+    assert "device_ops" not in fp32["psgn"] and "psgn_device_extra" not in fp32    # no kernels on a CPU run
     assert "the operators that grew most" in out
