@@ -29,6 +29,43 @@ import torch
 
 from elasticlab.gns import form_choice, kernels, triton_outer, triton_tune
 
+if triton_outer.HAS_TMA:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def _wgrad_gemm_kernel(a_desc, d_desc, grad_ptr, BT, Din, Dout,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Σ_t d_tᵀ a_t over all B·T rows, one (BM × BN) tile a program: the weight-gradient GEMM alone,
+        in Triton, with TMA loads (the fused kernel's loop without its per-example epilogue)."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(Din, BN)
+        m0 = (pid // num_n) * BM
+        n0 = (pid % num_n) * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, BT, BK):
+            acc = tl.dot(d_desc.load([k, m0]).T, a_desc.load([k, n0]), acc)
+        rows, cols = m0 + tl.arange(0, BM), n0 + tl.arange(0, BN)
+        tl.store(grad_ptr + rows[:, None] * Din + cols[None, :], acc,
+                 mask=(rows[:, None] < Dout) & (cols[None, :] < Din))
+
+
+def triton_wgrad(a: torch.Tensor, d: torch.Tensor, tile: tuple) -> torch.Tensor:
+    """The (Dout, Din) float32 weight gradient by :func:`_wgrad_gemm_kernel` in ``tile`` (BM, BN, BK, warps,
+    stages): Triton's own GEMM at the fused kernel's tile, against which the fused kernel's per-example work
+    is what remains (the sweep's ``triton-gemm`` line)."""
+    bm, bn, bk, warps, stages = tile[:5]
+    Din, Dout = a.shape[-1], d.shape[-1]
+    a2, d2 = a.reshape(-1, Din), d.reshape(-1, Dout)
+    grad = torch.empty(Dout, Din, device=a.device, dtype=torch.float32)
+    grid = (triton.cdiv(Dout, bm) * triton.cdiv(Din, bn),)
+    _wgrad_gemm_kernel[grid](TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bk, bn]),
+                             TensorDescriptor(d2, list(d2.shape), list(d2.stride()), [bk, bm]),
+                             grad, a2.shape[0], Din, Dout, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                             num_stages=stages)
+    return grad
+
 SHAPES = {  # name: (B, T, Din, Dout, dtype)
     "G1.qkv": (8, 1024, 768, 2304), "G1.proj": (8, 1024, 768, 768), "G1.fc": (8, 1024, 768, 3072),
     "G1.fc2": (8, 1024, 3072, 768), "G1.head": (8, 1024, 768, 50304),
@@ -165,10 +202,19 @@ def _sweep_layer(name: str, iters: int, configs, form) -> dict:
 
 def sweep_triton(iters: int, layers=None) -> dict:
     """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16), on
-    ``layers`` (default: :data:`SWEEP`'s)."""
+    ``layers`` (default: :data:`SWEEP`'s); with TMA, also Triton's plain weight-gradient GEMM in each TMA
+    tile (``gemm`` entries; line ``triton-gemm``): what of the fused kernel's excess is Triton's GEMM and
+    what its per-example work."""
     out = {}
+    gemm_tiles = sorted({c[:5] for c in SWEEP["configs"] if c[6]}) if triton_outer.HAS_TMA else []
     for name in layers or SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters, SWEEP["configs"], triton_outer.outer_norms)
+        gemm = _sweep_layer(name, iters, gemm_tiles, lambda a, d, _, tile: (triton_wgrad(a, d, tile),))
+        row.update({f"gemm {k}": v for k, v in gemm.items()})
+        if gemm:
+            print(f"sweep {name:8s} {'triton-gemm':13s} " + "  ".join(
+                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
+                for c, v in zip(gemm_tiles, gemm.values())))
         for tma, flat, swap in ((False, False, False), (False, True, False), (True, False, False),
                                 (True, True, False), (True, True, True)):
             # one line per variant: BMxBNxBK/warps/stages ratio
@@ -176,7 +222,7 @@ def sweep_triton(iters: int, layers=None) -> dict:
             print(f"sweep {name:8s} {loop:13s} " + "  ".join(
                 f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
                 for c, v in zip(SWEEP["configs"], row.values())
-                if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))
+                if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))     # (gemm entries come last)
     return out
 
 

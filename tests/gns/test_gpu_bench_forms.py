@@ -91,6 +91,19 @@ def test_every_config_of_the_tile_sweep_gives_the_reference_norms_and_gradient(b
                                    atol=2e-5 * ref_grad.abs().max().item(), msg=str(cfg))
 
 
+@pytest.mark.skipif(not triton_outer.HAS_TMA, reason="the plain Triton GEMM loads through TMA descriptors")
+def test_the_plain_triton_gemm_of_the_sweep_is_the_weight_gradient(bench):
+    """The sweep's ``triton-gemm`` baseline (the weight-gradient GEMM alone, in Triton) in each TMA tile of
+    the sweep gives the float64 weight gradient (edges cut on both sides, B·T = 140 off the K step)."""
+    seq, _ = bench
+    a, d, (_, ref_grad) = _kernel_case(2, 70, 264, 136, seed=3)
+    tiles = sorted({c[:5] for c in seq.SWEEP["configs"] if c[6]})
+    assert triton_outer.WIDE in tiles
+    for tile in tiles:
+        torch.testing.assert_close(seq.triton_wgrad(a, d, tile).double().cpu(), ref_grad, rtol=2e-5,
+                                   atol=2e-5 * ref_grad.abs().max().item(), msg=str(tile))
+
+
 def test_sequence_linear_head_leaves_out_the_gram_form(bench):
     seq, _ = bench
     a, d = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
