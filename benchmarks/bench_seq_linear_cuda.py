@@ -172,15 +172,19 @@ def _scratch_mb(fn) -> float:
 # since session 10 (H100, H200): those, narrower and wider tiles (the tuner's WIDE first among them), a
 # K step of 128 (half the loop turns a T = 512 example), and a 256-row tile.
 _POINTER_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
-_TMA_TILES = _POINTER_TILES + [(128, 64, 64, 4, 4), (64, 128, 64, 4, 4), triton_outer.WIDE,
+_TMA_TILES = _POINTER_TILES + [(128, 64, 64, 4, 4), (64, 128, 64, 4, 4), triton_tune.WIDE,
                                (128, 256, 64, 8, 4), (128, 256, 32, 8, 5), (256, 128, 64, 8, 3),
                                (128, 128, 128, 8, 3)]
-# (BM, BN, BK, warps, stages, flat, tma[, swap]): each tile in both loops; the default and the wide tile in
-# the TMA flat loop on the mirrored shape too (swap: G3.down then runs as G3.up's geometry, plus a transpose)
+# (BM, BN, BK, warps, stages, loop, tma[, swap]): each tile in both loops; the default and the wide tile in
+# the TMA flat loop on the mirrored shape too (swap: G3.down then runs as G3.up's geometry); the overlapped
+# loop (triton_outer.OVERLAP) in the default tile at 4 and 3 stages, and in 128×64 with 8 warps (which holds
+# its three tiles without spilling), both orientations
 SWEEP = {"layers": ["G3.up", "G3.down", "G1.head"],
          "configs": [t + (f, False) for t in _POINTER_TILES for f in (False, True)]
          + ([t + (f, True) for t in _TMA_TILES for f in (False, True)]
-            + [t + (True, True, True) for t in ((128, 128, 64, 8, 4), triton_outer.WIDE)]
+            + [t + (True, True, True) for t in ((128, 128, 64, 8, 4), triton_tune.WIDE)]
+            + [t + (triton_outer.OVERLAP, True) + s for t in ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3),
+                                                                (128, 64, 64, 8, 4)) for s in ((), (True,))]
             if triton_tune.TMA else [])}
 
 
@@ -215,10 +219,12 @@ def sweep_triton(iters: int, layers=None) -> dict:
             print(f"sweep {name:8s} {'triton-gemm':13s} " + "  ".join(
                 f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
                 for c, v in zip(gemm_tiles, gemm.values())))
+        ov = triton_outer.OVERLAP
         for tma, flat, swap in ((False, False, False), (False, True, False), (True, False, False),
-                                (True, True, False), (True, True, True)):
+                                (True, True, False), (True, True, True), (True, ov, False), (True, ov, True)):
             # one line per variant: BMxBNxBK/warps/stages ratio
-            loop = ("tma-" if tma else "") + ("flat" if flat else "nested") + ("-swap" if swap else "")
+            loop = (("tma-" if tma else "") + {False: "nested", True: "flat", ov: "overlap"}[flat]
+                    + ("-swap" if swap else ""))
             print(f"sweep {name:8s} {loop:13s} " + "  ".join(
                 f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
                 for c, v in zip(SWEEP["configs"], row.values())

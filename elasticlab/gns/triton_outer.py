@@ -57,17 +57,13 @@ ENABLED = True
 # allows them, as the layer's own GEMM would. Off until measured on a GPU against cuBLAS (no product
 # scratch, against the batched GEMM's B·Din·Dout floats: W2's +46% peak memory).
 FP32 = False
-# The kernel's loop: True, one loop over (example, K step) pairs, pipelined across examples (the flattened
-# loop of Triton's persistent-matmul tutorial); False, a K loop per example inside a loop over examples (the
-# loop measured on an H100 in session 5). What runs untuned: on a GPU :mod:`elasticlab.gns.triton_tune`
-# times both per shape (bench_seq_linear_cuda.py, column ``flat``; bench_psgnorm.py, ``psgn-tritonflat``).
+# The loop that runs untuned (on a GPU :mod:`elasticlab.gns.triton_tune` times the loops per shape): True,
+# one loop over (example, K step) pairs, pipelined across examples (the flattened loop of Triton's
+# persistent-matmul tutorial); False, a K loop per example inside a loop over examples.
 FLAT = False
-# Hopper's tensor-memory accelerator for the operand tiles (where :func:`tma_ok`: 16-byte aligned rows on a
-# GPU of compute capability 9 or later): the kernel :func:`_outer_norms_tma_kernel` loads each example's
-# (BK × tile) blocks through TMA descriptors (zero fill past T, no masks or address arithmetic in the loop)
-# and writes per-row partial norms (a row reduction within each warp instead of a whole-tile reduction
-# across warps and a barrier per example). What runs untuned, as :data:`FLAT` (bench_seq_linear_cuda.py column
-# ``tma``; bench_psgnorm.py ``psgn-tritontma``).
+# Hopper's tensor-memory accelerator untuned (where :func:`tma_ok`: 16-byte aligned rows, compute capability
+# 9 or later): :func:`_outer_norms_tma_kernel` loads each example's (BK × tile) blocks through TMA
+# descriptors (zero fill past T, no masks in the loop) and writes a partial norm per gradient row.
 TMA = False
 
 if HAS_TRITON:
@@ -167,10 +163,13 @@ if HAS_TRITON:
     @triton.jit
     def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, B, T, Din, Dout, SPLIT,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                                PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr):
+                                PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
+                                OVERLAP: tl.constexpr):
         """:func:`_outer_norms_kernel` with operands from TMA descriptors over a (B, T, Din) and d (B, T,
         Dout) (blocks [1, BK, BN] and [1, BK, BM]) and a partial norm per gradient row: partial is (B, tiles,
-        BM)."""
+        BM). ``OVERLAP`` (flat loop): a second accumulator holds each finished example's tile, whose norm
+        (squares, row sums, their store) is taken in the next example's first K step, after that step's MMA
+        is issued, so that it runs on the CUDA cores while the tensor cores work, instead of between them."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
@@ -180,7 +179,27 @@ if HAS_TRITON:
         rows = tl.arange(0, BM)
         gacc = tl.zeros((BM, BN), dtype=tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if FLAT:
+        if FLAT and OVERLAP:
+            k_tiles = tl.cdiv(T, BK)
+            n_b = tl.cdiv(B - split, SPLIT)
+            done = tl.zeros((BM, BN), dtype=tl.float32)          # the last finished example's tile
+            for it in range(0, n_b * k_tiles):
+                eb = it // k_tiles
+                ki = it - eb * k_tiles
+                b = split + eb * SPLIT
+                acc = _tma_k_step(a_desc, d_desc, b, ki * BK, m0, n0, acc, BM, BN, BK, PRECISION)
+                if (ki == 0) & (eb > 0):                          # the previous example's norm
+                    _example_rows_done(done, gacc, partial_ptr, b - SPLIT, num_tiles, pid, rows, BM, False)
+                if ki == k_tiles - 1:
+                    if WITH_GRAD:
+                        gacc += acc
+                    # computed here, after the tile's wait: a bare copy would become a select on the tile
+                    # in flight, which waits for it at every step
+                    done = acc + 0.0
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+            last = split + (n_b - 1) * SPLIT
+            _example_rows_done(done, gacc, partial_ptr, last, num_tiles, pid, rows, BM, False)
+        elif FLAT:
             k_tiles = tl.cdiv(T, BK)
             n_b = tl.cdiv(B - split, SPLIT)
             for it in range(0, n_b * k_tiles):
@@ -263,10 +282,9 @@ def _split(B: int, tiles: int, dev: torch.device) -> int:
 
 def _config(Din: int, Dout: int, dtype: torch.dtype | None = None) -> tuple[int, int, int, int, int, bool]:
     """(BM, BN, BK, num_warps, num_stages, flat): 128×128 tiles for wide layers, narrower for thin ones; the
-    loop of :data:`FLAT`. 16-bit operands on 128×128×64 tiles take 4 pipeline stages, which beat 3 in every
-    H100 sweep of ``bench_seq_linear_cuda.py`` (G3.up 1.79-1.86× of the weight-gradient GEMM against
-    1.88-1.95× in sessions 3, 5 and 10; G1.head 1.45× against 1.71× in session 10); float32 ones keep 3 (four
-    64 KB stages would pass an sm_90 block's 227 KB of shared memory)."""
+    loop of :data:`FLAT`. 16-bit 128×128×64 tiles take 4 pipeline stages (they beat 3 in every H100 sweep of
+    ``bench_seq_linear_cuda.py``, sessions 3, 5 and 10); float32 ones 3 (four would pass 227 KB of shared
+    memory)."""
     bm = 128 if Dout >= 128 else 64
     bn = 128 if Din >= 128 else 64
     wide = bm * bn >= 128 * 128
@@ -274,20 +292,11 @@ def _config(Din: int, Dout: int, dtype: torch.dtype | None = None) -> tuple[int,
     return bm, bn, 64, 8 if wide else 4, stages, FLAT
 
 
-# A wider tile, timed by :mod:`elasticlab.gns.triton_tune` beside :func:`_config`'s on 16-bit layers wide
-# enough to fill it (:func:`wide_ok`), in the TMA form: 128×256, 8 warps, 3 stages. It loads a quarter fewer
-# operand bytes per multiply-add; its two float32 tiles (the example's and the gradient's) need over 255
-# registers a thread, so it spills about 170 B in the epilogue (ptxas for sm_90; .ci/triton_aot.py bounds
-# it). On an H200 (2026-11-28, bench_seq_linear_cuda.py's sweep, bf16) it was still the fastest of 24
-# configs on G3.up (TMA, flat loop: 1.32× the weight-gradient GEMM, against 1.39× for the default tile) and on
-# G1.head (1.19× against 1.40×). Not a default: the tuner keeps it only where it times fastest.
-WIDE = (128, 256, 64, 8, 3)
-
-
-def wide_ok(din: int, dout: int, dtype: torch.dtype) -> bool:
-    """Whether :data:`WIDE` is a candidate for a (Din → Dout) layer of ``dtype``: 16-bit operands, Din ≥ 256
-    and Dout ≥ 128 (a narrower layer would leave most of the tile empty)."""
-    return dtype in (torch.bfloat16, torch.float16) and din >= WIDE[1] and dout >= WIDE[0]
+# The TMA kernel's third loop (a config's ``loop``, beside False, nested, and True, flat): the flat loop with
+# each example's norm deferred into the next one's first K step, a second accumulator holding its tile (three
+# float32 tiles a thread: 128×128 spills 110-130 B on sm_90, bounded by .ci/triton_aot.py). Not yet timed on
+# a GPU; the tuner keeps it only where it is the fastest.
+OVERLAP = 2
 
 
 def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tuple | None = None,
@@ -312,33 +321,35 @@ def _precision(dtype: torch.dtype, tf32: bool | None = None) -> str:
 
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
     """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
-    ``config``: (BM, BN, BK, num_warps, num_stages[, flat[, tma[, swap]]]) instead of :func:`_config`'s
-    (for tuning sweeps; without ``flat``, the loop of :data:`FLAT`; without ``tma``, :data:`TMA`, which takes
-    effect where :func:`tma_ok`). With ``swap`` the kernel forms G_bᵀ = Σ_t a_{b,t} δ_{b,t}ᵀ, the
-    gradient's rows over Din (same norms; each tile stored transposed, so the gradient is (Dout, Din) still):
-    the kernel on the mirrored shape, which the tuner times beside the direct one (a layer Din → Dout then
-    runs as its mirror Dout → Din would).
-    With ``with_grad=False`` no gradient buffer is allocated and the kernel stores no gradient tile (the
-    partial-norm buffer, B × tiles floats, is all it writes)."""
+    ``config``: (BM, BN, BK, num_warps, num_stages[, loop[, tma[, swap]]]) instead of :func:`_config`'s;
+    ``loop``: False nested, True flat, :data:`OVERLAP` (TMA only), else :data:`FLAT`'s; ``tma``: else
+    :data:`TMA`'s, where :func:`tma_ok`; ``swap``: the kernel on the mirrored shape, G_bᵀ (rows over Din,
+    same norms), each gradient tile stored transposed so that the gradient is (Dout, Din) still.
+    ``with_grad=False``: no gradient buffer, no gradient tile stored (the partial norms are all it writes)."""
     B, T, Din = a.shape
     Dout = d.shape[2]
     if B == 0 or T == 0 or Din == 0 or Dout == 0:
         z = torch.zeros(B, device=a.device)
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout, a.dtype)
-    flat = bool(rest[0]) if rest else FLAT
+    loop = int(rest[0]) if rest else int(FLAT)
+    if loop not in (0, 1, OVERLAP):
+        raise ValueError(f"outer_norms: loop must be False (nested), True (flat) or {OVERLAP} (flat, the "
+                         f"epilogue overlapped), got {rest[0]!r}")
     tma = bool(rest[1]) if len(rest) > 1 else TMA
     if len(rest) > 2 and rest[2]:                  # the mirror: rows over Din, the gradient stored transposed
         a, d, Din, Dout = d, a, Dout, Din
     meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
-                FLAT=flat, GRAD_T=len(rest) > 2 and bool(rest[2]), num_warps=warps, num_stages=stages)
+                FLAT=loop != 0, GRAD_T=len(rest) > 2 and bool(rest[2]), num_warps=warps, num_stages=stages)
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
     shape = (Din, Dout) if meta["GRAD_T"] else (Dout, Din)            # the layer's (out, in) either way
     if tma and tma_ok(a, d):
         operands = (TensorDescriptor(a, list(a.shape), list(a.stride()), [1, bk, bn]),
                     TensorDescriptor(d, list(d.shape), list(d.stride()), [1, bk, bm]))
-        return run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, *shape, with_grad, meta,
-                         operands=operands, rows_per_tile=bm)
+        return run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, *shape, with_grad,
+                         dict(meta, OVERLAP=loop == OVERLAP), operands=operands, rows_per_tile=bm)
+    if loop == OVERLAP:
+        raise ValueError("outer_norms: the overlapped loop needs TMA loads (tma=True where tma_ok)")
     return run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, *shape,
                      with_grad, meta)
 

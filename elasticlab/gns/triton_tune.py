@@ -3,7 +3,8 @@
 :mod:`elasticlab.gns.triton_outer` has four variants of one computation: two loops (``flat``: one loop over
 (example, K step) pairs; nested: a K loop per example) × two ways of loading the operands (pointers, or
 Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`), and with TMA loads on wide
-16-bit layers a wider tile too (:data:`~elasticlab.gns.triton_outer.WIDE`, "-wide"); each also on the
+16-bit layers a wider tile too (:data:`WIDE`, "-wide"), and with TMA loads a
+third loop (:data:`~elasticlab.gns.triton_outer.OVERLAP`, "-overlap"); each also on the
 layer's mirrored shape ("-swap", the gradient's rows over Din). Beside them, where its
 multiply-adds are fewer (:func:`elasticlab.gns.triton_gram.worthwhile`) and :data:`GHOST` is on, the fused
 Gram form ("ghost": :func:`elasticlab.gns.triton_gram.ghost_norms` and the plain weight-gradient GEMM, whose
@@ -33,6 +34,21 @@ REPEATS = 3
 TMA = os.environ.get("ELASTICLAB_TRITON_TMA", "1") != "0"
 GHOST = os.environ.get("ELASTICLAB_TRITON_GHOST", "1") != "0"
 
+# A wider tile, timed beside :func:`~elasticlab.gns.triton_outer._config`'s on 16-bit layers wide enough to
+# fill it (:func:`wide_ok`), in the TMA form: 128×256, 8 warps, 3 stages. It loads a quarter fewer
+# operand bytes per multiply-add; its two float32 tiles (the example's and the gradient's) need over 255
+# registers a thread, so it spills about 170 B in the epilogue (ptxas for sm_90; .ci/triton_aot.py bounds
+# it). On an H200 (2026-11-28, bench_seq_linear_cuda.py's sweep, bf16) it was still the fastest of 24
+# configs on G3.up (TMA, flat loop: 1.32× the weight-gradient GEMM, against 1.39× for the default tile) and on
+# G1.head (1.19× against 1.40×). Not a default: the tuner keeps it only where it times fastest.
+WIDE = (128, 256, 64, 8, 3)
+
+
+def wide_ok(din: int, dout: int, dtype: torch.dtype) -> bool:
+    """Whether :data:`WIDE` is a candidate for a (Din → Dout) layer of ``dtype``: 16-bit operands, Din ≥ 256
+    and Dout ≥ 128 (a narrower layer would leave most of the tile empty)."""
+    return dtype in (torch.bfloat16, torch.float16) and din >= WIDE[1] and dout >= WIDE[0]
+
 _CHOSEN: dict[tuple, tuple] = {}                  # key -> (name, config or None) of the form measured fastest
 _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}
 
@@ -45,11 +61,12 @@ def active(a: torch.Tensor) -> bool:
 
 
 def variant_name(config: tuple) -> str:
-    """Which variant a full config (BM, BN, BK, warps, stages, flat, tma[, swap]) runs: "pointer" or "tma",
-    then "-nested" or "-flat", then "-wide" for the tile :data:`~elasticlab.gns.triton_outer.WIDE`, then
-    "-swap" for the mirrored shape."""
-    return (("tma" if config[6] else "pointer") + ("-flat" if config[5] else "-nested")
-            + ("-wide" if tuple(config[:5]) == triton_outer.WIDE else "")
+    """Which variant a full config (BM, BN, BK, warps, stages, loop, tma[, swap]) runs: "pointer" or "tma",
+    then "-nested", "-flat" or "-overlap" (:data:`~elasticlab.gns.triton_outer.OVERLAP`), then "-wide" for
+    the tile :data:`WIDE`, then "-swap" for the mirrored shape."""
+    loop = {0: "-nested", 1: "-flat", triton_outer.OVERLAP: "-overlap"}[int(config[5])]
+    return (("tma" if config[6] else "pointer") + loop
+            + ("-wide" if tuple(config[:5]) == WIDE else "")
             + ("-swap" if len(config) > 7 and config[7] else ""))
 
 
@@ -59,16 +76,19 @@ def _oriented(din: int, dout: int, dtype: torch.dtype, tma: bool, swap: bool) ->
         din, dout = dout, din
     base = triton_outer._config(din, dout, dtype)[:5]
     out = [base + (flat, t) for t in ((False, True) if tma else (False,)) for flat in (False, True)]
-    if tma and triton_outer.wide_ok(din, dout, dtype):
-        out += [triton_outer.WIDE + (flat, True) for flat in (False, True)]
+    if tma:
+        out.append(base + (triton_outer.OVERLAP, True))
+    if tma and wide_ok(din, dout, dtype):
+        out += [WIDE + (flat, True) for flat in (False, True)]
     return [c + (True,) for c in out] if swap else out
 
 
 def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     """The full configs timed for these operands: the tile of :func:`~elasticlab.gns.triton_outer._config`,
-    both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands; with TMA loads,
-    where :func:`~elasticlab.gns.triton_outer.wide_ok`, the tile :data:`~elasticlab.gns.triton_outer.WIDE`
-    in both loops as well. Where Din ≠ Dout, each again on the mirrored shape ("-swap": the gradient's rows
+    both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands, with TMA also
+    the overlapped loop (:data:`~elasticlab.gns.triton_outer.OVERLAP`); with TMA loads, where
+    :func:`wide_ok`, the tile :data:`WIDE` in the
+    two plain loops as well. Where Din ≠ Dout, each again on the mirrored shape ("-swap": the gradient's rows
     over Din; H200, 2026-11-28: G3's 4096 → 1024 layer took 1.72× the weight-gradient GEMM where its mirror,
     1024 → 4096, took 1.39×, in the same variant)."""
     din, dout = a.shape[2], d.shape[2]

@@ -177,7 +177,8 @@ def test_cuda_bf16_calibration_times_every_form_and_matches_the_default_path():
     assert {k[0] for k in t} == {"linear", "conv"} and len(t) == 3
     out = calibrate.left_out()                   # forms over the memory rule's limit are not run
     if triton_outer.HAS_TRITON:
-        tma = {"triton-tma-nested", "triton-tma-flat"} if triton_outer.HAS_TMA else set()
+        loops = ("nested", "flat", "overlap") if triton_outer.HAS_TMA else ()
+        tma = {f"triton-tma-{loop}" for loop in loops}
         assert all({"triton-pointer-nested", "triton-pointer-flat"} | tma <= set(v) | set(out.get(k, {}))
                    for k, v in t.items() if k[0] == "linear")
         assert all("triton" in set(v) | set(out.get(k, {})) for k, v in t.items() if k[0] == "conv")

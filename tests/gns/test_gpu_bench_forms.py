@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from elasticlab.gns import kernels, triton_outer
+from elasticlab.gns import kernels, triton_outer, triton_tune
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
 DTYPES = [torch.float32, torch.float16 if triton_outer.INTERPRETED else torch.bfloat16]
@@ -83,7 +83,7 @@ def test_every_config_of_the_tile_sweep_gives_the_reference_norms_and_gradient(b
     seq, _ = bench
     a, d, (ref, ref_grad) = _kernel_case(2, 70, 264, 136, seed=2)
     configs = seq.SWEEP["configs"]
-    assert any(c[:5] == triton_outer.WIDE for c in configs) == bool(seq.triton_tune.TMA)
+    assert any(c[:5] == triton_tune.WIDE for c in configs) == bool(seq.triton_tune.TMA)
     for cfg in configs:
         norms, grad = triton_outer.outer_norms(a, d, True, cfg)
         torch.testing.assert_close(norms.double().cpu(), ref, rtol=2e-5, atol=0, msg=str(cfg))
@@ -98,7 +98,7 @@ def test_the_plain_triton_gemm_of_the_sweep_is_the_weight_gradient(bench):
     seq, _ = bench
     a, d, (_, ref_grad) = _kernel_case(2, 70, 264, 136, seed=3)
     tiles = sorted({c[:5] for c in seq.SWEEP["configs"] if c[6]})
-    assert triton_outer.WIDE in tiles
+    assert triton_tune.WIDE in tiles
     for tile in tiles:
         torch.testing.assert_close(seq.triton_wgrad(a, d, tile).double().cpu(), ref_grad, rtol=2e-5,
                                    atol=2e-5 * ref_grad.abs().max().item(), msg=str(tile))

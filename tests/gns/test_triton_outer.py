@@ -13,7 +13,7 @@ loop over (example, K step) pairs; nested: a K loop per example).
 import pytest
 import torch
 
-from elasticlab.gns import kernels, triton_outer
+from elasticlab.gns import kernels, triton_outer, triton_tune
 
 DEV = triton_outer.kernel_device() or pytest.skip(
     "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
@@ -108,18 +108,20 @@ TMA_CASES = [
     (3, 70, 40, 136, None),
     (5, 33, 72, 24, (32, 32, 16, 4, 2)),
     (9, 16, 48, 64, (32, 32, 16, 4, 2)),
-    (2, 70, 264, 136, triton_outer.WIDE),             # the tuner's wide tile, both edges cut
+    (2, 70, 264, 136, triton_tune.WIDE),             # the tuner's wide tile, both edges cut
 ]
 
 
 @pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")
-@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("flat", [False, True, triton_outer.OVERLAP], ids=["nested", "flat", "overlap"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,T,Din,Dout,config", TMA_CASES)
 def test_tma_kernel_matches_float64(monkeypatch, B, T, Din, Dout, config, dtype, flat):
     """The TMA form (:func:`triton_outer._outer_norms_tma_kernel`: descriptor loads with zero fill past T,
-    a partial norm per gradient row) against float64, both loops, with and without the gradient; it is the
-    kernel launched (spied), and it gives the pointer kernel's norms."""
+    a partial norm per gradient row) against float64, its three loops (the overlapped one: each example's
+    epilogue in the next one's first K step, the last one's after the loop; one example a program where the
+    examples are split), with and without the gradient; it is the kernel launched (spied), and it gives the
+    pointer kernel's norms (whose loops are two: the overlapped one needs TMA)."""
     launched = _spy_launches(monkeypatch, "_outer_norms_tma_kernel")
     a, d = _inputs(B, T, Din, Dout, dtype)
     assert triton_outer.tma_ok(a, d)
@@ -127,8 +129,14 @@ def test_tma_kernel_matches_float64(monkeypatch, B, T, Din, Dout, config, dtype,
     n = _check(a, d, cfg + (True,))
     torch.testing.assert_close(_check(a, d, cfg + (True,), with_grad=False), n, rtol=1e-6, atol=0)
     assert len(launched) == 2
-    torch.testing.assert_close(_check(a, d, cfg + (False,)), n, rtol=1e-5, atol=0)
+    pointer = cfg[:5] + (bool(flat),)
+    torch.testing.assert_close(_check(a, d, pointer + (False,)), n, rtol=1e-5, atol=0)
     assert len(launched) == 2                                   # tma=False: the pointer kernel
+    if flat == triton_outer.OVERLAP:
+        with pytest.raises(ValueError, match="overlapped loop needs TMA"):
+            triton_outer.outer_norms(a, d, True, cfg + (False,))
+        with pytest.raises(ValueError, match="loop must be False"):
+            triton_outer.outer_norms(a, d, True, cfg[:5] + (3, True))
 
 
 @pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")

@@ -68,7 +68,7 @@ def test_first_call_times_every_variant_and_later_calls_run_the_kept_one(monkeyp
     names = [triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)]
     expect = {"pointer-nested", "pointer-flat"}
     if triton_outer.tma_ok(a, d):
-        expect |= {"tma-nested", "tma-flat"}
+        expect |= {"tma-nested", "tma-flat", "tma-overlap"}
     expect |= {n + "-swap" for n in expect}                 # Din ≠ Dout: each on the mirrored shape too
     assert set(names) == expect and len(names) == len(expect)
     assert len(seen) == 3 * len(names)                   # each variant: one warm-up call, then REPEATS timed
@@ -181,14 +181,14 @@ def test_the_wide_tile_is_timed_on_wide_16_bit_layers_with_tma_loads(monkeypatch
     a, d = _inputs(2, 20, 264, 136)
     names = {triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)}
     # the mirror (136 → 264) is too narrow for the wide tile
-    assert names == {"pointer-nested", "pointer-flat", "tma-nested", "tma-flat", "tma-nested-wide",
-                     "tma-flat-wide", "pointer-nested-swap", "pointer-flat-swap", "tma-nested-swap",
-                     "tma-flat-swap"}
+    assert names == {"pointer-nested", "pointer-flat", "tma-nested", "tma-flat", "tma-overlap",
+                     "tma-nested-wide", "tma-flat-wide", "pointer-nested-swap", "pointer-flat-swap",
+                     "tma-nested-swap", "tma-flat-swap", "tma-overlap-swap"}
     narrow = _inputs(2, 20, 248, 136)[0]
-    assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(narrow, d))
-    assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(a.float(), d.float()))
+    assert not any(c[:5] == triton_tune.WIDE for c in triton_tune.candidates(narrow, d))
+    assert not any(c[:5] == triton_tune.WIDE for c in triton_tune.candidates(a.float(), d.float()))
     monkeypatch.setattr(triton_tune, "TMA", False)
-    assert not any(c[:5] == triton_outer.WIDE for c in triton_tune.candidates(a, d))
+    assert not any(c[:5] == triton_tune.WIDE for c in triton_tune.candidates(a, d))
     monkeypatch.setattr(triton_tune, "TMA", True)
     monkeypatch.setattr(triton_tune, "REPEATS", 1)
     real = triton_tune.timing.elapsed
@@ -204,7 +204,7 @@ def test_the_wide_tile_is_timed_on_wide_16_bit_layers_with_tma_loads(monkeypatch
     assert list(triton_tune.chosen().values()) == ["tma-flat-wide"]
     seen = _count_configs(monkeypatch)
     _close(triton_tune.outer_norms(a, d, True), want)
-    assert [c[:5] for c in seen] == [triton_outer.WIDE]
+    assert [c[:5] for c in seen] == [triton_tune.WIDE]
 
 
 def test_the_mirrored_shape_gives_the_same_norms_and_the_gradient_in_place(monkeypatch):
@@ -275,7 +275,8 @@ def test_calibration_takes_the_tuners_forms_each_with_its_scratch(monkeypatch):
     assert {f for f in found if f.startswith("triton-")} == {f"triton-{n}" for n in tuned}
     assert {"triton-tma-flat-wide", "triton-pointer-nested-swap"} <= set(found)
     want = _reference(a, d)
-    for name in ("triton-pointer-nested", "triton-tma-flat-wide", "triton-tma-flat-swap"):
+    for name in ("triton-pointer-nested", "triton-tma-flat-wide", "triton-tma-flat-swap",
+                 "triton-tma-overlap", "triton-tma-overlap-swap"):
         _close(found[name](), want)
     scratch = linear.seq_scratch(a, d, found)
     assert set(scratch) == set(found)
@@ -284,5 +285,5 @@ def test_calibration_takes_the_tuners_forms_each_with_its_scratch(monkeypatch):
                                                                       dtype=a.dtype)
     assert scratch["triton-tma-flat-swap"] == triton_outer.scratch_bytes(
         B, dout, din, a.device, triton_outer._config(dout, din, a.dtype)[:5], tma=True)
-    wide = triton_outer.scratch_bytes(B, din, dout, a.device, triton_outer.WIDE, tma=True)
+    wide = triton_outer.scratch_bytes(B, din, dout, a.device, triton_tune.WIDE, tma=True)
     assert scratch["triton-tma-nested-wide"] == wide
