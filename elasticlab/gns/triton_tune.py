@@ -49,6 +49,7 @@ def wide_ok(din: int, dout: int, dtype: torch.dtype) -> bool:
     and Dout ≥ 128 (a narrower layer would leave most of the tile empty)."""
     return dtype in (torch.bfloat16, torch.float16) and din >= WIDE[1] and dout >= WIDE[0]
 
+
 _CHOSEN: dict[tuple, tuple] = {}                  # key -> (name, config or None) of the form measured fastest
 _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}
 
