@@ -41,6 +41,7 @@ ratio, ms, extra_mb / extra_pct, check_rel_err, errors, skipped and (bf16) bf16_
 
     python benchmarks/bench_psgnorm.py [--device cuda] [--workloads ...] [--precision fp32,bf16]
         [--methods ...] [--iters 15] [--warmup 3] [--threads 2] [--quick] [--no-memory] [--max-s S]
+        [--rounds N]
 """
 from __future__ import annotations
 
@@ -632,8 +633,25 @@ def parse_entries(spec: str, precisions) -> list[tuple[str, str]]:
     return out
 
 
-def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dict:
-    """Check, time and measure one (workload, precision); prints its table and returns its RESULT entry."""
+def print_rounds(workloads: dict, entries) -> dict:
+    """{NAME-PREC: {method: [ratio of each round that timed it]}} from the RESULT entries of ``--rounds``
+    (keys NAME-PREC, NAME-PREC#2, …), printed with their median, minimum and maximum."""
+    out = {}
+    print("\nrounds (ratio to plain in each round; median, min-max):")
+    for name, prec in entries:
+        key = f"{name}-{prec}"
+        runs = [v for k, v in workloads.items() if k == key or k.startswith(key + "#")]
+        methods = dict.fromkeys(m for r in runs for m in r.get("ratio", {}))
+        out[key] = {m: [r["ratio"][m] for r in runs if m in r.get("ratio", {})] for m in methods}
+        for m, v in out[key].items():
+            print(f"  {key:10s} {m:16s} " + " ".join(f"{x:.2f}" for x in v)
+                  + f"   median {statistics.median(v):.2f}, {min(v):.2f}-{max(v):.2f}")
+    return out
+
+
+def run_entry(name: str, prec: str, methods, device, args, checked: dict, first: bool = True) -> dict:
+    """Check, time and measure one (workload, precision); prints its table and returns its RESULT entry.
+    ``first``: the entry's first round (later ones skip the bf16-against-fp32 comparison)."""
     quick = args.quick
     if name not in checked:                            # the float64 check does not depend on the precision
         checked[name] = check_methods(name, methods, device)
@@ -689,7 +707,7 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict) -> dic
             entry["extra_mb"] = {m: (v - mem["plain"]) / 2**20 for m, v in mem.items() if m != "plain"}
             entry["extra_pct"] = {m: 100 * (v - mem["plain"]) / max(mem["plain"], 1.0)
                                   for m, v in mem.items() if m != "plain"}
-    if prec == "bf16" and "psgn" in methods:
+    if prec == "bf16" and "psgn" in methods and first:
         try:
             entry["bf16_vs_fp32"] = bf16_vs_fp32(name, device, quick)
         except Exception as e:
@@ -748,6 +766,9 @@ def main(argv=None) -> int:
                     help="cpu: process CPU time, steadier on a busy machine (use with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="small batches and few iterations (smoke test)")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every entry this many times, round-robin (keys NAME-PREC#2, …), and print "
+                    "each method's ratios over the rounds: the spread of a host-bound step's ratio")
     ap.add_argument("--max-s", type=float, default=0.0,
                     help="start no new workload entry after this many seconds (0: no limit)")
     ap.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
@@ -776,17 +797,19 @@ def main(argv=None) -> int:
               "clock": args.clock, "quick": args.quick, "workloads": {}}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     checked: dict = {}
     start = time.perf_counter()
-    for name, prec in entries:
-        key = f"{name}-{prec}"
+    for rnd, (name, prec) in [(r, e) for r in range(args.rounds) for e in entries]:
+        key = f"{name}-{prec}" + (f"#{rnd + 1}" if rnd else "")
         t0 = time.perf_counter()
         if args.max_s and t0 - start > args.max_s:     # so that RESULT comes before an outer timeout
             print(f"\n{key}: skipped (past --max-s {args.max_s:.0f} s)")
             result["workloads"][key] = {"precision": prec, "skipped_workload": f"past --max-s {args.max_s} s"}
             continue
         try:
-            result["workloads"][key] = run_entry(name, prec, methods, device, args, checked)
+            result["workloads"][key] = run_entry(name, prec, methods, device, args, checked, rnd == 0)
         except Unavailable as e:
             print(f"\n{key}: skipped ({e})")
             result["workloads"][key] = {"precision": prec, "skipped_workload": str(e)}
@@ -796,6 +819,8 @@ def main(argv=None) -> int:
         result["workloads"][key]["wall_s"] = time.perf_counter() - t0
         print(f"  ({time.perf_counter() - t0:.1f} s)")
         _free_cuda(device)
+    if args.rounds > 1:
+        result["rounds"] = print_rounds(result["workloads"], entries)
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -52,3 +52,20 @@ def test_opacus_ghost_gives_the_norms_of_a_model_with_in_place_relus(bench):
     finally:
         bench.close(step)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+def test_rounds_measure_every_entry_again_and_report_the_spread(bench, capsys):
+    """``--rounds 2``: each entry is timed twice, round-robin (keys W1-fp32 and W1-fp32#2), and each method's
+    ratios over the rounds are printed and kept under "rounds"; ``--rounds 0`` is an error that names it."""
+    import json
+
+    assert bench.main(["--workloads", "W1", "--methods", "plain,psgn", "--quick", "--no-memory",
+                       "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1][len("RESULT "):])
+    assert set(res["workloads"]) == {"W1-fp32", "W1-fp32#2"}
+    runs = res["workloads"]
+    assert res["rounds"]["W1-fp32"]["psgn"] == [runs[k]["ratio"]["psgn"] for k in ("W1-fp32", "W1-fp32#2")]
+    assert "rounds (ratio to plain in each round" in out and "median" in out
+    with pytest.raises(SystemExit, match="--rounds must be at least 1, got 0"):
+        bench.main(["--workloads", "W1", "--rounds", "0"])
