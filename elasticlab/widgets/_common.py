@@ -10,6 +10,12 @@ import threading
 import traceback
 from pathlib import Path
 
+# plotly's figure classes (and narwhals, which they import) now, on the thread importing a panel's module,
+# before any panel or cluster starts a thread: loaded lazily inside a ClusterPanel built while a cluster's
+# thread imported scikit-learn (which imports narwhals too), the two imports met in Python's module locks and
+# raised _DeadlockError (notebook 08 in CI, 2026-11-28).
+from plotly.graph_objects import Figure as _Figure  # noqa: F401
+
 from elasticlab.checks import seconds
 
 #: Colours per policy / series, so a policy has the same colour in every chart of a panel.
