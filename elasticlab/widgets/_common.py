@@ -11,9 +11,10 @@ import traceback
 from pathlib import Path
 
 # plotly's figure classes (and narwhals, which they import) now, on the thread importing a panel's module,
-# before any panel or cluster starts a thread: loaded lazily inside a ClusterPanel built while a cluster's
-# thread imported scikit-learn (which imports narwhals too), the two imports met in Python's module locks and
-# raised _DeadlockError (notebook 08 in CI, 2026-11-28).
+# before any panel or cluster starts a thread: loaded lazily inside a ClusterPanel built just after a Ray
+# cluster started, while another thread of the process was importing narwhals too (scikit-learn imports it
+# as well), the two imports met in Python's module locks and raised _DeadlockError (notebook 08, CI,
+# 2026-11-28).
 from plotly.graph_objects import Figure as _Figure  # noqa: F401
 
 from elasticlab.checks import seconds
