@@ -204,6 +204,12 @@ def _sweep_layer(name: str, iters: int, configs, form) -> dict:
     return row
 
 
+def _cells(pairs, label: str = "{}x{}x{}/{}/{}") -> str:
+    """A sweep line's cells, "config ratio" for each (config, ratio or error) pair: the config's leading
+    numbers as ``label`` formats them (an outer tile: BMxBNxBK/warps/stages)."""
+    return "  ".join(label.format(*c) + " " + (f"{v:.2f}x" if isinstance(v, float) else v) for c, v in pairs)
+
+
 def sweep_triton(iters: int, layers=None) -> dict:
     """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16), on
     ``layers`` (default: :data:`SWEEP`'s); with TMA, also Triton's plain weight-gradient GEMM in each TMA
@@ -216,19 +222,15 @@ def sweep_triton(iters: int, layers=None) -> dict:
         gemm = _sweep_layer(name, iters, gemm_tiles, lambda a, d, _, tile: (triton_wgrad(a, d, tile),))
         row.update({f"gemm {k}": v for k, v in gemm.items()})
         if gemm:
-            print(f"sweep {name:8s} {'triton-gemm':13s} " + "  ".join(
-                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
-                for c, v in zip(gemm_tiles, gemm.values())))
+            print(f"sweep {name:8s} {'triton-gemm':13s} " + _cells(zip(gemm_tiles, gemm.values())))
         ov = triton_outer.OVERLAP
         for tma, flat, swap in ((False, False, False), (False, True, False), (True, False, False),
                                 (True, True, False), (True, True, True), (True, ov, False), (True, ov, True)):
             # one line per variant: BMxBNxBK/warps/stages ratio
-            loop = (("tma-" if tma else "") + {False: "nested", True: "flat", ov: "overlap"}[flat]
-                    + ("-swap" if swap else ""))
-            print(f"sweep {name:8s} {loop:13s} " + "  ".join(
-                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}/{c[4]} " + (f"{v:.2f}x" if isinstance(v, float) else v)
-                for c, v in zip(SWEEP["configs"], row.values())
-                if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))     # (gemm entries come last)
+            loop = ("tma-" if tma else "") + triton_outer.LOOPS[flat] + ("-swap" if swap else "")
+            print(f"sweep {name:8s} {loop:13s} " + _cells(
+                (c, v) for c, v in zip(SWEEP["configs"], row.values())     # (gemm entries come last)
+                if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))
     return out
 
 
@@ -246,9 +248,7 @@ def sweep_ghost(iters: int) -> dict:
     for name in GHOST_SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters, GHOST_SWEEP["configs"], triton_tune.ghost)
         torch.cuda.empty_cache()
-        print(f"ghost {name:8s} " + "  ".join(
-            "{}x{}/{}/{} ".format(*c) + (f"{v:.2f}x" if isinstance(v, float) else v)
-            for c, v in zip(GHOST_SWEEP["configs"], row.values())))
+        print(f"ghost {name:8s} " + _cells(zip(GHOST_SWEEP["configs"], row.values()), "{}x{}/{}/{}"))
     return out
 
 

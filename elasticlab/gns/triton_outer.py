@@ -292,11 +292,11 @@ def _config(Din: int, Dout: int, dtype: torch.dtype | None = None) -> tuple[int,
     return bm, bn, 64, 8 if wide else 4, stages, FLAT
 
 
-# The TMA kernel's third loop (a config's ``loop``, beside False, nested, and True, flat): the flat loop with
-# each example's norm deferred into the next one's first K step, a second accumulator holding its tile (three
-# float32 tiles a thread: 128×128 spills 110-130 B on sm_90, bounded by .ci/triton_aot.py). Not yet timed on
-# a GPU; the tuner keeps it only where it is the fastest.
+# The TMA kernel's third loop: the flat loop with each example's norm deferred into the next one's first K
+# step, a second accumulator holding its tile (three float32 tiles a thread: 128×128 spills 110-130 B on
+# sm_90, bounded by .ci/triton_aot.py). Not yet timed on a GPU; the tuner keeps it only where it is fastest.
 OVERLAP = 2
+LOOPS = {False: "nested", True: "flat", OVERLAP: "overlap"}          # a config's ``loop``: its name
 
 
 def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tuple | None = None,
@@ -333,9 +333,9 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
         return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout, a.dtype)
     loop = int(rest[0]) if rest else int(FLAT)
-    if loop not in (0, 1, OVERLAP):
-        raise ValueError(f"outer_norms: loop must be False (nested), True (flat) or {OVERLAP} (flat, the "
-                         f"epilogue overlapped), got {rest[0]!r}")
+    if loop not in LOOPS:
+        raise ValueError("outer_norms: loop must be " + ", ".join(f"{k} ({v})" for k, v in LOOPS.items())
+                         + f", got {rest[0]!r}")
     tma = bool(rest[1]) if len(rest) > 1 else TMA
     if len(rest) > 2 and rest[2]:                  # the mirror: rows over Din, the gradient stored transposed
         a, d, Din, Dout = d, a, Dout, Din

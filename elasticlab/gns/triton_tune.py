@@ -63,10 +63,9 @@ def active(a: torch.Tensor) -> bool:
 
 def variant_name(config: tuple) -> str:
     """Which variant a full config (BM, BN, BK, warps, stages, loop, tma[, swap]) runs: "pointer" or "tma",
-    then "-nested", "-flat" or "-overlap" (:data:`~elasticlab.gns.triton_outer.OVERLAP`), then "-wide" for
-    the tile :data:`WIDE`, then "-swap" for the mirrored shape."""
-    loop = {0: "-nested", 1: "-flat", triton_outer.OVERLAP: "-overlap"}[int(config[5])]
-    return (("tma" if config[6] else "pointer") + loop
+    then the loop's name in :data:`~elasticlab.gns.triton_outer.LOOPS` ("-nested", "-flat", "-overlap"),
+    then "-wide" for the tile :data:`WIDE`, then "-swap" for the mirrored shape."""
+    return (("tma" if config[6] else "pointer") + "-" + triton_outer.LOOPS[int(config[5])]
             + ("-wide" if tuple(config[:5]) == WIDE else "")
             + ("-swap" if len(config) > 7 and config[7] else ""))
 
