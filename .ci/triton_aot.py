@@ -4,7 +4,7 @@ gradient, and the tile sweeps of benchmarks/bench_seq_linear_cuda.py. Fails on a
 that needs more shared memory than an sm_90 block may have, or, among those the layers launch by default
 (16-bit, row-major operands, the wrappers' and the tuner's configs: :func:`on_default_path`), that spills
 registers (the tuner's wide tile and overlapped loop, which spill by design: more than
-:data:`WIDE_SPILL_BYTES`);
+:data:`CANDIDATE_SPILL_BYTES`);
 prints each kernel's shared memory, registers and spills (ptxas's log). Run by .ci/run in
 .venv-cuda (its torch ships Triton):
 
@@ -156,7 +156,7 @@ def on_default_path(case: tuple) -> bool:
 # Two of the tuner's candidates pass 255 registers a thread by design, and ptxas spills a little: the wide
 # tile's two float32 tiles (about 170 B, Triton 3.8) and the overlapped loop's three (about 110-130 B with the
 # 128×128 tile). Above this many bytes stored it is a regression (checked like a default tile's spill).
-WIDE_SPILL_BYTES = 256
+CANDIDATE_SPILL_BYTES = 256
 
 
 def spilling_candidate(case: tuple) -> bool:
@@ -169,11 +169,11 @@ def spilling_candidate(case: tuple) -> bool:
             and (tile == triton_tune.WIDE or bool(meta.get("OVERLAP"))))
 
 
-def wide_spill_over(case: tuple, label: str) -> bool:
-    """Whether ``case`` is a :func:`spilling_candidate` that spills more than :data:`WIDE_SPILL_BYTES`
+def candidate_spill_over(case: tuple, label: str) -> bool:
+    """Whether ``case`` is a :func:`spilling_candidate` that spills more than :data:`CANDIDATE_SPILL_BYTES`
     stored."""
     m = re.search(r"SPILLS (\d+) B stored", label)
-    return spilling_candidate(case) and m is not None and int(m.group(1)) > WIDE_SPILL_BYTES
+    return spilling_candidate(case) and m is not None and int(m.group(1)) > CANDIDATE_SPILL_BYTES
 
 
 def _ptxas_report(log: str) -> str:
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         todo = [c for c in todo if c[0] in names]
     # a fresh cache: a kernel found in Triton's cache is not compiled again, and so has no ptxas log
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_aot_")
-    bad = spills = wide = 0
+    bad = spills = by_design = 0
     default_spills, digests = [], {}
     with ProcessPoolExecutor(args.jobs) as pool:
         run = functools.partial(compile_case, digest=bool(args.digest))
@@ -278,18 +278,19 @@ def main(argv=None) -> int:
                 digests[label.split(", ")[0]] = sha          # the label before its registers
             bad += bool(err)
             spills += "SPILLS" in label
-            wide += "SPILLS" in label and spilling_candidate(case)
+            by_design += "SPILLS" in label and spilling_candidate(case)
             if "SPILLS" in label and on_default_path(case) and not spilling_candidate(case) \
-                    or wide_spill_over(case, label):
+                    or candidate_spill_over(case, label):
                 default_spills.append(label)
             print(("FAIL " if err else "ok   ") + label + (f": {err}" if err else f" (shared {shared} B)"),
                   flush=True)
     print(f"{len(todo) - bad} of {len(todo)} Triton kernels compile for sm_90; {spills} spill registers, "
-          f"{wide} of those the tuner's wide tile or overlapped loop (at most {WIDE_SPILL_BYTES} B allowed), "
+          f"{by_design} of those the tuner's wide tile or overlapped loop "
+          f"(at most {CANDIDATE_SPILL_BYTES} B allowed), "
           f"{len(default_spills)} over the rules (a tile the layers launch by default, 16-bit, row-major, "
-          "or the wide tile over its bound)")
+          "or a tuner candidate over its bound)")
     for label in default_spills:         # a regression of a default tile: its registers reach local memory
-        print(f"FAIL spills on the default path (the wide tile: over {WIDE_SPILL_BYTES} B): {label}")
+        print(f"FAIL spills on the default path (a tuner candidate: over {CANDIDATE_SPILL_BYTES} B): {label}")
     if args.digest:
         with open(args.digest, "w") as f:
             json.dump(digests, f, indent=0, sort_keys=True)
