@@ -95,6 +95,14 @@ def cases() -> list[tuple]:
         out.append(("outer-tma", dt, meta, w, s, ()))
         if tile != triton_tune.WIDE:
             out.append(("outer", dt, meta, w, s, ROW_MAJOR))
+    # the per-example bias sums fused in (triton_outer.FUSE_BIAS; BIAS 1: from δ's tiles, 2: a mirrored
+    # launch's, from a's), where triton_outer.fuses_bias: 16-bit, the default tiles, both loops, both forms
+    for h, bias, flat in itertools.product(("bf16", "fp16"), (1, 2), (False, True)):
+        for bm, bn, bk, w, s in sorted(_outer_tiles(torch_dtype[h])):
+            meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat, GRAD_T=bias == 2,
+                        BIAS=bias)
+            out.append(("outer-tma", h, meta, w, s, ()))
+            out.append(("outer", h, meta, w, s, ROW_MAJOR))
     for bm, bn, bk, w, s, flat, tma, *_ in bench.SWEEP["configs"]:          # a swap runs the same kernel
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=True, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", "bf16", meta, w, s, ()) if tma else ("outer", "bf16", meta, w, s, ROW_MAJOR))
@@ -143,7 +151,8 @@ def on_default_path(case: tuple) -> bool:
     tuner choose (sweep-only configs are not)."""
     import torch
     name, dt, meta, warps, stages, ones = case
-    if dt not in ("bf16", "fp16") or (name != "outer-tma" and not set(ROW_MAJOR) <= set(ones)):
+    if dt not in ("bf16", "fp16") or (name != "outer-tma" and not set(ROW_MAJOR) <= set(ones)) \
+            or meta.get("BIAS"):                    # the bias sums fused in: off by default (FUSE_BIAS)
         return False
     half = torch.bfloat16 if dt == "bf16" else torch.float16
     if name in ("outer", "outer-tma"):
@@ -155,17 +164,21 @@ def on_default_path(case: tuple) -> bool:
 
 # Two of the tuner's candidates pass 255 registers a thread by design, and ptxas spills a little: the wide
 # tile's two float32 tiles (about 170 B, Triton 3.8) and the overlapped loop's three (about 110-130 B with the
-# 128×128 tile). Above this many bytes stored it is a regression (checked like a default tile's spill).
+# 128×128 tile); and the bias sums' pointer-loaded tiles (16-68 B). Above this many bytes stored it
+# is a regression (checked like a default tile's spill).
 CANDIDATE_SPILL_BYTES = 256
 
 
 def spilling_candidate(case: tuple) -> bool:
     """Whether ``case`` is one of the tuner's candidates that spill by design: 16-bit, TMA loads, the wide
-    tile (:data:`elasticlab.gns.triton_tune.WIDE`) or the overlapped loop."""
+    tile (:data:`elasticlab.gns.triton_tune.WIDE`) or the overlapped loop; or, off by default
+    (``triton_outer.FUSE_BIAS``), a kernel summing the bias gradients (whose pointer-loaded tiles spill 16-68
+    B)."""
     from elasticlab.gns import triton_tune
     name, dt, meta, warps, stages, _ = case
     tile = (meta.get("BM"), meta.get("BN"), meta.get("BK"), warps, stages)
-    return (name == "outer-tma" and dt in ("bf16", "fp16")
+    return (name.startswith("outer") and dt in ("bf16", "fp16") and bool(meta.get("BIAS"))
+            or name == "outer-tma" and dt in ("bf16", "fp16")
             and (tile == triton_tune.WIDE or bool(meta.get("OVERLAP"))))
 
 
@@ -213,6 +226,7 @@ def compile_case(case: tuple, digest: bool = False) -> tuple[str, str, int | Non
     sig, consts = {}, dict(meta)
     if name in ("outer", "outer-tma"):
         consts.setdefault("GRAD_T", False)              # the gradient stored as the layer's (Dout, Din)
+        consts.setdefault("BIAS", 0)                    # no bias sums (a layer without bias, the hook rule)
     if name == "outer-tma":
         consts.setdefault("OVERLAP", False)             # the flat loop without the second accumulator
     for arg in fn.arg_names:
@@ -225,7 +239,7 @@ def compile_case(case: tuple, digest: bool = False) -> tuple[str, str, int | Non
         elif arg == "pairs_ptr":                   # the Gram kernel's block-pair table
             sig[arg] = "*i32"
         elif arg.endswith("_ptr"):
-            sig[arg] = "*fp32" if arg in ("partial_ptr", "grad_ptr") else ptr
+            sig[arg] = "*fp32" if arg in ("partial_ptr", "grad_ptr", "bias_ptr") else ptr
         else:
             sig[arg] = "i32"
     label = f"{name} {dt} " + " ".join(f"{k}={v}" for k, v in meta.items() if k != "PRECISION") \
@@ -285,7 +299,7 @@ def main(argv=None) -> int:
             print(("FAIL " if err else "ok   ") + label + (f": {err}" if err else f" (shared {shared} B)"),
                   flush=True)
     print(f"{len(todo) - bad} of {len(todo)} Triton kernels compile for sm_90; {spills} spill registers, "
-          f"{by_design} of those the tuner's wide tile or overlapped loop "
+          f"{by_design} of those the tuner's wide tile or overlapped loop or the bias sums "
           f"(at most {CANDIDATE_SPILL_BYTES} B allowed), "
           f"{len(default_spills)} over the rules (a tile the layers launch by default, 16-bit, row-major, "
           "or a tuner candidate over its bound)")

@@ -13,6 +13,9 @@ not timed per shape by :mod:`elasticlab.gns.triton_tune`: its nested loop, point
 are printed under each workload as ``tuned``), ``psgn-tritonflat`` (fixed to the flat loop over (example, K
 step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and ``psgn-tritontmaflat`` (its
 operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the nested and the flat loop),
+``psgn-fusedbias`` and ``psgn-tmaflatbias`` (each example's bias gradient summed inside the Triton kernel,
+:data:`elasticlab.gns.triton_outer.FUSE_BIAS`: tuned, and fixed to the TMA flat loop, beside
+``psgn-tritontmaflat``),
 ``psgn-convgrouped`` (convolutions on CUDA by one grouped convolution's weight gradient instead of a batched
 GEMM over the patches, :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16
 convolutions on CUDA by the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`),
@@ -285,6 +288,10 @@ SWITCHED = {
     "psgn-tritontma": ("triton_tune:ENABLED=False triton_outer:TMA=True", _bf16_seq, _KERNEL_VARIANT),
     "psgn-tritontmaflat": ("triton_tune:ENABLED=False triton_outer:TMA=True triton_outer:FLAT=True",
                            _bf16_seq, _KERNEL_VARIANT),
+    # each example's bias gradient summed in the Triton kernel (triton_outer.FUSE_BIAS), tuned and fixed
+    "psgn-fusedbias": ("triton_outer:FUSE_BIAS=True", _bf16_seq, _KERNEL_VARIANT),
+    "psgn-tmaflatbias": ("triton_tune:ENABLED=False triton_outer:TMA=True triton_outer:FLAT=True "
+                         "triton_outer:FUSE_BIAS=True", _bf16_seq, _KERNEL_VARIANT),
     "psgn-convgrouped": ("layers.conv:GROUPED_ON_CUDA=True",
                          lambda dev, name, prec: dev == "cuda" and name in CONVOLUTIONS,
                          "it changes convolutions on CUDA"),

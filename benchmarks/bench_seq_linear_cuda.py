@@ -231,6 +231,33 @@ def sweep_triton(iters: int, layers=None) -> dict:
             print(f"sweep {name:8s} {loop:13s} " + _cells(
                 (c, v) for c, v in zip(SWEEP["configs"], row.values())     # (gemm entries come last)
                 if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))
+        row.update(sweep_bias(name, iters))
+    return out
+
+
+# The default 16-bit tile in both loops, pointer and TMA loads: with the per-example bias gradients too
+# (a layer with a bias), summed apart (``d.sum(1)`` after the kernel) or in the kernel (FUSE_BIAS)
+BIAS_CONFIGS = [(128, 128, 64, 8, 4, flat, tma) for tma in (False, True) for flat in (False, True)]
+
+
+def sweep_bias(name: str, iters: int) -> dict:
+    """{"bias apart|fused config": time over the weight-gradient GEMM's} of :data:`BIAS_CONFIGS` returning
+    the bias gradients too, summed apart and in the kernel (:data:`elasticlab.gns.triton_outer.FUSE_BIAS`);
+    printed as lines ``bias-apart`` and ``bias-fused``."""
+    out, before = {}, triton_outer.FUSE_BIAS
+    configs = BIAS_CONFIGS if triton_tune.TMA else [c for c in BIAS_CONFIGS if not c[6]]
+    for fused in (False, True):
+        triton_outer.FUSE_BIAS = fused
+        try:
+            row = _sweep_layer(name, iters, configs,
+                               lambda a, d, g, c: triton_outer.outer_norms(a, d, g, c, bias=True))
+        finally:
+            triton_outer.FUSE_BIAS = before
+        kind = "fused" if fused else "apart"
+        out.update({f"bias {kind} {k}": v for k, v in row.items()})
+        print(f"sweep {name:8s} {'bias-' + kind:13s} " + "  ".join(
+            triton_tune.variant_name(c) + " " + (f"{v:.2f}x" if isinstance(v, float) else v)
+            for c, v in zip(configs, row.values())))
     return out
 
 

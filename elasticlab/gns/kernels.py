@@ -214,19 +214,23 @@ def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | N
 
 
 def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False,
-                           use_kernel: bool | None = None):
+                           use_kernel: bool | None = None, bias: bool = False):
     """Per-example ‖Σ_t d_t a_tᵀ‖² by the outer-product form, fused with the weight gradient Σ_b G_b when
-    ``with_grad``. Returns (sq_norms (B,), grad (Dout, Din) or None). Half-precision inputs on CUDA take the
-    Triton kernel of :mod:`elasticlab.gns.triton_outer` (products never leave registers); others, and
-    ``use_kernel=True``, the compiled ``seq_linear_outer_norms`` (cuBLAS batched GEMMs on CUDA)."""
+    ``with_grad``. Returns (sq_norms (B,), grad (Dout, Din) or None), and with ``bias`` a third entry: each
+    example's bias gradient Σ_t d_t (B, Dout), in float32 for half-precision inputs. Half-precision inputs on
+    CUDA take the Triton kernel of :mod:`elasticlab.gns.triton_outer` (products never leave registers; the
+    bias sums come from the δ tiles it loads); others, and ``use_kernel=True``, the compiled
+    ``seq_linear_outer_norms`` (cuBLAS batched GEMMs on CUDA) and ``d.sum(1)``."""
     _check_seq(a, d, "seq_linear_outer_norms")
     if use_kernel is None and USE_KERNELS and triton_outer.preferred(a, d):
-        return triton_tune.outer_norms(_plain(a), _plain(d), with_grad)        # fused on tensor cores
+        return triton_tune.outer_norms(_plain(a), _plain(d), with_grad, bias)     # fused on tensor cores
     op = _op("seq_linear_outer_norms", a, use_kernel)
     if op is None:
-        return seq_linear_outer_norms_ref(a, d, with_grad)
-    norms, grad = op(_plain(a), _plain(d), with_grad)
-    return norms, (grad if with_grad else None)
+        out = seq_linear_outer_norms_ref(a, d, with_grad)
+    else:
+        norms, grad = op(_plain(a), _plain(d), with_grad)
+        out = norms, (grad if with_grad else None)
+    return (*out, d.sum(1, dtype=acc_dtype(d.dtype))) if bias else out
 
 
 def layernorm_per_example(x: torch.Tensor, d: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,

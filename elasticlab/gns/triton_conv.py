@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from elasticlab._ext import conv_out_sizes
-from elasticlab.gns import kernels, triton_outer
-from elasticlab.gns.triton_outer import HAS_TRITON
+from elasticlab.gns import kernels, triton_launch, triton_outer
+from elasticlab.gns.triton_launch import HAS_TRITON
 
 if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton
@@ -129,9 +129,9 @@ def conv_outer_norms(module: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, 
     bm, bn, bk, warps, stages = config or _config(T, Din, Cout)
     tiles = triton.cdiv(Cout, bm) * triton.cdiv(Din, bn)
     meta = dict(KH=kh, KW=kw, BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad),
-                PRECISION=triton_outer._precision(x.dtype, tf32=kernels.conv_takes_tf32(x)),
+                PRECISION=triton_launch.precision(x.dtype, tf32=kernels.conv_takes_tf32(x)),
                 num_warps=warps, num_stages=stages)
     scalars = (B, Cin, H, W, Cout, Ho, Wo, *x.stride(), *d.stride(), sh, sw, ph, pw, dh, dw)
-    norms, grad = triton_outer.run_tiles(_conv_outer_norms_kernel, x, d, scalars, tiles, Cout, Din, with_grad,
-                                         meta)
+    norms, grad = triton_launch.run_tiles(_conv_outer_norms_kernel, x, d, scalars, tiles, Cout, Din,
+                                          with_grad, meta)
     return norms, (grad.view(wshape) if with_grad else None)

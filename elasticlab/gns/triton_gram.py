@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from elasticlab.gns import triton_outer
-from elasticlab.gns.triton_outer import HAS_TRITON
+from elasticlab.gns import triton_launch
+from elasticlab.gns.triton_launch import HAS_TRITON
 
 if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton
@@ -124,10 +124,10 @@ def ghost_norms(a: torch.Tensor, d: torch.Tensor, config: tuple | None = None) -
     pairs = _pairs(nt, a.device)
     npairs = pairs.numel() // 2
     partial = torch.empty(B, npairs, device=a.device, dtype=torch.float32)
-    meta = dict(BT=bt, BK=bk, PRECISION=triton_outer._precision(a.dtype), num_warps=warps, num_stages=stages)
+    meta = dict(BT=bt, BK=bk, PRECISION=triton_launch.precision(a.dtype), num_warps=warps, num_stages=stages)
     for p0, n, diag in ((0, nt, True), (nt, npairs - nt, False)):      # the diagonal pairs, then the others
         if n:
-            triton_outer.launch(_ghost_norms_kernel, (n, B), a.device,
+            triton_launch.launch(_ghost_norms_kernel, (n, B), a.device,
                                 (a, d, pairs, partial, T, Din, Dout, npairs, p0, *a.stride(), *d.stride()),
                                 dict(meta, DIAG=diag))
     return partial.sum(1)

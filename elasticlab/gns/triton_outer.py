@@ -8,48 +8,22 @@ work beyond the weight-gradient GEMM is a square-and-sum per tile and example (t
 alone are too few to fill the GPU the examples are split over a second grid axis, each split writing its own
 gradient slice, summed afterwards.
 
-Used for bfloat16/float16 inputs on CUDA when Triton is importable (it ships with CUDA builds of torch), and
-for float32 ones when :data:`FP32` is on; the cuBLAS path of ``torch.ops.elasticlab.seq_linear_outer_norms``
-is the fallback and the reference. Without a GPU the kernel runs under Triton's interpreter
-(``TRITON_INTERPRET=1``, CPU tensors): ``tests/gns/test_triton_outer.py``, run so in CI.
+Used for bfloat16/float16 inputs on CUDA with Triton (:mod:`~elasticlab.gns.triton_launch`), float32 ones with
+:data:`FP32`; the cuBLAS ``seq_linear_outer_norms`` operator is the fallback and the reference. CI runs it
+under Triton's interpreter (``tests/gns/test_triton_outer.py``).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # pragma: no cover - depends on the torch build
+from elasticlab.gns import triton_launch
+from elasticlab.gns.triton_launch import HAS_TMA, HAS_TRITON, run_tiles
+
+if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-try:  # pragma: no cover - Triton 3.4 and later
+if HAS_TMA:  # pragma: no cover
     from triton.tools.tensor_descriptor import TensorDescriptor
-
-    HAS_TMA = HAS_TRITON
-except ImportError:  # pragma: no cover
-    HAS_TMA = False
-
-# Triton's CPU interpreter (set before Triton is imported): the kernels run on CPU tensors, without bfloat16.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def kernel_device() -> str | None:
-    """Where this package's Triton kernels can run now: "cpu" under the interpreter (:data:`INTERPRETED`),
-    "cuda" with Triton and a GPU, else None (what their tests skip on)."""
-    if not HAS_TRITON:
-        return None
-    return "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
-
-
-def kernel_dtypes() -> list[torch.dtype]:
-    """The input dtypes the kernels take on :func:`kernel_device`: float16 and float32, and bfloat16 on a GPU
-    (the interpreter computes in numpy, which has no bfloat16)."""
-    return [torch.float16, torch.float32] + ([] if INTERPRETED else [torch.bfloat16])
-
 
 # Switch for comparisons (benchmarks): False sends every call to the cuBLAS operator.
 ENABLED = True
@@ -57,26 +31,66 @@ ENABLED = True
 # allows them, as the layer's own GEMM would. Off until measured on a GPU against cuBLAS (no product
 # scratch, against the batched GEMM's B·Din·Dout floats: W2's +46% peak memory).
 FP32 = False
-# The loop that runs untuned (on a GPU :mod:`elasticlab.gns.triton_tune` times the loops per shape): True,
-# one loop over (example, K step) pairs, pipelined across examples (the flattened loop of Triton's
-# persistent-matmul tutorial); False, a K loop per example inside a loop over examples.
+# The loop that runs untuned (on a GPU :mod:`elasticlab.gns.triton_tune` times the loops per shape): True, one
+# loop over (example, K step) pairs, pipelined across examples; False, a K loop per example.
 FLAT = False
-# Hopper's tensor-memory accelerator untuned (where :func:`tma_ok`: 16-byte aligned rows, compute capability
-# 9 or later): :func:`_outer_norms_tma_kernel` loads each example's (BK × tile) blocks through TMA
-# descriptors (zero fill past T, no masks in the loop) and writes a partial norm per gradient row.
+# Hopper's tensor-memory accelerator untuned (where :func:`tma_ok`): :func:`_outer_norms_tma_kernel` loads
+# each example's (BK × tile) blocks by TMA descriptors (zero fill past T); a norm per gradient row.
 TMA = False
+# Each example's bias gradient Σ_t δ_{b,t} summed inside the kernel from the δ tiles it loads for the MMA
+# (``outer_norms(..., bias=True)``, where :func:`fuses_bias`), instead of by a pass over δ (268 MB on G3's
+# 1024→4096 layer). Off until timed on a GPU (bench_psgnorm.py's ``psgn-fusedbias``): ptxas (sm_90) has the
+# default 128×128 TMA tiles at 203-214 registers (from 167), no spills (pointer loads: up to 255, 16-68 B
+# spilled), and each δ tile is read from shared memory into registers at every step, in every program.
+FUSE_BIAS = False
 
 if HAS_TRITON:
     @triton.jit
+    def _owns_bias(eb, pid, num_n, Dout, BM: tl.constexpr, BIAS: tl.constexpr):
+        """Whether this program sums its split's eb-th example's bias gradient: of the programs sharing its
+        rows (``BIAS`` 1) or columns (2, mirrored), the one at eb modulo their count."""
+        if BIAS == 2:
+            return (eb % tl.cdiv(Dout, BM)) == pid // num_n
+        return (eb % num_n) == pid % num_n
+
+    @triton.jit
+    def _bias_add(bsum, dt, at, own, T_AXIS: tl.constexpr, BIAS: tl.constexpr):
+        """``bsum`` plus this K step's δ where this program owns the example's Σ_t δ_{b,t}: ``dt`` (t along
+        ``T_AXIS``) for ``BIAS`` 1, the mirrored launch's ``at`` for 2. Summed over quarters of t (within a
+        thread in the loaded layout: no exchange between threads); :func:`_bias_store` sums the rest."""
+        if BIAS == 1:
+            if own:
+                if T_AXIS == 0:
+                    bsum += tl.sum(tl.reshape(dt.to(tl.float32), (4, dt.shape[0] // 4, dt.shape[1])), axis=0)
+                else:
+                    bsum += tl.sum(tl.reshape(dt.to(tl.float32), (dt.shape[0], 4, dt.shape[1] // 4)), axis=1)
+        if BIAS == 2:
+            if own:
+                bsum += tl.sum(tl.reshape(at.to(tl.float32), (4, at.shape[0] // 4, at.shape[1])), axis=0)
+        return bsum
+
+    @triton.jit
+    def _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din, T_AXIS: tl.constexpr,
+                    BIAS: tl.constexpr):
+        """Example b's bias gradient to row b of ``bias`` (B, Dout) (mirrored: (B, Din)) where this program
+        owns it; zeros for the next example."""
+        b64 = tl.cast(b, tl.int64)
+        if BIAS == 1:
+            tl.store(bias_ptr + b64 * Dout + offs_m, tl.sum(bsum, axis=T_AXIS), mask=m_ok & own)
+        if BIAS == 2:
+            tl.store(bias_ptr + b64 * Din + offs_n, tl.sum(bsum, axis=0), mask=n_ok & own)
+        return tl.zeros_like(bsum)
+
+    @triton.jit
     def _seq_k_step(a_ptr, d_ptr, b64, tk, T, offs_m, offs_n, m_ok, n_ok, sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
-                    acc, PRECISION: tl.constexpr):
-        """One K step of example b's tile: acc + δ_bᵀ[offs_m, tk] a_b[tk, offs_n] (rows past T: zeros)."""
+                    acc, bsum, own, PRECISION: tl.constexpr, BIAS: tl.constexpr):
+        """One K step of example b's tile, acc + δ_bᵀ[offs_m, tk] a_b[tk, offs_n] (past T: zeros); bsum."""
         k_ok = tk < T
         dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)                   # δ_bᵀ tile (BM, BK)
         at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
                      mask=k_ok[:, None] & n_ok[None, :], other=0.0)                   # a_b tile (BK, BN)
-        return tl.dot(dt, at, acc, input_precision=PRECISION)
+        return tl.dot(dt, at, acc, input_precision=PRECISION), _bias_add(bsum, dt, at, own, 1, BIAS)
 
     @triton.jit
     def _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD: tl.constexpr):
@@ -98,10 +112,12 @@ if HAS_TRITON:
         tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, B, T, Din, Dout,
+    def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout,
                             sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                            PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr):
+                            PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
+                            BIAS: tl.constexpr = 0):
+        """``BIAS``: 0 none; 1 each Σ_t δ_{b,t} to bias (B, Dout); 2 mirrored (δ is ``a``), (B, Din)."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
@@ -113,6 +129,10 @@ if HAS_TRITON:
         m_ok, n_ok = offs_m < Dout, offs_n < Din
         gacc = tl.zeros((BM, BN), dtype=tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if BIAS == 2:
+            bsum = tl.zeros((BK // 4, BN), dtype=tl.float32)
+        else:
+            bsum = tl.zeros((BM, BK // 4), dtype=tl.float32)
         if FLAT:
             # One loop over (example, K step) pairs, as the weight-gradient GEMM's single K loop over B·T
             # rows: the software pipeline keeps loading across examples instead of draining at the end of
@@ -124,30 +144,39 @@ if HAS_TRITON:
                 ki = it - eb * k_tiles
                 b = split + eb * SPLIT
                 b64 = tl.cast(b, tl.int64)            # b·stride passes 2³¹ on inputs of over 2³¹ elements
-                acc = _seq_k_step(a_ptr, d_ptr, b64, ki * BK + offs_k, T, offs_m, offs_n, m_ok, n_ok,
-                                  sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, PRECISION)
+                own = _owns_bias(eb, pid, num_n, Dout, BM, BIAS)
+                acc, bsum = _seq_k_step(a_ptr, d_ptr, b64, ki * BK + offs_k, T, offs_m, offs_n, m_ok, n_ok,
+                                        sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, bsum, own, PRECISION, BIAS)
                 if ki == k_tiles - 1:
                     gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
                     acc = tl.zeros((BM, BN), dtype=tl.float32)
+                    if BIAS != 0:
+                        bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din,
+                                           1, BIAS)
         else:
             # A loop over the examples around a K loop over each one's T rows.
             for b in range(split, B, SPLIT):
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
                 b64 = tl.cast(b, tl.int64)
+                own = _owns_bias((b - split) // SPLIT, pid, num_n, Dout, BM, BIAS)
                 for t0 in range(0, T, BK):
-                    acc = _seq_k_step(a_ptr, d_ptr, b64, t0 + offs_k, T, offs_m, offs_n, m_ok, n_ok,
-                                      sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, PRECISION)
+                    acc, bsum = _seq_k_step(a_ptr, d_ptr, b64, t0 + offs_k, T, offs_m, offs_n, m_ok, n_ok,
+                                            sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, bsum, own, PRECISION,
+                                            BIAS)
                 gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
+                if BIAS != 0:
+                    bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din, 1, BIAS)
         if WITH_GRAD:                                        # norms only: no gradient buffer at all
             _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din, GRAD_T)
 
     @triton.jit
-    def _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-        """One K step of example b's tile from the TMA descriptors (rows past T arrive as zeros)."""
+    def _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, bsum, own,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                    BIAS: tl.constexpr):
+        """One K step of example b's tile from the TMA descriptors (rows past T arrive as zeros); bsum."""
         dt = d_desc.load([b, t0, m0]).reshape(BK, BM)
         at = a_desc.load([b, t0, n0]).reshape(BK, BN)
-        return tl.dot(dt.T, at, acc, input_precision=PRECISION)
+        return tl.dot(dt.T, at, acc, input_precision=PRECISION), _bias_add(bsum, dt, at, own, 0, BIAS)
 
     @triton.jit
     def _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM: tl.constexpr,
@@ -161,10 +190,10 @@ if HAS_TRITON:
         return gacc
 
     @triton.jit
-    def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, B, T, Din, Dout, SPLIT,
+    def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout, SPLIT,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
                                 PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
-                                OVERLAP: tl.constexpr):
+                                OVERLAP: tl.constexpr, BIAS: tl.constexpr = 0):
         """:func:`_outer_norms_kernel` with operands from TMA descriptors over a (B, T, Din) and d (B, T,
         Dout) (blocks [1, BK, BN] and [1, BK, BM]) and a partial norm per gradient row: partial is (B, tiles,
         BM). ``OVERLAP`` (flat loop): a second accumulator holds each finished example's tile, whose norm
@@ -177,49 +206,60 @@ if HAS_TRITON:
         m0 = (pid // num_n) * BM
         n0 = (pid % num_n) * BN
         rows = tl.arange(0, BM)
+        offs_m, offs_n = m0 + rows, n0 + tl.arange(0, BN)
+        m_ok, n_ok = offs_m < Dout, offs_n < Din
         gacc = tl.zeros((BM, BN), dtype=tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if FLAT and OVERLAP:
+        if BIAS == 2:
+            bsum = tl.zeros((BK // 4, BN), dtype=tl.float32)
+        else:
+            bsum = tl.zeros((BK // 4, BM), dtype=tl.float32)
+        if FLAT:
             k_tiles = tl.cdiv(T, BK)
             n_b = tl.cdiv(B - split, SPLIT)
-            done = tl.zeros((BM, BN), dtype=tl.float32)          # the last finished example's tile
+            if OVERLAP:
+                done = tl.zeros((BM, BN), dtype=tl.float32)      # the last finished example's tile
             for it in range(0, n_b * k_tiles):
                 eb = it // k_tiles
                 ki = it - eb * k_tiles
                 b = split + eb * SPLIT
-                acc = _tma_k_step(a_desc, d_desc, b, ki * BK, m0, n0, acc, BM, BN, BK, PRECISION)
-                if (ki == 0) & (eb > 0):                          # the previous example's norm
-                    _example_rows_done(done, gacc, partial_ptr, b - SPLIT, num_tiles, pid, rows, BM, False)
+                own = _owns_bias(eb, pid, num_n, Dout, BM, BIAS)
+                acc, bsum = _tma_k_step(a_desc, d_desc, b, ki * BK, m0, n0, acc, bsum, own, BM, BN, BK,
+                                        PRECISION, BIAS)
+                if OVERLAP:
+                    if (ki == 0) & (eb > 0):                      # the previous example's norm
+                        _example_rows_done(done, gacc, partial_ptr, b - SPLIT, num_tiles, pid, rows, BM,
+                                           False)
                 if ki == k_tiles - 1:
-                    if WITH_GRAD:
-                        gacc += acc
-                    # computed here, after the tile's wait: a bare copy would become a select on the tile
-                    # in flight, which waits for it at every step
-                    done = acc + 0.0
+                    if OVERLAP:
+                        if WITH_GRAD:
+                            gacc += acc
+                        # computed here, after the tile's wait: a bare copy would become a select on the tile
+                        # in flight, which waits for it at every step
+                        done = acc + 0.0
+                    else:
+                        gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM,
+                                                  WITH_GRAD)
                     acc = tl.zeros((BM, BN), dtype=tl.float32)
-            last = split + (n_b - 1) * SPLIT
-            _example_rows_done(done, gacc, partial_ptr, last, num_tiles, pid, rows, BM, False)
-        elif FLAT:
-            k_tiles = tl.cdiv(T, BK)
-            n_b = tl.cdiv(B - split, SPLIT)
-            for it in range(0, n_b * k_tiles):
-                eb = it // k_tiles
-                ki = it - eb * k_tiles
-                b = split + eb * SPLIT
-                acc = _tma_k_step(a_desc, d_desc, b, ki * BK, m0, n0, acc, BM, BN, BK, PRECISION)
-                if ki == k_tiles - 1:
-                    gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
-                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+                    if BIAS != 0:
+                        bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din,
+                                           0, BIAS)
+            if OVERLAP:
+                last = split + (n_b - 1) * SPLIT
+                _example_rows_done(done, gacc, partial_ptr, last, num_tiles, pid, rows, BM, False)
         else:
             for b in range(split, B, SPLIT):
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
+                own = _owns_bias((b - split) // SPLIT, pid, num_n, Dout, BM, BIAS)
                 for t0 in range(0, T, BK):
-                    acc = _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, BM, BN, BK, PRECISION)
+                    acc, bsum = _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, bsum, own, BM, BN, BK,
+                                            PRECISION, BIAS)
                 gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
+                if BIAS != 0:
+                    bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din, 0, BIAS)
         if WITH_GRAD:
-            offs_m, offs_n = m0 + rows, n0 + tl.arange(0, BN)
-            _store_grad(grad_ptr, gacc, tl.cast(split, tl.int64), offs_m, offs_n, offs_m < Dout, offs_n < Din,
-                        Dout, Din, GRAD_T)
+            _store_grad(grad_ptr, gacc, tl.cast(split, tl.int64), offs_m, offs_n, m_ok, n_ok, Dout, Din,
+                        GRAD_T)
 
 
 # Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
@@ -227,7 +267,6 @@ if HAS_TRITON:
 # GEMM against 2.26×; G3's 1024↔4096 at B=64: 1.94× against 2.2×) or short sequences (T=128: 2.86× against
 # 4.02×). On G1's block layers (36–144 tiles, T=1024) cuBLAS won (2.07–2.23× against 2.27–2.77×).
 MIN_TILES, MAX_SHORT_T = 200, 128
-_PROPS: dict[int, object] = {}                     # CUDA device index -> torch.cuda.get_device_properties
 
 
 def supported(a: torch.Tensor) -> bool:
@@ -259,27 +298,6 @@ def shape_preferred(T: int, din: int, dout: int) -> bool:
     return -(-din // 128) * -(-dout // 128) >= MIN_TILES or T <= MAX_SHORT_T
 
 
-def _sm_count(dev: torch.device) -> int:
-    """Streaming multiprocessors of ``dev``; 4 for a CPU tensor (Triton's interpreter, ``TRITON_INTERPRET=1``,
-    where tests run the kernel without a GPU and this count only sets how the examples are split)."""
-    return _props(dev).multi_processor_count if dev.type == "cuda" else 4
-
-
-def _props(dev: torch.device):
-    """``dev``'s CUDA device properties, read once per device."""
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    p = _PROPS.get(idx)
-    if p is None:
-        p = _PROPS[idx] = torch.cuda.get_device_properties(idx)
-    return p
-
-
-def _split(B: int, tiles: int, dev: torch.device) -> int:
-    """How many groups the B examples are split into over the grid's second axis: enough programs for two
-    per SM."""
-    return max(1, min(B, (2 * _sm_count(dev)) // tiles))
-
-
 def _config(Din: int, Dout: int, dtype: torch.dtype | None = None) -> tuple[int, int, int, int, int, bool]:
     """(BM, BN, BK, num_warps, num_stages, flat): 128×128 tiles for wide layers, narrower for thin ones; the
     loop of :data:`FLAT`. 16-bit 128×128×64 tiles take 4 pipeline stages (they beat 3 in every H100 sweep of
@@ -306,21 +324,15 @@ def scratch_bytes(B: int, Din: int, Dout: int, device: torch.device, config: tup
     the first."""
     bm, bn = (config or _config(Din, Dout, dtype))[:2]
     tiles = -(-Dout // bm) * -(-Din // bn)
-    split = _split(B, tiles, device)
+    split = triton_launch.splits(B, tiles, device)
     return 4 * (B * tiles * (bm if tma else 1) + (split - 1) * Dout * Din)
 
 
-def _precision(dtype: torch.dtype, tf32: bool | None = None) -> str:
-    """``tl.dot``'s input precision: for float32, exact unless TF32 is allowed (``tf32``; None: torch's matmul
-    setting, as a Linear's own GEMM runs); half-precision operands multiply exactly on tensor cores either
-    way."""
-    if dtype == torch.float32 and not (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32):
-        return "ieee"
-    return "tf32"
-
-
-def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
-    """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout).
+def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None,
+                bias: bool = False):
+    """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout), and with
+    ``bias`` a third entry: each example's bias gradient Σ_t δ_{b,t} (B, Dout) float32, summed in the kernel
+    from the δ tiles it loads for the MMA where :func:`fuses_bias`, else by ``d.sum(1)`` after it.
     ``config``: (BM, BN, BK, num_warps, num_stages[, loop[, tma[, swap]]]) instead of :func:`_config`'s;
     ``loop``: False nested, True flat, :data:`OVERLAP` (TMA only), else :data:`FLAT`'s; ``tma``: else
     :data:`TMA`'s, where :func:`tma_ok`; ``swap``: the kernel on the mirrored shape, G_bᵀ (rows over Din,
@@ -328,30 +340,46 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
     ``with_grad=False``: no gradient buffer, no gradient tile stored (the partial norms are all it writes)."""
     B, T, Din = a.shape
     Dout = d.shape[2]
-    if B == 0 or T == 0 or Din == 0 or Dout == 0:
-        z = torch.zeros(B, device=a.device)
-        return z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
     bm, bn, bk, warps, stages, *rest = config or _config(Din, Dout, a.dtype)
     loop = int(rest[0]) if rest else int(FLAT)
     if loop not in LOOPS:
         raise ValueError("outer_norms: loop must be " + ", ".join(f"{k} ({v})" for k, v in LOOPS.items())
                          + f", got {rest[0]!r}")
+    if bias and not fuses_bias(config or (bm, bn, bk, warps, stages, loop)):
+        return (*outer_norms(a, d, with_grad, config), d.sum(1, dtype=torch.float32))
+    db = torch.empty(B, Dout, device=a.device, dtype=torch.float32) if bias else None
+    if B == 0 or T == 0 or Din == 0 or Dout == 0:
+        z = torch.zeros(B, device=a.device)
+        out = z, (torch.zeros(Dout, Din, device=a.device) if with_grad else None)
+        return (*out, db.zero_()) if bias else out
     tma = bool(rest[1]) if len(rest) > 1 else TMA
-    if len(rest) > 2 and rest[2]:                  # the mirror: rows over Din, the gradient stored transposed
+    swap = len(rest) > 2 and bool(rest[2])
+    if swap:                                      # the mirror: rows over Din, the gradient stored transposed
         a, d, Din, Dout = d, a, Dout, Din
-    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=_precision(a.dtype),
-                FLAT=loop != 0, GRAD_T=len(rest) > 2 and bool(rest[2]), num_warps=warps, num_stages=stages)
+    meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=bool(with_grad), PRECISION=triton_launch.precision(a.dtype),
+                FLAT=loop != 0, GRAD_T=swap, BIAS=(2 if swap else 1) if bias else 0, num_warps=warps,
+                num_stages=stages)
     tiles = triton.cdiv(Dout, bm) * triton.cdiv(Din, bn)
-    shape = (Din, Dout) if meta["GRAD_T"] else (Dout, Din)            # the layer's (out, in) either way
+    shape = (Din, Dout) if swap else (Dout, Din)                      # the layer's (out, in) either way
     if tma and tma_ok(a, d):
         operands = (TensorDescriptor(a, list(a.shape), list(a.stride()), [1, bk, bn]),
                     TensorDescriptor(d, list(d.shape), list(d.stride()), [1, bk, bm]))
-        return run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, *shape, with_grad,
-                         dict(meta, OVERLAP=loop == OVERLAP), operands=operands, rows_per_tile=bm)
-    if loop == OVERLAP:
+        out = run_tiles(_outer_norms_tma_kernel, a, d, (B, T, Din, Dout), tiles, *shape, with_grad,
+                        dict(meta, OVERLAP=loop == OVERLAP), operands=operands, rows_per_tile=bm,
+                        outputs=(db,))
+    elif loop == OVERLAP:
         raise ValueError("outer_norms: the overlapped loop needs TMA loads (tma=True where tma_ok)")
-    return run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, *shape,
-                     with_grad, meta)
+    else:
+        out = run_tiles(_outer_norms_kernel, a, d, (B, T, Din, Dout, *a.stride(), *d.stride()), tiles, *shape,
+                        with_grad, meta, outputs=(db,))
+    return (*out, db) if bias else out
+
+
+def fuses_bias(config: tuple) -> bool:
+    """Whether a launch in ``config`` (as :func:`outer_norms` takes it) sums the bias gradients in the kernel:
+    :data:`FUSE_BIAS` on, a tile of at most 128×128 and not the overlapped loop."""
+    loop = int(config[5]) if len(config) > 5 else int(FLAT)
+    return FUSE_BIAS and config[0] * config[1] <= 128 * 128 and loop != OVERLAP
 
 
 def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
@@ -361,7 +389,7 @@ def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
     kernel)."""
     if not HAS_TMA or a.dtype != d.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    if a.is_cuda and _props(a.device).major < 9:
+    if a.is_cuda and triton_launch.props(a.device).major < 9:
         return False
     for t in (a, d):
         es = t.element_size()
@@ -370,31 +398,3 @@ def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:
     return True
 
 
-def launch(kernel, grid: tuple, device: torch.device, args: tuple, meta: dict) -> None:
-    """``kernel[grid](*args, **meta)`` on ``device``'s CUDA context when that is not the current one (a CPU
-    device under the interpreter: as is)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        kernel[grid](*args, **meta)
-    else:
-        with torch.cuda.device(device):
-            kernel[grid](*args, **meta)
-
-
-def run_tiles(kernel, a: torch.Tensor, d: torch.Tensor, scalars: tuple, tiles: int, rows: int, cols: int,
-              with_grad: bool, meta: dict, operands: tuple | None = None, rows_per_tile: int = 1):
-    """Launches a fused per-example-norm kernel ``kernel(a, d, partial, grad, *scalars, SPLIT, **meta)`` on a
-    (tiles, split) grid, the B examples of ``a`` split over enough programs for two per SM, and returns
-    (‖G_b‖² (B,) float32, the (rows, cols) float32 gradient or None): the partial norms (B, tiles ×
-    ``rows_per_tile``) summed over tiles, the splits' gradient slices over splits (both deterministic).
-    ``operands``: what the kernel takes in place of (a, d), e.g. TMA descriptors over them."""
-    B = a.shape[0]
-    split = _split(B, tiles, a.device)
-    partial = torch.empty(B, tiles * rows_per_tile, device=a.device, dtype=torch.float32)
-    # norms only: the kernel never touches grad_ptr (WITH_GRAD is a compile-time constant), so it gets the
-    # partial buffer as a placeholder
-    grad = torch.empty(split, rows, cols, device=a.device, dtype=torch.float32) if with_grad else partial
-    launch(kernel, (tiles, split), a.device, (*(operands or (a, d)), partial, grad, *scalars, split), meta)
-    norms = partial.sum(1)
-    if not with_grad:
-        return norms, None
-    return norms, (grad[0] if split == 1 else grad.sum(0))

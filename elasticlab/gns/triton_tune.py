@@ -97,13 +97,13 @@ def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     return out + (_oriented(din, dout, a.dtype, tma, True) if din != dout else [])
 
 
-def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None):
+def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None, bias: bool = False):
     """The fused Gram form (block ``config`` as :func:`~elasticlab.gns.triton_gram.ghost_norms` takes it):
-    (‖G_b‖² (B,) float32, the weight gradient by one GEMM in the inputs' dtype, or None)."""
+    (‖G_b‖² (B,) float32, the weight gradient by one GEMM in the inputs' dtype, or None), and with ``bias``
+    the per-example bias gradients Σ_t δ_{b,t} (B, Dout) float32, by a reduction over δ."""
     norms = triton_gram.ghost_norms(a, d, config)
-    if not with_grad:
-        return norms, None
-    return norms, d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
+    grad = d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2])) if with_grad else None
+    return (norms, grad, d.sum(1, dtype=torch.float32)) if bias else (norms, grad)
 
 
 def scratch_bytes(a: torch.Tensor, d: torch.Tensor, config: tuple) -> int:
@@ -120,34 +120,37 @@ def scratch_bytes(a: torch.Tensor, d: torch.Tensor, config: tuple) -> int:
     return triton_outer.scratch_bytes(B, cols, rows, a.device, tuple(config[:5]), tma=tma)
 
 
-def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool) -> dict[str, tuple]:
+def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = False) -> dict[str, tuple]:
     """{name: (call, config)} of the forms timed for these operands: :func:`candidates`, and where
     :data:`GHOST` and :func:`~elasticlab.gns.triton_gram.worthwhile`, the fused Gram form in each of
-    :func:`~elasticlab.gns.triton_gram.tuned_configs` (names starting "ghost")."""
-    out = {variant_name(c): (functools.partial(triton_outer.outer_norms, a, d, with_grad, c), c)
+    :func:`~elasticlab.gns.triton_gram.tuned_configs` (names starting "ghost"); with ``bias`` each also
+    returns the per-example bias gradients (so that their cost is in every form's time)."""
+    out = {variant_name(c): (functools.partial(triton_outer.outer_norms, a, d, with_grad, c, bias), c)
            for c in candidates(a, d)}
     if GHOST and triton_gram.worthwhile(*a.shape[1:], d.shape[2]):
         for name, c in triton_gram.tuned_configs(a.shape[1], a.dtype).items():
-            out[name] = (functools.partial(ghost, a, d, with_grad, c), c)
+            out[name] = (functools.partial(ghost, a, d, with_grad, c, bias), c)
     return out
 
 
-def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
-    """(‖G_b‖² (B,) float32, Σ_b G_b or None) by the form measured fastest for this shape (measured at its
-    first call, whose result is the winner's); :func:`elasticlab.gns.triton_outer.outer_norms` untuned where
-    not :func:`active`. A form that raises (a tile over the device's shared memory, say) is left out with a
-    warning; if all raise, the last error propagates."""
+def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = False):
+    """(‖G_b‖² (B,) float32, Σ_b G_b or None[, with ``bias`` the per-example bias gradients (B, Dout)]) by the
+    form measured fastest for this shape (measured at its first call, whose result is the winner's);
+    :func:`elasticlab.gns.triton_outer.outer_norms` untuned where not :func:`active`. A form that raises (a
+    tile over the device's shared memory, say) is left out with a warning; if all raise, the last error
+    propagates."""
     if not active(a):
-        return triton_outer.outer_norms(a, d, with_grad)
+        return triton_outer.outer_norms(a, d, with_grad, bias=bias)
     tma = TMA and triton_outer.tma_ok(a, d)
-    key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma, GHOST)
+    key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma, GHOST,
+           ("fused" if triton_outer.FUSE_BIAS else "apart") if bias else None)
     kept = _CHOSEN.get(key)
     if kept is not None:
         name, config = kept
         if name.startswith("ghost"):
-            return ghost(a, d, with_grad, config)
-        return triton_outer.outer_norms(a, d, with_grad, config)
-    found = forms(a, d, with_grad)
+            return ghost(a, d, with_grad, config, bias)
+        return triton_outer.outer_norms(a, d, with_grad, config, bias)
+    found = forms(a, d, with_grad, bias)
     name, out, times = timing.fastest({n: run for n, (run, _) in found.items()}, a.device, REPEATS,
                                       f"triton_tune: forms left out for (B, T, Din, Dout) = {tuple(key[:4])}")
     _CHOSEN[key], _TIMES[key] = (name, found[name][1]), times
@@ -155,8 +158,8 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool):
 
 
 def tunings() -> dict[tuple, dict[str, float]]:
-    """{(B, T, Din, Dout, dtype, device, with_grad, TMA variants timed, ghost allowed): {form: seconds}} of
-    every shape tuned so far; the fastest is the one kept."""
+    """{(B, T, Din, Dout, dtype, device, with_grad, TMA variants timed, ghost allowed, bias sums: None,
+    "fused" or "apart"): {form: seconds}} of every shape tuned so far; the fastest is the one kept."""
     return {k: dict(v) for k, v in _TIMES.items()}
 
 

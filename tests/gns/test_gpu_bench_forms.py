@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from elasticlab.gns import kernels, triton_outer, triton_tune
+from elasticlab.gns import kernels, triton_launch, triton_outer, triton_tune
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
-DTYPES = [torch.float32, torch.float16 if triton_outer.INTERPRETED else torch.bfloat16]
+DTYPES = [torch.float32, torch.float16 if triton_launch.INTERPRETED else torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
@@ -55,7 +55,7 @@ def test_sequence_linear_methods_give_the_reference_norms(bench, dt):
 
 def _kernel_case(B, T, Din, Dout, seed):
     """(a, d, (float64 norms, gradient)) in float16 where the Triton kernels run (skips elsewhere)."""
-    dev = triton_outer.kernel_device()
+    dev = triton_launch.kernel_device()
     if dev is None:
         pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
     g = torch.Generator().manual_seed(seed)

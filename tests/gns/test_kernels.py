@@ -528,6 +528,41 @@ def test_cuda_triton_fused_outer_matches_float64(dtype):
 
 
 @pytest.mark.gpu
+def test_cuda_fused_bias_sums_match_the_sums_apart(monkeypatch):
+    """triton_outer.FUSE_BIAS: a bf16 sequence MLP whose Linear layers the Triton kernel serves (T ≤ 128) gets
+    the same norms and gradients, bias included, whether each example's bias gradient is summed in the kernel
+    or by a pass over δ after it; and the kernel's sums match float64 on shapes with cut tiles."""
+    from torch import nn
+
+    from elasticlab.gns import PerSampleGradNorms, triton_outer
+    if not triton_outer.HAS_TRITON:
+        pytest.skip("triton not importable")
+    monkeypatch.setattr(triton_outer, "FUSE_BIAS", True)
+    for shape in [(3, 130, 72, 48), (4, 200, 768, 2304)]:
+        a, d = (t.to(torch.bfloat16).cuda() for t in seq(*shape, dtype=torch.float32))
+        for cfg in (None, (128, 128, 64, 8, 4, True, True), (128, 128, 64, 8, 4, False, True, True)):
+            _, _, db = triton_outer.outer_norms(a, d, True, cfg, bias=True)
+            want = d.double().sum(1)
+            torch.testing.assert_close(db.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda()
+    x = torch.randn(8, 100, 256, device="cuda")
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(triton_outer, "FUSE_BIAS", fused)
+        model.zero_grad(set_to_none=True)
+        with PerSampleGradNorms(model) as psg:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            out[fused] = (psg.param_sq_norms(), [p.grad.clone() for p in model.parameters()])
+    for k, v in out[True][0].items():
+        torch.testing.assert_close(v, out[False][0][k], rtol=1e-4, atol=0, msg=k)
+    for g1, g0 in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_cuda_backward_makes_no_host_sync(autocast):
     """Forward and backward with norms never wait on the GPU (torch.cuda sync debug mode raises on a sync):

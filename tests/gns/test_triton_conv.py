@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from elasticlab.gns import triton_conv, triton_outer
+from elasticlab.gns import triton_conv, triton_launch, triton_outer
 
-DEV = triton_outer.kernel_device() or pytest.skip(
+DEV = triton_launch.kernel_device() or pytest.skip(
     "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
-INTERPRET = triton_outer.INTERPRETED
+INTERPRET = triton_launch.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
-DTYPES = triton_outer.kernel_dtypes()
+DTYPES = triton_launch.kernel_dtypes()
 SMALL = (32, 32, 16, 4, 2)                     # small tiles: several tiles and K steps on small layers
 
 

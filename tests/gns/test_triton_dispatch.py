@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, form_choice, kernels, triton_outer
+from elasticlab.gns import PerSampleGradNorms, form_choice, kernels, triton_launch, triton_outer
 
 
 class FakeKernel:
@@ -37,7 +37,7 @@ def fake_triton(monkeypatch):
     monkeypatch.setattr(triton_outer, "triton", types.SimpleNamespace(cdiv=lambda x, y: -(-x // y)),
                         raising=False)
     monkeypatch.setattr(triton_outer, "_outer_norms_kernel", fake, raising=False)
-    monkeypatch.setattr(triton_outer, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(triton_launch, "sm_count", lambda dev: 132)
     return fake
 
 
@@ -63,12 +63,14 @@ def test_norms_only_allocates_no_gradient_buffer(fake_triton, B, T, Din, Dout):
 
 def test_linear_rules_ask_for_the_gradient_only_when_fused(monkeypatch):
     """With the Triton path preferred, the hook rule of a sequence Linear takes norms only and the fused
-    backward takes norms and Σ_b G_b from the same call; both give the reference norms and gradients."""
+    backward takes norms, Σ_b G_b and the per-example bias gradients from the same call; both give the
+    reference norms and gradients (weight and bias)."""
     calls = []
 
-    def outer(a, d, with_grad):
-        calls.append(with_grad)
-        return kernels.seq_linear_outer_norms_ref(a, d, with_grad)
+    def outer(a, d, with_grad, bias=False):
+        calls.append((with_grad, bias))
+        out = kernels.seq_linear_outer_norms_ref(a, d, with_grad)
+        return (*out, d.sum(1)) if bias else out
 
     monkeypatch.setattr(triton_outer, "takes", lambda like, T, din, dout: True)
     monkeypatch.setattr(triton_outer, "outer_norms", outer)
@@ -76,16 +78,18 @@ def test_linear_rules_ask_for_the_gradient_only_when_fused(monkeypatch):
     torch.manual_seed(0)
     lin, x = nn.Linear(6, 5), torch.randn(3, 7, 6)
     lin(x).pow(2).sum().backward()
-    plain = lin.weight.grad.clone()
-    got = {}
+    plain, plain_b = lin.weight.grad.clone(), lin.bias.grad.clone()
+    got, got_b = {}, {}
     for fused in (False, True):
         lin.zero_grad()
         with PerSampleGradNorms(lin, loss_reduction="sum", fused=fused) as n:
             lin(x).pow(2).sum().backward()
-        got[fused] = n.param_sq_norms()["weight"]
+        got[fused], got_b[fused] = n.param_sq_norms()["weight"], n.param_sq_norms()["bias"]
         torch.testing.assert_close(lin.weight.grad, plain)
-    assert calls == [False, True]
+        torch.testing.assert_close(lin.bias.grad, plain_b)
+    assert calls == [(False, False), (True, True)]       # the fused backward takes the bias sums from it
     torch.testing.assert_close(got[True], got[False])
     g = 2 * lin(x).detach()                                        # d(Σ y²)/dy per example
     ref = torch.einsum("bto,bti->boi", g, x).pow(2).sum((1, 2))
     torch.testing.assert_close(got[False], ref)
+    torch.testing.assert_close(got_b[True], g.sum(1).pow(2).sum(1))

@@ -8,13 +8,13 @@ and Dout, strided inputs, T = 1 and empty batches.
 import pytest
 import torch
 
-from elasticlab.gns import kernels, triton_gram, triton_outer
+from elasticlab.gns import kernels, triton_gram, triton_launch
 
-DEV = triton_outer.kernel_device() or pytest.skip(
+DEV = triton_launch.kernel_device() or pytest.skip(
     "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
-INTERPRET = triton_outer.INTERPRETED
+INTERPRET = triton_launch.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
-DTYPES = triton_outer.kernel_dtypes()
+DTYPES = triton_launch.kernel_dtypes()
 
 CASES = [  # (B, T, Din, Dout, config (BT, BK, warps, stages) or None: the kernel's own)
     (3, 70, 40, 130, None),                  # one 128-row block, T and both K loops cut
@@ -78,13 +78,13 @@ def test_diagonal_pairs_come_first_and_take_a_launch_of_their_own(monkeypatch):
     """The table lists the nt diagonal pairs, then the others; ``ghost_norms`` launches the diagonal ones
     (DIAG, one operand block a step) and the rest (weight 2) apart, and a single block takes one launch."""
     assert triton_gram._pairs(3, torch.device("cpu")).tolist() == [0, 0, 1, 1, 2, 2, 0, 1, 0, 2, 1, 2]
-    launches, real = [], triton_outer.launch
+    launches, real = [], triton_launch.launch
 
     def spy(kernel, grid, device, args, meta):
         launches.append((grid, args[8], meta["DIAG"]))          # (grid, P0, DIAG)
         return real(kernel, grid, device, args, meta)
 
-    monkeypatch.setattr(triton_outer, "launch", spy)
+    monkeypatch.setattr(triton_launch, "launch", spy)
     _check(*_inputs(2, 50, 33, 20, torch.float32), (16, 16, 4, 2))     # 4 blocks: 4 diagonal, 6 other pairs
     assert launches == [((4, 2), 0, True), ((6, 2), 4, False)]
     launches.clear()

@@ -13,13 +13,13 @@ loop over (example, K step) pairs; nested: a K loop per example).
 import pytest
 import torch
 
-from elasticlab.gns import kernels, triton_outer, triton_tune
+from elasticlab.gns import kernels, triton_launch, triton_outer, triton_tune
 
-DEV = triton_outer.kernel_device() or pytest.skip(
+DEV = triton_launch.kernel_device() or pytest.skip(
     "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
-INTERPRET = triton_outer.INTERPRETED
+INTERPRET = triton_launch.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]      # on a GPU: part of gpu_check's ``pytest -m gpu``
-DTYPES = triton_outer.kernel_dtypes()
+DTYPES = triton_launch.kernel_dtypes()
 
 # (B, T, Din, Dout, config): config None = the kernel's own choice; small tiles make many tiles and splits
 CASES = [
@@ -163,7 +163,7 @@ def test_the_examples_are_split_when_the_tiles_are_few(monkeypatch):
     a, d = _inputs(7, 9, 16, 16, torch.float32)
     n = _check(a, d, (32, 32, 16, 4, 2))
     assert launches[-1] == (1, 7)
-    monkeypatch.setattr(triton_outer, "_sm_count", lambda dev: 0)         # one group: no split
+    monkeypatch.setattr(triton_launch, "sm_count", lambda dev: 0)         # one group: no split
     torch.testing.assert_close(_check(a, d, (32, 32, 16, 4, 2)), n, rtol=1e-6, atol=0)
     assert launches[-1] == (1, 1)
 
@@ -173,10 +173,10 @@ def test_float32_products_are_exact_unless_tf32_is_allowed(allow_tf32, want):
     before = torch.backends.cuda.matmul.allow_tf32          # (a property of torch's cuBLAS settings)
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
-        assert triton_outer._precision(torch.float32) == want
+        assert triton_launch.precision(torch.float32) == want
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-    assert triton_outer._precision(torch.bfloat16) == "tf32"      # Triton's default; half inputs are exact
+    assert triton_launch.precision(torch.bfloat16) == "tf32"      # Triton's default; half inputs are exact
 
 
 def test_empty_inputs():
@@ -214,3 +214,76 @@ def test_float32_model_norms_with_the_fused_kernel_match_cublas(monkeypatch):
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=0)
     for g1, g0 in zip(out[True][1], out[False][1]):
         torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
+
+
+def _nan_outputs(monkeypatch) -> None:
+    """Every buffer the kernels write beyond the norms and gradient starts as NaN from now on, so that an
+    entry no program writes shows (a fresh CPU allocation is often zeros)."""
+    real = triton_outer.run_tiles
+
+    def spy(*args, outputs=(), **kw):
+        for t in outputs:
+            if t is not None:
+                t.fill_(float("nan"))
+        return real(*args, outputs=outputs, **kw)
+    monkeypatch.setattr(triton_outer, "run_tiles", spy)
+
+
+LOOP_FORMS = [(False, False), (True, False), (False, True), (True, True), (triton_outer.OVERLAP, True)]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["rows", "mirrored"])
+@pytest.mark.parametrize("loop,tma", LOOP_FORMS,
+                         ids=["pointer-nested", "pointer-flat", "tma-nested", "tma-flat", "tma-overlap"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,Din,Dout", [(9, 20, 48, 24), (5, 37, 72, 40)])
+def test_bias_gradients_summed_in_the_kernel_match_float64(monkeypatch, B, T, Din, Dout, dtype, loop, tma,
+                                                           swap):
+    """``bias=True``: each example's Σ_t δ_{b,t}, summed by the programs from the δ tiles they load (each
+    example's by one program of its row of tiles, or of its column in the mirrored launch), against float64;
+    every entry written (NaN-filled buffer), with and without the gradient, norms and gradient unchanged.
+    Shapes: 2 tiles on a 4-SM device (the examples split into 4 groups of 2-3, each group's examples owned in
+    turn by the 2 programs), and 6 tiles cut at both edges, one group."""
+    if tma and not triton_outer.HAS_TMA:
+        pytest.skip("this Triton has no tensor descriptors")
+    _nan_outputs(monkeypatch)
+    monkeypatch.setattr(triton_outer, "FUSE_BIAS", True)
+    a, d = _inputs(B, T, Din, Dout, dtype)
+    cfg = (32, 32, 16, 4, 2, loop, tma, swap)
+    # the overlapped loop's three float32 tiles leave no registers for them: summed apart
+    assert triton_outer.fuses_bias(cfg) is (loop != triton_outer.OVERLAP)
+    want = d.double().cpu().sum(1)
+    n0, g0 = triton_outer.outer_norms(a, d, True, cfg)
+    for with_grad in (True, False):
+        n, g, db = triton_outer.outer_norms(a, d, with_grad, cfg, bias=True)
+        assert db.dtype == torch.float32 and db.shape == (B, Dout)
+        torch.testing.assert_close(db.double().cpu(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        torch.testing.assert_close(n, n0, rtol=1e-6, atol=0)
+        if with_grad:
+            torch.testing.assert_close(g, g0, rtol=1e-6, atol=0)
+        else:
+            assert g is None
+
+
+def test_bias_sums_apart_and_empty_inputs(monkeypatch):
+    """:data:`triton_outer.FUSE_BIAS` off (the default) or a tile over 128×128: the bias sums by ``d.sum(1)``
+    after a kernel launched without them, the same values; inputs with no positions: zero bias gradients."""
+    metas, real = [], triton_outer._outer_norms_kernel
+
+    class Spy:                                                  # each launch's compile-time constants
+        def __getitem__(self, grid):
+            return lambda *args, **meta: metas.append(meta) or real[grid](*args, **meta)
+    monkeypatch.setattr(triton_outer, "_outer_norms_kernel", Spy())
+    a, d = _inputs(4, 21, 40, 24, torch.float32)
+    monkeypatch.setattr(triton_outer, "FUSE_BIAS", True)
+    n, g, db = triton_outer.outer_norms(a, d, True, (32, 32, 16, 4, 2, True), bias=True)
+    assert not triton_outer.fuses_bias((128, 256, 64, 8, 3, True))
+    monkeypatch.setattr(triton_outer, "FUSE_BIAS", False)
+    assert not triton_outer.fuses_bias((32, 32, 16, 4, 2, True))
+    n2, g2, db2 = triton_outer.outer_norms(a, d, True, (32, 32, 16, 4, 2, True), bias=True)
+    assert [m["BIAS"] for m in metas] == [1, 0]
+    torch.testing.assert_close(db, db2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(n, n2, rtol=0, atol=0)
+    monkeypatch.setattr(triton_outer, "FUSE_BIAS", True)
+    n, g, db = triton_outer.outer_norms(a[:, :0], d[:, :0], True, bias=True)
+    assert db.shape == (4, 24) and not db.any() and not n.any()

@@ -9,11 +9,11 @@ raises is left out, and when it stays off.
 import pytest
 import torch
 
-from elasticlab.gns import kernels, triton_gram, triton_outer, triton_tune
+from elasticlab.gns import kernels, triton_gram, triton_launch, triton_outer, triton_tune
 
-DEV = triton_outer.kernel_device() or pytest.skip(
+DEV = triton_launch.kernel_device() or pytest.skip(
     "the Triton kernels need Triton and a CUDA device, or TRITON_INTERPRET=1", allow_module_level=True)
-INTERPRET = triton_outer.INTERPRETED
+INTERPRET = triton_launch.INTERPRETED
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
 
 
@@ -50,9 +50,9 @@ def _count_configs(monkeypatch) -> list:
     """The config of each triton_outer.outer_norms call from now on (the call still runs)."""
     seen, real = [], triton_outer.outer_norms
 
-    def spy(a, d, with_grad, config=None):
+    def spy(a, d, with_grad, config=None, bias=False):
         seen.append(config)
-        return real(a, d, with_grad, config)
+        return real(a, d, with_grad, config, bias)
 
     monkeypatch.setattr(triton_outer, "outer_norms", spy)
     return seen
@@ -142,10 +142,10 @@ def test_a_variant_that_raises_is_left_out_with_a_warning(monkeypatch):
     a, d = _inputs(2, 17, 24, 40)
     real = triton_outer.outer_norms
 
-    def flaky(a, d, with_grad, config=None):
+    def flaky(a, d, with_grad, config=None, bias=False):
         if config is not None and config[5]:                  # the flat loop "does not fit" this device
             raise RuntimeError("out of resources: shared memory, required: 300000")
-        return real(a, d, with_grad, config)
+        return real(a, d, with_grad, config, bias)
 
     monkeypatch.setattr(triton_outer, "outer_norms", flaky)
     with pytest.warns(RuntimeWarning, match="pointer-flat.*out of resources"):
@@ -157,7 +157,7 @@ def test_a_variant_that_raises_is_left_out_with_a_warning(monkeypatch):
 def test_when_every_variant_raises_the_error_propagates(monkeypatch):
     a, d = _inputs(2, 9, 16, 16)
 
-    def broken(a, d, with_grad, config=None):
+    def broken(a, d, with_grad, config=None, bias=False):
         raise RuntimeError("no variant compiles here")
 
     monkeypatch.setattr(triton_outer, "outer_norms", broken)
@@ -287,3 +287,26 @@ def test_calibration_takes_the_tuners_forms_each_with_its_scratch(monkeypatch):
         B, dout, din, a.device, triton_outer._config(dout, din, a.dtype)[:5], tma=True)
     wide = triton_outer.scratch_bytes(B, din, dout, a.device, triton_tune.WIDE, tma=True)
     assert scratch["triton-tma-nested-wide"] == wide
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
+def test_bias_sums_are_tuned_as_their_own_key_and_come_from_every_form(monkeypatch, fused):
+    """``bias=True`` (a layer with a bias): every timed form returns the per-example bias gradients too, so
+    their cost is in each form's time; the shape is tuned under its own key (with the bias sums' way,
+    :data:`~elasticlab.gns.triton_outer.FUSE_BIAS`), and the kept form's sums match float64. The fused Gram
+    form (Din = Dout = 256 at T = 40) sums them apart."""
+    monkeypatch.setattr(triton_outer, "FUSE_BIAS", fused)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    for shape in ((3, 40, 32, 48), (2, 40, 256, 256)):
+        a, d = _inputs(*shape)
+        want = _reference(a, d)
+        n, g, db = triton_tune.outer_norms(a, d, True, bias=True)
+        _close((n, g), want, grad_tol=1e-3)
+        torch.testing.assert_close(db.double().cpu(), d.double().cpu().sum(1), rtol=1e-5, atol=1e-5)
+        for name, (call, _) in triton_tune.forms(a, d, True, bias=True).items():
+            assert len(call()) == 3, name
+    keys = list(triton_tune.tunings())
+    assert [k[-1] for k in keys] == ["fused" if fused else "apart"] * 2
+    assert "ghost" in triton_tune.tunings()[keys[1]]
+    triton_tune.outer_norms(*_inputs(3, 40, 32, 48), True)           # no bias: another key
+    assert len(triton_tune.tunings()) == 3 and list(triton_tune.tunings())[-1][-1] is None

@@ -128,6 +128,7 @@ class _LinearNorms(torch.autograd.Function):
                 norms["bias"] = g_sq
         else:
             a, d = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
+            db = None                                             # per-example bias gradients (B, Dout)
             if need_w:
                 if calibrate.active():
                     norms["weight"], gw = _calibrated(a, d)
@@ -135,10 +136,13 @@ class _LinearNorms(torch.autograd.Function):
                                           batch=B):
                     norms["weight"] = kernels.seq_linear_gram_norms(a, d)
                     gw = d.reshape(-1, d.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
-                else:
-                    norms["weight"], gw = kernels.seq_linear_outer_norms(a, d, with_grad=True)
+                else:                    # the bias sums too: the Triton kernel takes them from its δ tiles
+                    norms["weight"], gw, *rest = kernels.seq_linear_outer_norms(a, d, with_grad=True,
+                                                                                bias=need_b)
+                    db = rest[0] if rest else None
             if need_b:
-                db = d.sum(1, dtype=acc)
+                if db is None:
+                    db = d.sum(1, dtype=acc)
                 gb = db.sum(0)
                 norms["bias"] = kernels.row_sq(db)
         ctx.slot.record(norms, B)
