@@ -44,12 +44,12 @@ def _device_kind(evt) -> str:
     return str(getattr(evt, "device_type", "")).rsplit(".", 1)[-1]
 
 
-def top_events(prof, device, k: int, steps: int) -> dict:
-    """{"total_ms_per_step", "top": [{"name", "ms", "pct"}]}: the k largest device kernels by self device time
-    (CUDA), or CPU operators by self CPU time (CPU); ms summed over the profiled steps."""
-    evts = prof.key_averages()
+def top_events(evts, device, k: int, steps: int) -> dict:
+    """{"total_ms_per_step", "top": [{"name", "ms", "pct"}]}: of a profile's averaged events (``evts``,
+    ``prof.key_averages()``), the k largest device kernels by self device time (CUDA, :func:`device_ops`), or
+    CPU operators by self CPU time (CPU); ms summed over the profiled steps."""
     if device.type == "cuda":
-        rows = [(e.key, e.self_device_time_total) for e in evts if _device_kind(e) == "CUDA"]
+        rows = [(key, t) for key, (t, _) in device_ops(evts).items()]
         if not rows:                                   # no separate kernel events: CPU ops' device time
             rows = [(e.key, e.self_device_time_total) for e in evts if e.self_device_time_total > 0]
     else:
@@ -89,16 +89,16 @@ def launch_counts(events, steps: int) -> dict:
     return {"kernels_per_step": kernels / steps, "aten_ops_per_step": aten / steps}
 
 
-def host_ops(prof) -> dict[str, tuple[float, int]]:
-    """{operator: (self CPU µs, calls)} over the profiled steps, host side (device kernels left out)."""
-    return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages() if _device_kind(e) != "CUDA"}
+def host_ops(evts) -> dict[str, tuple[float, int]]:
+    """{operator: (self CPU µs, calls)} over the profiled steps, host side (device kernels left out), from a
+    profile's averaged events (``prof.key_averages()``)."""
+    return {e.key: (e.self_cpu_time_total, e.count) for e in evts if _device_kind(e) != "CUDA"}
 
 
-def device_ops(prof) -> dict[str, tuple[float, int]]:
+def device_ops(evts) -> dict[str, tuple[float, int]]:
     """{kernel: (self device µs, launches)} over the profiled steps (CUDA kernels and copies; none on a CPU
-    run)."""
-    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
-            if _device_kind(e) == "CUDA"}
+    run), from a profile's averaged events."""
+    return {e.key: (e.self_device_time_total, e.count) for e in evts if _device_kind(e) == "CUDA"}
 
 
 def host_extra(method: dict, plain: dict, steps: int, k: int) -> dict:
@@ -138,11 +138,12 @@ def profile_method(method: str, prec: str, device, args, k: int) -> dict:
         bench.close(step)
         del model, step
         bench._free_cuda(device)
-    out = top_events(prof, device, k, args.steps)
+    evts = prof.key_averages()                          # (averaged once: it walks every event)
+    out = top_events(evts, device, k, args.steps)
     out["wall_ms_per_step_profiled"] = wall * 1e3
     out.update(launch_counts(prof.events(), args.steps))
-    out["host_ops"] = host_ops(prof)              # (for host_extra; left out of the RESULT line)
-    out["device_ops"] = device_ops(prof)
+    out["host_ops"] = host_ops(evts)              # (for host_extra; left out of the RESULT line)
+    out["device_ops"] = device_ops(evts)
     if device.type == "cuda":
         out["idle"] = idle_gaps(_device_intervals(prof), args.steps)
     return out

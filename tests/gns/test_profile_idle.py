@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
 
@@ -60,19 +61,15 @@ def test_device_ops_keep_the_kernels_and_rank_like_the_host_ones(prof_mod):
             self.key, self.device_type, self.count = key, f"DeviceType.{kind}", count
             self.self_device_time_total, self.self_cpu_time_total = dev, cpu
 
-    class Prof:
-        def __init__(self, evts):
-            self.evts = evts
-
-        def key_averages(self):
-            return self.evts
-
-    psgn = Prof([Evt("gemm", "CUDA", 900.0, 0.0, 6), Evt("_outer_norms_tma_kernel", "CUDA", 500.0, 0.0, 2),
-                 Evt("aten::mm", "CPU", 40.0, 30.0, 6)])
-    plain = Prof([Evt("gemm", "CUDA", 1000.0, 0.0, 8), Evt("aten::mm", "CPU", 50.0, 35.0, 8)])
+    # a profile's averaged events (prof.key_averages())
+    psgn = [Evt("gemm", "CUDA", 900.0, 0.0, 6), Evt("_outer_norms_tma_kernel", "CUDA", 500.0, 0.0, 2),
+            Evt("aten::mm", "CPU", 40.0, 30.0, 6)]
+    plain = [Evt("gemm", "CUDA", 1000.0, 0.0, 8), Evt("aten::mm", "CPU", 50.0, 35.0, 8)]
     dev = prof_mod.device_ops(psgn)
     assert dev == {"gemm": (900.0, 6), "_outer_norms_tma_kernel": (500.0, 2)}
     assert prof_mod.host_ops(psgn) == {"aten::mm": (30.0, 6)}
+    top = prof_mod.top_events(psgn, torch.device("cuda"), k=1, steps=2)     # the kernels alone, ranked
+    assert top["total_ms_per_step"] == pytest.approx(0.7) and [t["name"] for t in top["top"]] == ["gemm"]
     r = prof_mod.host_extra(dev, prof_mod.device_ops(plain), steps=2, k=2)
     assert r["ms_per_step"] == pytest.approx(0.2)
     assert [(t["name"], t["calls"]) for t in r["top"]] == [("_outer_norms_tma_kernel", 1), ("gemm", -1)]
