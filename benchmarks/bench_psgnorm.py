@@ -763,7 +763,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods",
                     default="plain,psgn,psgn-ref,psgn-hooks,psgn-calibrated,psgn-triton32,psgn-untuned,"
                             "psgn-tritonflat,"
-                            "psgn-tritontma,psgn-tritontmaflat,psgn-convgrouped,psgn-convtriton,torch.func,"
+                            "psgn-tritontma,psgn-tritontmaflat,psgn-fusedbias,psgn-convgrouped,psgn-convtriton,"
+                            "torch.func,"
                             "opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
