@@ -15,7 +15,8 @@ step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and `
 operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the nested and the flat loop),
 ``psgn-fusedbias`` and ``psgn-tmaflatbias`` (each example's bias gradient summed inside the Triton kernel,
 :data:`elasticlab.gns.triton_outer.FUSE_BIAS`: tuned, and fixed to the TMA flat loop, beside
-``psgn-tritontmaflat``),
+``psgn-tritontmaflat``), ``psgn-chunkshare`` (float32 layers on CUDA keep the cuBLAS outer form in chunks
+under the memory rule's share instead of the Gram form, :data:`elasticlab.gns.form_choice.CHUNK_TO_SHARE`),
 ``psgn-convgrouped`` (convolutions on CUDA by one grouped convolution's weight gradient instead of a batched
 GEMM over the patches, :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16
 convolutions on CUDA by the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`),
@@ -292,6 +293,10 @@ SWITCHED = {
     "psgn-fusedbias": ("triton_outer:FUSE_BIAS=True", _bf16_seq, _KERNEL_VARIANT),
     "psgn-tmaflatbias": ("triton_tune:ENABLED=False triton_outer:TMA=True triton_outer:FLAT=True "
                          "triton_outer:FUSE_BIAS=True", _bf16_seq, _KERNEL_VARIANT),
+    # the cuBLAS outer form chunked to the memory rule's share instead of giving way to the Gram form
+    "psgn-chunkshare": ("form_choice:CHUNK_TO_SHARE=True",
+                        lambda dev, name, prec: dev == "cuda" and prec == "fp32",
+                        "it changes float32 layers on CUDA whose products pass the memory rule"),
     "psgn-convgrouped": ("layers.conv:GROUPED_ON_CUDA=True",
                          lambda dev, name, prec: dev == "cuda" and name in CONVOLUTIONS,
                          "it changes convolutions on CUDA"),
@@ -763,8 +768,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods",
                     default="plain,psgn,psgn-ref,psgn-hooks,psgn-calibrated,psgn-triton32,psgn-untuned,"
                             "psgn-tritonflat,"
-                            "psgn-tritontma,psgn-tritontmaflat,psgn-fusedbias,psgn-convgrouped,psgn-convtriton,"
-                            "torch.func,"
+                            "psgn-tritontma,psgn-tritontmaflat,psgn-fusedbias,psgn-chunkshare,psgn-convgrouped,"
+                            "psgn-convtriton,torch.func,"
                             "opacus-ghost")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)

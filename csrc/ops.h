@@ -60,7 +60,24 @@ inline thread_local int tf32_mode = -1;
 // gram_norms.cu): a chunk holds as many examples as fit. Process-wide; Python sets it from
 // elasticlab.gns.form_choice.SCRATCH_CAP (form_choice.scratch_cap), which its memory rule models.
 inline std::atomic<int64_t> scratch_bytes{int64_t(256) << 20};
-inline int64_t scratch_budget() { return scratch_bytes.load(std::memory_order_relaxed); }
+// A layer's own budget while its backward runs on this thread (ScratchScope; 0: none): the budget in force at
+// its forward (the fused Linear keeps it), which Python sets for a layer whose outer form it chunks to the
+// memory rule's share (elasticlab.gns.form_choice.CHUNK_TO_SHARE).
+inline thread_local int64_t scratch_scope = 0;
+inline int64_t scratch_budget() {
+  return scratch_scope > 0 ? scratch_scope : scratch_bytes.load(std::memory_order_relaxed);
+}
+
+class ScratchScope {
+ public:
+  explicit ScratchScope(int64_t bytes) : prev_(scratch_scope) { scratch_scope = bytes; }
+  ~ScratchScope() { scratch_scope = prev_; }
+  ScratchScope(const ScratchScope&) = delete;
+  ScratchScope& operator=(const ScratchScope&) = delete;
+
+ private:
+  int64_t prev_;
+};
 
 class Tf32Scope {
  public:

@@ -27,6 +27,7 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
     ctx->save_for_backward({xc, wc});
     ctx->saved_data["norms"] = norms;
     ctx->saved_data["form"] = form;
+    ctx->saved_data["scratch"] = scratch_budget();  // the chunk budget in force now, for the backward
     ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x.scalar_type()),
                                                      static_cast<int64_t>(weight.scalar_type()),
                                                      bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : -1};
@@ -35,6 +36,7 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     at::AutoDispatchBelowADInplaceOrView guard;  // nothing here is differentiated again
+    ScratchScope scratch(ctx->saved_data["scratch"].toInt());
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1];
     const at::Tensor norms = ctx->saved_data["norms"].toTensor();

@@ -69,6 +69,13 @@ def use_gram(T: int, din: int, dout: int, fused_outer: bool = False, like: torch
 # float32 layers, T=1024).
 SCRATCH_SHARE = 0.10
 GRAM_SLOWDOWN_OK = 2.0
+# Instead (on): the outer form kept where it is faster, its products chunked to SCRATCH_SHARE of the memory in
+# use (a budget of the layer's own, :func:`outer_chunk_budget`); Gram (if at most GRAM_SLOWDOWN_OK slower)
+# only where one example's products alone pass the share. Off until timed on a GPU (bench_psgnorm.py's
+# ``psgn-chunkshare``): on an H100 (session 10) W2 fp32 took 1.12× with the unchunked outer form (+46% peak
+# memory) against 1.28× with the Gram form the rule chose; W2 is host-bound, and each further chunk costs
+# two more launches (6 chunks a layer there).
+CHUNK_TO_SHARE = False
 SCRATCH_CAP = 256 << 20
 _ext.set_scratch_bytes(SCRATCH_CAP)
 
@@ -110,9 +117,31 @@ def cuda_prefers_gram(T: int, din: int, dout: int, dtype: torch.dtype, fused_out
         return True
     if in_registers or in_use is None or gram > GRAM_SLOWDOWN_OK * outer:
         return False
+    if CHUNK_TO_SHARE:                                 # chunked under the share, unless one example passes it
+        return _chunks(batch, din, dout, dtype, SCRATCH_SHARE * in_use()) is None
     scratch_outer = scratch_bytes("outer", batch, T, din, dout, dtype)
     scratch_gram = scratch_bytes("gram", batch, T, din, dout, dtype)
     return scratch_gram < scratch_outer and scratch_outer > SCRATCH_SHARE * in_use()
+
+
+def _chunks(batch: int, din: int, dout: int, dtype: torch.dtype, limit: float) -> int | None:
+    """Chunks of examples the cuBLAS outer form takes with its products under ``limit`` bytes (and
+    :data:`SCRATCH_CAP`); None when one example's products alone exceed it."""
+    per = din * dout * _product_bytes(dtype)
+    fit = int(min(limit, SCRATCH_CAP) // max(per, 1))
+    return None if fit < 1 else -(-max(batch, 1) // fit)
+
+
+def outer_chunk_budget(batch: int, din: int, dout: int, dtype: torch.dtype,
+                       device: torch.device) -> int | None:
+    """With :data:`CHUNK_TO_SHARE`, the chunk budget (bytes) of a layer whose cuBLAS outer form's products
+    would pass :func:`scratch_limit` on ``device`` now: that limit, which the layer's backward then chunks
+    under (``_C`` takes it at the layer's forward); None where no budget of its own is needed (the switch
+    off, no rule here, the products within the limit, or one example's products over it)."""
+    limit = scratch_limit(device) if CHUNK_TO_SHARE else None
+    if limit is None or batch * din * dout * _product_bytes(dtype) <= limit:
+        return None
+    return int(min(limit, SCRATCH_CAP)) if _chunks(batch, din, dout, dtype, limit) is not None else None
 
 
 def _product_bytes(dtype: torch.dtype) -> int:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from elasticlab import _ext
 from elasticlab.gns import calibrate, form_choice, kernels, triton_outer, triton_tune
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
@@ -172,11 +173,21 @@ def _cxx_form(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> 
     return 0
 
 
+def _choice(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> tuple:
+    """(:func:`_cxx_form`, the chunk budget of its cuBLAS outer form or None:
+    :func:`elasticlab.gns.form_choice.outer_chunk_budget`)."""
+    form = _cxx_form(module, x, dtype)
+    if form != 0 or x.dim() == 2 or not x.is_cuda:
+        return form, None
+    return form, form_choice.outer_chunk_budget(x.shape[0], x.shape[-1], module.weight.shape[0],
+                                                dtype or x.dtype, x.device)
+
+
 _MISSING = object()
 
 
 def linear_forward(module: nn.Linear, slot):
-    forms: dict[tuple, int | None] = {}        # (shape, dtype, on CUDA, autocast dtype) -> _cxx_form
+    forms: dict[tuple, tuple] = {}             # (shape, dtype, on CUDA, autocast dtype) -> _choice
     params = module._parameters                # (a dict lookup, not nn.Module.__getattr__, per call)
 
     def forward(x):
@@ -188,15 +199,23 @@ def linear_forward(module: nn.Linear, slot):
         op = kernels.cxx_autograd("linear_norms", x)
         if op is not None:
             if calibrate.ENABLED:              # not cached: the choice is made at the shape's first backward
-                form = _cxx_form(module, x, dtype)
+                form, budget = _cxx_form(module, x, dtype), None
             else:
                 key = (x.shape, x.dtype, x.is_cuda, dtype)
-                form = forms.get(key, _MISSING)
-                if form is _MISSING:
-                    form = forms[key] = _cxx_form(module, x, dtype)
+                choice = forms.get(key, _MISSING)
+                if choice is _MISSING:
+                    choice = forms[key] = _choice(module, x, dtype)
+                form, budget = choice
             if form is not None:               # the C++ backward fills the slot's (weight, bias) rows
                 buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
-                return op(x, params["weight"], params.get("bias"), buf, form, dtype)
+                if budget is None:
+                    return op(x, params["weight"], params.get("bias"), buf, form, dtype)
+                prev = _ext.set_scratch_bytes(budget)        # the op keeps it for its backward's chunks
+                try:
+                    return op(x, params["weight"], params.get("bias"), buf, form, dtype)
+                finally:
+                    if prev is not None:
+                        _ext.set_scratch_bytes(prev)
         return _LinearNorms.apply(x, module.weight, module.bias, slot, dtype)
     return forward
 
