@@ -68,26 +68,26 @@ inline int64_t scratch_budget() {
   return scratch_scope > 0 ? scratch_scope : scratch_bytes.load(std::memory_order_relaxed);
 }
 
-class ScratchScope {
+// A per-thread setting changed for a scope and put back at its end (the scopes below).
+template <typename T>
+class ThreadSetting {
  public:
-  explicit ScratchScope(int64_t bytes) : prev_(scratch_scope) { scratch_scope = bytes; }
-  ~ScratchScope() { scratch_scope = prev_; }
-  ScratchScope(const ScratchScope&) = delete;
-  ScratchScope& operator=(const ScratchScope&) = delete;
+  ThreadSetting(T& setting, T value) : setting_(setting), prev_(setting) { setting_ = value; }
+  ~ThreadSetting() { setting_ = prev_; }
+  ThreadSetting(const ThreadSetting&) = delete;
+  ThreadSetting& operator=(const ThreadSetting&) = delete;
 
  private:
-  int64_t prev_;
+  T& setting_;
+  T prev_;
 };
 
-class Tf32Scope {
- public:
-  explicit Tf32Scope(int mode) : prev_(tf32_mode) { tf32_mode = mode; }
-  ~Tf32Scope() { tf32_mode = prev_; }
-  Tf32Scope(const Tf32Scope&) = delete;
-  Tf32Scope& operator=(const Tf32Scope&) = delete;
+struct ScratchScope : ThreadSetting<int64_t> {
+  explicit ScratchScope(int64_t bytes) : ThreadSetting(scratch_scope, bytes) {}
+};
 
- private:
-  int prev_;
+struct Tf32Scope : ThreadSetting<int> {
+  explicit Tf32Scope(int mode) : ThreadSetting(tf32_mode, mode) {}
 };
 
 // Examples [b0, b0 + c) of a batch-first tensor: the tensor itself when that is all of them (a chunked loop's
