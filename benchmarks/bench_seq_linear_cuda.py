@@ -204,10 +204,12 @@ def _sweep_layer(name: str, iters: int, configs, form) -> dict:
     return row
 
 
-def _cells(pairs, label: str = "{}x{}x{}/{}/{}") -> str:
+def _cells(pairs, label="{}x{}x{}/{}/{}") -> str:
     """A sweep line's cells, "config ratio" for each (config, ratio or error) pair: the config's leading
-    numbers as ``label`` formats them (an outer tile: BMxBNxBK/warps/stages)."""
-    return "  ".join(label.format(*c) + " " + (f"{v:.2f}x" if isinstance(v, float) else v) for c, v in pairs)
+    numbers as ``label`` formats them (an outer tile: BMxBNxBK/warps/stages), or ``label(config)`` when it is
+    a function (a variant's name)."""
+    return "  ".join((label(c) if callable(label) else label.format(*c)) + " "
+                     + (f"{v:.2f}x" if isinstance(v, float) else v) for c, v in pairs)
 
 
 def sweep_triton(iters: int, layers=None) -> dict:
@@ -255,9 +257,8 @@ def sweep_bias(name: str, iters: int) -> dict:
             triton_outer.FUSE_BIAS = before
         kind = "fused" if fused else "apart"
         out.update({f"bias {kind} {k}": v for k, v in row.items()})
-        print(f"sweep {name:8s} {'bias-' + kind:13s} " + "  ".join(
-            triton_tune.variant_name(c) + " " + (f"{v:.2f}x" if isinstance(v, float) else v)
-            for c, v in zip(configs, row.values())))
+        print(f"sweep {name:8s} {'bias-' + kind:13s} "
+              + _cells(zip(configs, row.values()), triton_tune.variant_name))
     return out
 
 

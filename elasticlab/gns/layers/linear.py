@@ -208,9 +208,8 @@ def linear_forward(module: nn.Linear, slot):
                 form, budget = choice
             if form is not None:               # the C++ backward fills the slot's (weight, bias) rows
                 buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
-                if budget is None:
-                    return op(x, params["weight"], params.get("bias"), buf, form, dtype)
-                prev = _ext.set_scratch_bytes(budget)        # the op keeps it for its backward's chunks
+                # a budget of its own: set for the call, which keeps it for its backward's chunks
+                prev = None if budget is None else _ext.set_scratch_bytes(budget)
                 try:
                     return op(x, params["weight"], params.get("bias"), buf, form, dtype)
                 finally:
