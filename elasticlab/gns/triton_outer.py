@@ -82,15 +82,24 @@ if HAS_TRITON:
         return tl.zeros_like(bsum)
 
     @triton.jit
-    def _seq_k_step(a_ptr, d_ptr, b64, tk, T, offs_m, offs_n, m_ok, n_ok, sa_b, sa_t, sa_i, sd_b, sd_t, sd_o,
-                    acc, bsum, own, PRECISION: tl.constexpr, BIAS: tl.constexpr):
-        """One K step of example b's tile, acc + δ_bᵀ[offs_m, tk] a_b[tk, offs_n] (past T: zeros); bsum."""
-        k_ok = tk < T
-        dt = tl.load(d_ptr + b64 * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)                   # δ_bᵀ tile (BM, BK)
-        at = tl.load(a_ptr + b64 * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
-                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)                   # a_b tile (BK, BN)
-        return tl.dot(dt, at, acc, input_precision=PRECISION), _bias_add(bsum, dt, at, own, 1, BIAS)
+    def _k_step(a, d, bx, t0, T, m0, n0, offs_m, offs_n, offs_k, m_ok, n_ok, sa_b, sa_t, sa_i, sd_b, sd_t,
+                sd_o, acc, bsum, own, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                PRECISION: tl.constexpr, BIAS: tl.constexpr, TMA: tl.constexpr):
+        """One K step of example ``bx``'s tile, rows t0…t0+BK: acc + δ_bᵀ a_b over them (past T: zeros), and
+        bsum (:func:`_bias_add`). ``TMA``: blocks of descriptors ``a``, ``d``; else loads from pointers by
+        strides, ``bx`` the example's index in int64 (b·stride passes 2³¹ on inputs of over 2³¹ elements)."""
+        if TMA:
+            dt = d.load([bx, t0, m0]).reshape(BK, BM)                               # δ_b tile (BK, BM)
+            at = a.load([bx, t0, n0]).reshape(BK, BN)
+            return tl.dot(dt.T, at, acc, input_precision=PRECISION), _bias_add(bsum, dt, at, own, 0, BIAS)
+        else:
+            tk = t0 + offs_k
+            k_ok = tk < T
+            dt = tl.load(d + bx * sd_b + tk[None, :] * sd_t + offs_m[:, None] * sd_o,
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)               # δ_bᵀ tile (BM, BK)
+            at = tl.load(a + bx * sa_b + tk[:, None] * sa_t + offs_n[None, :] * sa_i,
+                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)               # a_b tile (BK, BN)
+            return tl.dot(dt, at, acc, input_precision=PRECISION), _bias_add(bsum, dt, at, own, 1, BIAS)
 
     @triton.jit
     def _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD: tl.constexpr):
@@ -100,83 +109,6 @@ if HAS_TRITON:
         if WITH_GRAD:
             gacc += acc
         return gacc
-
-    @triton.jit
-    def _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din, GRAD_T: tl.constexpr):
-        """The tile's gradient accumulator to split ``split``'s (Dout, Din) slice of the gradient, or with
-        ``GRAD_T`` transposed into a (Din, Dout) slice (a mirrored launch writing the layer's own layout)."""
-        if GRAD_T:
-            g_ptrs = grad_ptr + split * Dout * Din + offs_n[None, :] * Dout + offs_m[:, None]
-        else:
-            g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
-        tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout,
-                            sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                            PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
-                            BIAS: tl.constexpr = 0):
-        """``BIAS``: 0 none; 1 each Σ_t δ_{b,t} to bias (B, Dout); 2 mirrored (δ is ``a``), (B, Din)."""
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        num_n = tl.cdiv(Din, BN)
-        num_tiles = tl.num_programs(0)
-        pm, pn = pid // num_n, pid % num_n
-        offs_m = pm * BM + tl.arange(0, BM)                  # rows of the gradient (Dout)
-        offs_n = pn * BN + tl.arange(0, BN)                  # columns (Din)
-        offs_k = tl.arange(0, BK)
-        m_ok, n_ok = offs_m < Dout, offs_n < Din
-        gacc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if BIAS == 2:
-            bsum = tl.zeros((BK // 4, BN), dtype=tl.float32)
-        else:
-            bsum = tl.zeros((BM, BK // 4), dtype=tl.float32)
-        if FLAT:
-            # One loop over (example, K step) pairs, as the weight-gradient GEMM's single K loop over B·T
-            # rows: the software pipeline keeps loading across examples instead of draining at the end of
-            # each one's T/BK steps; the per-example epilogue runs on the last step of each example.
-            k_tiles = tl.cdiv(T, BK)
-            n_b = tl.cdiv(B - split, SPLIT)
-            for it in range(0, n_b * k_tiles):
-                eb = it // k_tiles
-                ki = it - eb * k_tiles
-                b = split + eb * SPLIT
-                b64 = tl.cast(b, tl.int64)            # b·stride passes 2³¹ on inputs of over 2³¹ elements
-                own = _owns_bias(eb, pid, num_n, Dout, BM, BIAS)
-                acc, bsum = _seq_k_step(a_ptr, d_ptr, b64, ki * BK + offs_k, T, offs_m, offs_n, m_ok, n_ok,
-                                        sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, bsum, own, PRECISION, BIAS)
-                if ki == k_tiles - 1:
-                    gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
-                    acc = tl.zeros((BM, BN), dtype=tl.float32)
-                    if BIAS != 0:
-                        bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din,
-                                           1, BIAS)
-        else:
-            # A loop over the examples around a K loop over each one's T rows.
-            for b in range(split, B, SPLIT):
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                b64 = tl.cast(b, tl.int64)
-                own = _owns_bias((b - split) // SPLIT, pid, num_n, Dout, BM, BIAS)
-                for t0 in range(0, T, BK):
-                    acc, bsum = _seq_k_step(a_ptr, d_ptr, b64, t0 + offs_k, T, offs_m, offs_n, m_ok, n_ok,
-                                            sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, acc, bsum, own, PRECISION,
-                                            BIAS)
-                gacc = _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
-                if BIAS != 0:
-                    bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din, 1, BIAS)
-        if WITH_GRAD:                                        # norms only: no gradient buffer at all
-            _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din, GRAD_T)
-
-    @triton.jit
-    def _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, bsum, own,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                    BIAS: tl.constexpr):
-        """One K step of example b's tile from the TMA descriptors (rows past T arrive as zeros); bsum."""
-        dt = d_desc.load([b, t0, m0]).reshape(BK, BM)
-        at = a_desc.load([b, t0, n0]).reshape(BK, BN)
-        return tl.dot(dt.T, at, acc, input_precision=PRECISION), _bias_add(bsum, dt, at, own, 0, BIAS)
 
     @triton.jit
     def _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM: tl.constexpr,
@@ -190,31 +122,67 @@ if HAS_TRITON:
         return gacc
 
     @triton.jit
-    def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout, SPLIT,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                                PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
-                                OVERLAP: tl.constexpr, BIAS: tl.constexpr = 0):
-        """:func:`_outer_norms_kernel` with operands from TMA descriptors over a (B, T, Din) and d (B, T,
-        Dout) (blocks [1, BK, BN] and [1, BK, BM]) and a partial norm per gradient row: partial is (B, tiles,
-        BM). ``OVERLAP`` (flat loop): a second accumulator holds each finished example's tile, whose norm
-        (squares, row sums, their store) is taken in the next example's first K step, after that step's MMA
-        is issued, so that it runs on the CUDA cores while the tensor cores work, instead of between them."""
+    def _tile_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM: tl.constexpr, WITH_GRAD: tl.constexpr,
+                   TMA: tl.constexpr):
+        """The epilogue of example b's tile: a partial norm per gradient row (``TMA``), else one per tile."""
+        if TMA:
+            return _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
+        else:
+            return _example_done(acc, gacc, partial_ptr, b, num_tiles, pid, WITH_GRAD)
+
+    @triton.jit
+    def _store_grad(grad_ptr, gacc, split, offs_m, offs_n, m_ok, n_ok, Dout, Din, GRAD_T: tl.constexpr):
+        """The tile's gradient accumulator to split ``split``'s (Dout, Din) slice of the gradient, or with
+        ``GRAD_T`` transposed into a (Din, Dout) slice (a mirrored launch writing the layer's own layout)."""
+        if GRAD_T:
+            g_ptrs = grad_ptr + split * Dout * Din + offs_n[None, :] * Dout + offs_m[:, None]
+        else:
+            g_ptrs = grad_ptr + split * Dout * Din + offs_m[:, None] * Din + offs_n[None, :]
+        tl.store(g_ptrs, gacc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _tile_origin(pid, num_n, BM: tl.constexpr, BN: tl.constexpr, TMA: tl.constexpr):
+        """(m0, n0, offs_m, offs_n): program pid's tile's first row and column of the gradient, its rows (over
+        Dout) and columns (Din). Each form takes them in the order it did as a kernel of its own: ptxas
+        schedules the rest by that order, and with it both forms compile to the same SASS as before."""
+        if TMA:
+            m0 = (pid // num_n) * BM
+            n0 = (pid % num_n) * BN
+            return m0, n0, m0 + tl.arange(0, BM), n0 + tl.arange(0, BN)
+        else:
+            pm, pn = pid // num_n, pid % num_n
+            offs_m = pm * BM + tl.arange(0, BM)
+            offs_n = pn * BN + tl.arange(0, BN)
+            return pm * BM, pn * BN, offs_m, offs_n
+
+    @triton.jit
+    def _tile_norms(a, d, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout, sa_b, sa_t, sa_i, sd_b, sd_t,
+                    sd_o, SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    WITH_GRAD: tl.constexpr, PRECISION: tl.constexpr, FLAT: tl.constexpr,
+                    GRAD_T: tl.constexpr, OVERLAP: tl.constexpr, BIAS: tl.constexpr, TMA: tl.constexpr):
+        """The body of both kernels: this program's (BM × BN) gradient tile over its split's examples, their
+        partial norms, bias sums and gradient slice. ``TMA``: ``a``, ``d`` are descriptors (the strides
+        unused) and the partial norms per gradient row."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_n = tl.cdiv(Din, BN)
         num_tiles = tl.num_programs(0)
-        m0 = (pid // num_n) * BM
-        n0 = (pid % num_n) * BN
+        m0, n0, offs_m, offs_n = _tile_origin(pid, num_n, BM, BN, TMA)
+        offs_k = tl.arange(0, BK)
         rows = tl.arange(0, BM)
-        offs_m, offs_n = m0 + rows, n0 + tl.arange(0, BN)
         m_ok, n_ok = offs_m < Dout, offs_n < Din
         gacc = tl.zeros((BM, BN), dtype=tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if BIAS == 2:
             bsum = tl.zeros((BK // 4, BN), dtype=tl.float32)
-        else:
+        elif TMA:
             bsum = tl.zeros((BK // 4, BM), dtype=tl.float32)
+        else:
+            bsum = tl.zeros((BM, BK // 4), dtype=tl.float32)
         if FLAT:
+            # One loop over (example, K step) pairs, as the weight-gradient GEMM's single K loop over B·T
+            # rows: the software pipeline keeps loading across examples instead of draining at the end of
+            # each one's T/BK steps; the per-example epilogue runs on the last step of each example.
             k_tiles = tl.cdiv(T, BK)
             n_b = tl.cdiv(B - split, SPLIT)
             if OVERLAP:
@@ -223,9 +191,11 @@ if HAS_TRITON:
                 eb = it // k_tiles
                 ki = it - eb * k_tiles
                 b = split + eb * SPLIT
+                bx = b if TMA else tl.cast(b, tl.int64)         # (as _k_step takes it)
                 own = _owns_bias(eb, pid, num_n, Dout, BM, BIAS)
-                acc, bsum = _tma_k_step(a_desc, d_desc, b, ki * BK, m0, n0, acc, bsum, own, BM, BN, BK,
-                                        PRECISION, BIAS)
+                acc, bsum = _k_step(a, d, bx, ki * BK, T, m0, n0, offs_m, offs_n, offs_k, m_ok, n_ok, sa_b,
+                                    sa_t, sa_i, sd_b, sd_t, sd_o, acc, bsum, own, BM, BN, BK, PRECISION, BIAS,
+                                    TMA)
                 if OVERLAP:
                     if (ki == 0) & (eb > 0):                      # the previous example's norm
                         _example_rows_done(done, gacc, partial_ptr, b - SPLIT, num_tiles, pid, rows, BM,
@@ -238,28 +208,55 @@ if HAS_TRITON:
                         # in flight, which waits for it at every step
                         done = acc + 0.0
                     else:
-                        gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM,
-                                                  WITH_GRAD)
+                        gacc = _tile_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD, TMA)
                     acc = tl.zeros((BM, BN), dtype=tl.float32)
                     if BIAS != 0:
                         bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din,
-                                           0, BIAS)
+                                           1 - TMA, BIAS)
             if OVERLAP:
                 last = split + (n_b - 1) * SPLIT
                 _example_rows_done(done, gacc, partial_ptr, last, num_tiles, pid, rows, BM, False)
         else:
+            # A loop over the examples around a K loop over each one's T rows.
             for b in range(split, B, SPLIT):
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
+                bx = b if TMA else tl.cast(b, tl.int64)
                 own = _owns_bias((b - split) // SPLIT, pid, num_n, Dout, BM, BIAS)
                 for t0 in range(0, T, BK):
-                    acc, bsum = _tma_k_step(a_desc, d_desc, b, t0, m0, n0, acc, bsum, own, BM, BN, BK,
-                                            PRECISION, BIAS)
-                gacc = _example_rows_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD)
+                    acc, bsum = _k_step(a, d, bx, t0, T, m0, n0, offs_m, offs_n, offs_k, m_ok, n_ok, sa_b,
+                                        sa_t, sa_i, sd_b, sd_t, sd_o, acc, bsum, own, BM, BN, BK, PRECISION,
+                                        BIAS, TMA)
+                gacc = _tile_done(acc, gacc, partial_ptr, b, num_tiles, pid, rows, BM, WITH_GRAD, TMA)
                 if BIAS != 0:
-                    bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din, 0, BIAS)
-        if WITH_GRAD:
-            _store_grad(grad_ptr, gacc, tl.cast(split, tl.int64), offs_m, offs_n, m_ok, n_ok, Dout, Din,
-                        GRAD_T)
+                    bsum = _bias_store(bias_ptr, bsum, b, offs_m, offs_n, m_ok, n_ok, own, Dout, Din, 1 - TMA,
+                                       BIAS)
+        if WITH_GRAD:                                        # norms only: no gradient buffer at all
+            _store_grad(grad_ptr, gacc, tl.cast(split, tl.int64) if TMA else split, offs_m, offs_n, m_ok,
+                        n_ok, Dout, Din, GRAD_T)
+
+    @triton.jit
+    def _outer_norms_kernel(a_ptr, d_ptr, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout,
+                            sa_b, sa_t, sa_i, sd_b, sd_t, sd_o, SPLIT,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
+                            PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
+                            BIAS: tl.constexpr = 0):
+        """Operands by pointers and strides (any layout); a partial norm per tile: partial is (B, tiles).
+        ``BIAS``: 0 none; 1 each Σ_t δ_{b,t} to bias (B, Dout); 2 mirrored (δ is ``a``), (B, Din)."""
+        _tile_norms(a_ptr, d_ptr, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout, sa_b, sa_t, sa_i, sd_b,
+                    sd_t, sd_o, SPLIT, BM, BN, BK, WITH_GRAD, PRECISION, FLAT, GRAD_T, False, BIAS, False)
+
+    @triton.jit
+    def _outer_norms_tma_kernel(a_desc, d_desc, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout, SPLIT,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WITH_GRAD: tl.constexpr,
+                                PRECISION: tl.constexpr, FLAT: tl.constexpr, GRAD_T: tl.constexpr,
+                                OVERLAP: tl.constexpr, BIAS: tl.constexpr = 0):
+        """:func:`_outer_norms_kernel` with operands from TMA descriptors over a (B, T, Din) and d (B, T,
+        Dout) (blocks [1, BK, BN] and [1, BK, BM]) and a partial norm per gradient row: partial is (B, tiles,
+        BM). ``OVERLAP`` (flat loop): a second accumulator holds each finished example's tile, whose norm
+        (squares, row sums, their store) is taken in the next example's first K step, after that step's MMA
+        is issued, so that it runs on the CUDA cores while the tensor cores work, instead of between them."""
+        _tile_norms(a_desc, d_desc, partial_ptr, grad_ptr, bias_ptr, B, T, Din, Dout, 0, 0, 0, 0, 0, 0, SPLIT,
+                    BM, BN, BK, WITH_GRAD, PRECISION, FLAT, GRAD_T, OVERLAP, BIAS, True)
 
 
 # Where the fused kernel beat cuBLAS batched GEMMs + fold (benchmarks/bench_seq_linear_cuda.py, H100, bf16,
