@@ -25,7 +25,7 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
     import triton
     import triton.language as tl
 
-    from elasticlab.gns.triton_outer import _example_done, _store_grad  # the epilogues it shares
+    from elasticlab.gns.triton_outer import _example_done, _store_grad, _tile_origin  # (shared)
 
     @triton.jit
     def _conv_outer_norms_kernel(x_ptr, d_ptr, partial_ptr, grad_ptr, B, Cin, H, W, Cout, Ho, Wo,
@@ -39,9 +39,8 @@ if HAS_TRITON:  # pragma: no cover - depends on the torch build
         T = Ho * Wo
         num_n = tl.cdiv(Din, BN)
         num_tiles = tl.num_programs(0)
-        pm, pn = pid // num_n, pid % num_n
-        offs_m = pm * BM + tl.arange(0, BM)                  # output channels (rows of the gradient)
-        offs_n = pn * BN + tl.arange(0, BN)                  # (input channel, kernel row, kernel column)
+        # rows of the gradient: output channels; columns: (input channel, kernel row, kernel column)
+        _, _, offs_m, offs_n = _tile_origin(pid, num_n, BM, BN, False)
         offs_k = tl.arange(0, BK)
         m_ok, n_ok = offs_m < Cout, offs_n < Din
         ci = offs_n // (KH * KW)
