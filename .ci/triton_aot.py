@@ -9,6 +9,10 @@ prints each kernel's shared memory, registers and spills (ptxas's log). Run by .
 .venv-cuda (its torch ships Triton):
 
     .venv-cuda/bin/python .ci/triton_aot.py [--jobs 2] [--digest FILE] [--kernels outer-tma,ghost]
+        [--default-path]
+
+``--default-path``: only the kernels on the default path and the tuner's candidates (what a GPU run compiles;
+.ci/triton_gpu_version.sh checks them with the GPU machine's older Triton).
 
 ``--digest FILE`` also writes each kernel's SASS digest (JSON, label to SHA-256 of the disassembly without
 the kernel's name): two trees whose digests are equal compile to the same machine code, which is how a
@@ -273,8 +277,12 @@ def main(argv=None) -> int:
     ap.add_argument("--digest", metavar="FILE", help="write each kernel's SASS digest here (JSON)")
     ap.add_argument("--kernels", metavar="NAMES", help="only these kernels, comma-separated: "
                     "outer, outer-tma, conv, ghost (default: all)")
+    ap.add_argument("--default-path", action="store_true",
+                    help="only the kernels the layers launch by default and the tuner's candidates")
     args = ap.parse_args(argv)
     todo = cases()
+    if args.default_path:
+        todo = [c for c in todo if on_default_path(c) or spilling_candidate(c)]
     if args.kernels:
         names = args.kernels.split(",")
         unknown = sorted(set(names) - set(KERNELS))
