@@ -658,6 +658,23 @@ def print_rounds(workloads: dict, entries) -> dict:
         for m, v in out[key].items():
             print(f"  {key:10s} {m:16s} " + " ".join(f"{x:.2f}" for x in v)
                   + f"   median {statistics.median(v):.2f}, {min(v):.2f}-{max(v):.2f}")
+        for m, (paired, wins) in against_psgn(runs).items():
+            print(f"  {key:10s} {m:16s} / psgn " + " ".join(f"{x:.3f}" for x in paired)
+                  + f"   faster in {wins} of {len(paired)} rounds")
+    return out
+
+
+def against_psgn(runs: list[dict]) -> dict[str, tuple[list[float], int]]:
+    """Each method derived from psgn (``psgn-…``: a switch flipped) against psgn in the same round, where
+    both were timed: {method: (its time over psgn's in each such round, in how many it was faster)}. Paired
+    within a round, so that the drift between rounds of a host-bound step cancels; a switch goes on only
+    where it is faster in every round."""
+    out = {}
+    for m in dict.fromkeys(m for r in runs for m in r.get("ratio", {}) if m.startswith("psgn-")):
+        paired = [r["ratio"][m] / r["ratio"]["psgn"] for r in runs
+                  if m in r.get("ratio", {}) and r["ratio"].get("psgn")]
+        if paired:
+            out[m] = (paired, sum(x < 1.0 for x in paired))
     return out
 
 

@@ -69,3 +69,21 @@ def test_rounds_measure_every_entry_again_and_report_the_spread(bench, capsys):
     assert "rounds (ratio to plain in each round" in out and "median" in out
     with pytest.raises(SystemExit, match="--rounds must be at least 1, got 0"):
         bench.main(["--workloads", "W1", "--rounds", "0"])
+
+
+def test_switched_methods_are_paired_with_psgn_round_by_round(bench, capsys):
+    """A ``psgn-…`` method's time over psgn's in each round where both ran, and in how many it was faster:
+    the rule for turning a switch on (faster in every round). Methods that are not psgn's switches, and
+    rounds without psgn, are left out."""
+    runs = [{"ratio": {"psgn": 1.20, "psgn-fusedbias": 1.14, "torch.func": 3.0}},
+            {"ratio": {"psgn": 1.10, "psgn-fusedbias": 1.21}},
+            {"ratio": {"psgn-fusedbias": 1.0}},
+            {"ratio": {"psgn": 1.30, "psgn-fusedbias": 1.17, "psgn-chunkshare": 1.30}}]
+    got = bench.against_psgn(runs)
+    assert set(got) == {"psgn-fusedbias", "psgn-chunkshare"}
+    paired, wins = got["psgn-fusedbias"]
+    assert paired == pytest.approx([0.95, 1.1, 0.9]) and wins == 2
+    assert got["psgn-chunkshare"] == ([1.0], 0)                   # equal is not faster
+    workloads = {"G3-bf16": runs[0], "G3-bf16#2": runs[1], "G3-bf16#3": runs[3]}
+    bench.print_rounds(workloads, [("G3", "bf16")])
+    assert "psgn-fusedbias   / psgn 0.950 1.100 0.900   faster in 2 of 3 rounds" in capsys.readouterr().out
