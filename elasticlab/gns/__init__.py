@@ -8,6 +8,7 @@
   and their PyTorch references.
 - :class:`GNSEstimator` (estimator.py): per-example and two-batch estimators, B_simple, Pollux's (sqr, var).
 - :mod:`~elasticlab.gns.ddp`: combining replicas under DistributedDataParallel.
+- :mod:`~elasticlab.gns.choices`: the timed per-shape form choices saved, loaded and agreed across ranks.
 - :class:`GNSMonitor` (monitor.py): the GNS of an existing training loop, estimator form chosen by itself.
 - :mod:`~elasticlab.gns.experiments`: P5-T1/T2 estimator experiments on synthetic linear regression, P5-T3
   (steps/examples trade-off of SGD) and P5-T5 (LayerNorm-only GNS against the total).

@@ -98,6 +98,18 @@ def left_out() -> dict[tuple, dict[str, int]]:
     return {k: dict(v) for k, v in _LEFT_OUT.items()}
 
 
+def kept() -> dict[tuple, str]:
+    """{layer key: form} of every shape chosen so far, :data:`ENABLED` or not (what
+    :mod:`elasticlab.gns.choices` saves)."""
+    return dict(_CHOSEN)
+
+
+def keep(key: tuple, form: str, times: dict[str, float]) -> None:
+    """Takes ``form`` for ``key`` as if measured (``times``): with :data:`ENABLED`, later backwards of that
+    shape run it without timing (what :mod:`elasticlab.gns.choices` loads)."""
+    _CHOSEN[key], _TIMES[key] = form, dict(times)
+
+
 def reset() -> None:
     """Forgets every choice: the next backward of each shape measures again."""
     _CHOSEN.clear()

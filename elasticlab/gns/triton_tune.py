@@ -168,6 +168,18 @@ def chosen() -> dict[tuple, str]:
     return {k: name for k, (name, _) in _CHOSEN.items()}
 
 
+def kept() -> dict[tuple, tuple]:
+    """{key: (form, config or None)} of every shape chosen so far (what :mod:`elasticlab.gns.choices`
+    saves)."""
+    return dict(_CHOSEN)
+
+
+def keep(key: tuple, choice: tuple, times: dict[str, float]) -> None:
+    """Takes ``choice`` (form, config) for ``key`` as if measured (``times``): later calls of that shape run
+    it without timing (what :mod:`elasticlab.gns.choices` loads)."""
+    _CHOSEN[key], _TIMES[key] = (choice[0], None if choice[1] is None else tuple(choice[1])), dict(times)
+
+
 def reset() -> None:
     """Forgets every choice: the next call of each shape measures again."""
     _CHOSEN.clear()

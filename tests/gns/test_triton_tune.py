@@ -310,3 +310,22 @@ def test_bias_sums_are_tuned_as_their_own_key_and_come_from_every_form(monkeypat
     assert "ghost" in triton_tune.tunings()[keys[1]]
     triton_tune.outer_norms(*_inputs(3, 40, 32, 48), True)           # no bias: another key
     assert len(triton_tune.tunings()) == 3 and list(triton_tune.tunings())[-1][-1] is None
+
+
+def test_a_choice_saved_and_loaded_runs_its_config_without_timing(monkeypatch, tmp_path):
+    """elasticlab.gns.choices: a shape tuned, saved, forgotten and loaded back (as a rerun or another rank
+    would) runs the kept variant, once, and times nothing."""
+    from elasticlab.gns import choices
+    a, d = _inputs(3, 40, 32, 48)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    want = _reference(a, d)
+    triton_tune.outer_norms(a, d, True)
+    kept = triton_tune.kept()
+    choices.save(tmp_path / "c.json")
+    triton_tune.reset()
+    assert choices.load(tmp_path / "c.json", device=a.device) == 1
+    assert triton_tune.kept() == kept
+    seen = _count_configs(monkeypatch)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    (name, config), = kept.values()
+    assert seen == [config] and triton_tune.variant_name(config) == name
