@@ -30,20 +30,65 @@ def elapsed(fn: Callable[[], object], device: torch.device, repeats: int = 3) ->
     return best
 
 
+# Forms compute the same sums in other orders (and the fused Gram form its gradient in the inputs' dtype, one
+# half-precision rounding: 2^-9 relative): their results agree to this relative tolerance, with an absolute
+# floor of AGREE_FLOOR of it times the largest entry (sums that cancel to near zero). A form further off is
+# wrong, not rounded differently: a kernel that drops an example, a tile or a row is off by O(1).
+AGREE_RTOL, AGREE_FLOOR = 2e-2, 5e-2
+
+
+def disagreement(out, ref) -> str | None:
+    """Where ``out`` departs from ``ref`` (a tensor, or a tuple or list of tensors and Nones, as the forms
+    return): None where every tensor agrees, elementwise, to |x − r| ≤ AGREE_RTOL·(|r| + AGREE_FLOOR·max|r|)
+    with its non-finite entries where ``ref`` has them; else which entry and how far. Results that are not
+    tensors are not compared."""
+    outs, refs = (out, ref) if isinstance(out, (tuple, list)) else ((out,), (ref,))
+    if not isinstance(refs, (tuple, list)) or len(outs) != len(refs):
+        return f"{len(outs)} results against {len(refs) if isinstance(refs, (tuple, list)) else 1}"
+    for i, (x, r) in enumerate(zip(outs, refs)):
+        if not isinstance(r, torch.Tensor):
+            if isinstance(x, torch.Tensor) or (r is None) != (x is None):
+                return f"result {i}: {type(x).__name__} against {type(r).__name__}"
+            continue
+        if not isinstance(x, torch.Tensor) or x.shape != r.shape:
+            return f"result {i}: {getattr(x, 'shape', type(x).__name__)} against shape {tuple(r.shape)}"
+        x, r = x.detach().float(), r.detach().float()
+        fin = torch.isfinite(r)
+        if not torch.equal(fin, torch.isfinite(x)):
+            return f"result {i}: non-finite entries elsewhere"
+        x, r = x[fin], r[fin]
+        if r.numel() == 0:
+            continue
+        scale = r.abs()
+        err = (x - r).abs() - AGREE_RTOL * (scale + AGREE_FLOOR * scale.max())
+        if bool((err > 0).any()):
+            return (f"result {i}: max |difference| {float((x - r).abs().max()):.3g} against max |reference| "
+                    f"{float(scale.max()):.3g}")
+    return None
+
+
 def fastest(forms: dict[str, Callable[[], object]], device: torch.device, repeats: int,
             label: str) -> tuple[str, object, dict[str, float]]:
     """(name, result, {name: seconds}) of the fastest of ``forms`` (name → call; their results
     interchangeable): each called once to warm up (Triton compiles there), then timed by :func:`elapsed`. A
-    form that raises is left out, with a RuntimeWarning "``label``: {name: error}"; if all raise, the last
-    error propagates."""
+    form that raises, or whose warm-up result departs from the first form's (:func:`disagreement`: a wrong
+    kernel, which could otherwise be kept for being fast), is left out, with a RuntimeWarning "``label``:
+    {name: why}"; if all raise, the last error propagates."""
     best_name, best_out, best_t, times, err, failed = None, None, float("inf"), {}, None, {}
+    ref_name = ref = None
     for name, fn in forms.items():
         try:
             out = fn()
+            why = None if ref_name is None else disagreement(out, ref)
+            if why is not None:
+                failed[name] = f"disagrees with {ref_name}: {why}"
+                continue
             t = elapsed(fn, device, repeats)
         except Exception as e:       # e.g. Triton's OutOfResources for this tile, CUDA out of memory
             err, failed[name] = e, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
+        if ref_name is None:
+            ref_name, ref = name, out
         times[name] = t
         if t < best_t:
             best_name, best_out, best_t = name, out, t
