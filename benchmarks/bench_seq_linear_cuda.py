@@ -12,7 +12,9 @@ pass; the compiled operator), ``gram`` (Gram form + the weight-gradient GEMM, wh
 needs), and ``bmm`` (the batched GEMM of ``cublas`` alone, as torch.bmm: the difference is the fold and its
 allocations). Each method's peak scratch (MB allocated by one call, outputs included) is printed beside it.
 Then sweeps: the cuBLAS form's chunk budget (``chunks``: :data:`CHUNKS`), the fused Gram kernel's blocks
-(``ghost``: :data:`GHOST_SWEEP`), and the outer Triton kernel's tiles and variants (``sweep``).
+(``ghost``: :data:`GHOST_SWEEP`), and the outer Triton kernel's tiles and variants (``sweep``; with its lines
+``triton-gemm``, ``bias-apart``/``bias-fused`` and ``per-sm-1``/``per-sm-2``: the examples split for one
+program an SM or two, :data:`SPLIT_CONFIGS`).
 Every method is first checked against float64. It also measures the two ceilings the cost
 model of ``elasticlab.gns.form_choice.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
@@ -27,7 +29,7 @@ import statistics
 
 import torch
 
-from elasticlab.gns import form_choice, kernels, triton_outer, triton_tune
+from elasticlab.gns import form_choice, kernels, triton_launch, triton_outer, triton_tune
 
 if triton_outer.HAS_TMA:
     import triton
@@ -234,6 +236,41 @@ def sweep_triton(iters: int, layers=None) -> dict:
                 (c, v) for c, v in zip(SWEEP["configs"], row.values())     # (gemm entries come last)
                 if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))
         row.update(sweep_bias(name, iters))
+        row.update(sweep_split(name, iters))
+    return out
+
+
+# The TMA flat loop in the default and the wide tile: the variants the tuner kept on G3 and G1.head (H200)
+SPLIT_CONFIGS = [(128, 128, 64, 8, 4, True, True), triton_tune.WIDE + (True, True)]
+
+
+def sweep_split(name: str, iters: int) -> dict:
+    """{"per-sm P config": time over the weight-gradient GEMM's} of :data:`SPLIT_CONFIGS` with the examples
+    split for P = 1 and 2 programs per SM (:data:`elasticlab.gns.triton_launch.PROGRAMS_PER_SM`), where the
+    two give different splits; printed as lines ``per-sm-1`` and ``per-sm-2``, each cell with its split."""
+    B, _, Din, Dout = SHAPES[name]
+    dev, before, out = torch.device("cuda"), triton_launch.PROGRAMS_PER_SM, {}
+    configs = [c for c in SPLIT_CONFIGS if triton_tune.TMA]
+
+    def split(c, p):
+        tiles = -(-Dout // c[0]) * -(-Din // c[1])
+        triton_launch.PROGRAMS_PER_SM = p
+        try:
+            return triton_launch.splits(B, tiles, dev)
+        finally:
+            triton_launch.PROGRAMS_PER_SM = before
+    configs = [c for c in configs if split(c, 1) != split(c, 2)]
+    if not configs:
+        return out
+    for p in (1, 2):
+        triton_launch.PROGRAMS_PER_SM = p
+        try:
+            row = _sweep_layer(name, iters, configs, triton_outer.outer_norms)
+        finally:
+            triton_launch.PROGRAMS_PER_SM = before
+        out.update({f"per-sm {p} {k}": v for k, v in row.items()})
+        print(f"sweep {name:8s} {f'per-sm-{p}':13s} " + _cells(
+            zip(configs, row.values()), lambda c, p=p: f"{triton_tune.variant_name(c)}(split {split(c, p)})"))
     return out
 
 

@@ -59,10 +59,18 @@ def sm_count(dev: torch.device) -> int:
     return props(dev).multi_processor_count if dev.type == "cuda" else 4
 
 
+# Programs per SM that :func:`splits` aims for. The default 16-bit 128×128 tiles (4 stages: 128 KB of shared
+# memory) and the tuner's 128×256 tile fit one program per SM, so a second is a second wave: on G3's 1024→4096
+# layer in the wide tile (128 tiles on 132 SMs) two per SM split the examples in two, for no more programs at
+# once, at the price of a second 16 MB gradient slice and its sum. Untimed: bench_seq_linear_cuda.py's sweep
+# times 1 against 2 (lines ``per-sm-1``, ``per-sm-2``).
+PROGRAMS_PER_SM = 2
+
+
 def splits(B: int, tiles: int, dev: torch.device) -> int:
-    """How many groups the B examples are split into over the grid's second axis: enough programs for two
-    per SM."""
-    return max(1, min(B, (2 * sm_count(dev)) // tiles))
+    """How many groups the B examples are split into over the grid's second axis: enough programs for
+    :data:`PROGRAMS_PER_SM` per SM."""
+    return max(1, min(B, (PROGRAMS_PER_SM * sm_count(dev)) // tiles))
 
 
 def precision(dtype: torch.dtype, tf32: bool | None = None) -> str:

@@ -124,3 +124,47 @@ def test_convolution_forms_give_the_reference_norms(bench, name):
         torch.testing.assert_close(norms[:2].double(), ref, rtol=TOL[dt], atol=0, msg=f)
         torch.testing.assert_close(grad.double().reshape(gw.shape), gw, rtol=TOL[dt],
                                    atol=TOL[dt] * gw.abs().max().item(), msg=f)
+
+
+@pytest.mark.skipif(not triton_outer.HAS_TRITON, reason="the outer kernel needs Triton")
+def test_the_split_sweep_gives_the_reference_at_one_and_two_programs_per_sm(bench, monkeypatch):
+    """``per-sm-1`` and ``per-sm-2`` (``triton_launch.PROGRAMS_PER_SM``): the examples split in other numbers
+    of groups (here 4 and 6 on the interpreter's 4 "SMs" with one tile), the same norms and gradient."""
+    seq, _ = bench
+    a, d, (ref, ref_grad) = _kernel_case(6, 70, 64, 100, seed=4)
+    got = set()
+    for p in (1, 2):
+        monkeypatch.setattr(triton_launch, "PROGRAMS_PER_SM", p)
+        got.add(triton_launch.splits(6, 1, a.device))
+        for cfg in seq.SPLIT_CONFIGS:
+            if cfg[6] and not triton_outer.tma_ok(a, d):
+                continue
+            norms, grad = triton_outer.outer_norms(a, d, True, cfg)
+            torch.testing.assert_close(norms.double().cpu(), ref, rtol=2e-5, atol=0, msg=str((p, cfg)))
+            torch.testing.assert_close(grad.double().cpu(), ref_grad, rtol=2e-5,
+                                       atol=2e-5 * ref_grad.abs().max().item(), msg=str((p, cfg)))
+    assert len(got) == 2
+
+
+def test_the_split_sweep_times_each_setting_where_the_splits_differ(bench, monkeypatch, capsys):
+    """``sweep_split`` on a 132-SM GPU (its timing stubbed): G3.up's wide tile (128 tiles) splits in 1 or 2,
+    so both lines time it, with PROGRAMS_PER_SM set during each and put back after; G3.up's 128×128 tile
+    (256 tiles) splits in 1 either way and is left out; G1.head (2358 tiles) gives no lines."""
+    seq, _ = bench
+    monkeypatch.setattr(triton_launch, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(seq.triton_tune, "TMA", True)
+    seen = []
+
+    def fake(name, iters, configs, form):
+        seen.append((triton_launch.PROGRAMS_PER_SM, [c[:5] for c in configs]))
+        return {str(c): 1.0 + triton_launch.PROGRAMS_PER_SM / 10 for c in configs}
+    monkeypatch.setattr(seq, "_sweep_layer", fake)
+    out = seq.sweep_split("G3.up", 1)
+    wide = str(triton_tune.WIDE + (True, True))
+    assert seen == [(1, [triton_tune.WIDE]), (2, [triton_tune.WIDE])]
+    assert out == {f"per-sm 1 {wide}": 1.1, f"per-sm 2 {wide}": 1.2}
+    assert triton_launch.PROGRAMS_PER_SM == 2
+    text = capsys.readouterr().out
+    assert "per-sm-1      tma-flat-wide(split 1) 1.10x" in text and "tma-flat-wide(split 2) 1.20x" in text
+    seen.clear()
+    assert seq.sweep_split("G1.head", 1) == {} and seen == []
