@@ -146,6 +146,14 @@ if want bench; then
   ((RC != 0)) && tail -12 "$OUT/bench_cuda.log" | note
 fi
 
+# a candidate form whose result departed from the first form's (elasticlab.gns.timing: left out, a warning on
+# stderr): a kernel that is wrong on this GPU, to fix before any timing of it counts
+if grep -q "disagrees with" "$OUT"/ops.log "$OUT"/bench_cuda.log 2>/dev/null; then
+  { echo "== WRONG RESULTS: forms left out by the tuner (elasticlab.gns.timing.disagreement)"
+    grep -h -o "disagrees with[^']*" "$OUT"/ops.log "$OUT"/bench_cuda.log 2>/dev/null | sort | uniq -c | head -8
+  } | cut -c1-260 | note
+fi
+
 if want profile; then
   run_stage "profile_psgnorm --device cuda" "${PROFILE_S:-90}" profile.log \
     $PY benchmarks/profile_psgnorm.py --device cuda --threads 16 ${PROFILE_ARGS:-}

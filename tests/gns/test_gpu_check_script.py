@@ -52,7 +52,9 @@ TESTS_THEN_BENCH = """#!/usr/bin/env bash
 case " $* " in
   *" -m pytest "*) printf '%s\\n' FAILURES "2 failed, 80 passed"; exit 1;;
   *bench_psgnorm.py*) echo "switches TMA=${ELASTICLAB_TRITON_TMA:-unset}" \\
-                        "GHOST=${ELASTICLAB_TRITON_GHOST:-unset}"; exit 0;;
+                        "GHOST=${ELASTICLAB_TRITON_GHOST:-unset}"
+                      echo "RuntimeWarning: triton_tune: forms left out: {'tma-flat': 'disagrees with" \\
+                        "pointer-nested: result 1: max |difference| 0.5'}" >&2; exit 0;;
 esac
 exec PYTHON "$@"
 """
@@ -87,6 +89,14 @@ def test_a_failed_tma_or_gram_kernel_test_keeps_those_forms_out_of_the_later_sta
     assert "switches TMA=0 GHOST=0" in summary, summary
     summary = _run_test_and_bench(tmp_path / "b", ["tests/gns/test_kernels.py::test_cuda_gram_norms - Error"])
     assert "test failed" not in summary and "switches TMA=unset GHOST=unset" in summary, summary
+
+
+def test_a_form_left_out_for_a_wrong_result_is_named_in_the_summary(tmp_path):
+    """The bench's stderr warning that the tuner left a form out because its result departed from the
+    first form's (elasticlab.gns.timing) reaches summary.txt under WRONG RESULTS."""
+    summary = _run_test_and_bench(tmp_path, [])
+    assert "== WRONG RESULTS" in summary, summary
+    assert "1 disagrees with pointer-nested: result 1: max |difference| 0.5" in summary, summary
 
 
 ECHO = """#!/usr/bin/env bash
