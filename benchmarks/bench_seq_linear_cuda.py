@@ -253,12 +253,7 @@ def sweep_split(name: str, iters: int) -> dict:
     configs = [c for c in SPLIT_CONFIGS if triton_tune.TMA]
 
     def split(c, p):
-        tiles = -(-Dout // c[0]) * -(-Din // c[1])
-        triton_launch.PROGRAMS_PER_SM = p
-        try:
-            return triton_launch.splits(B, tiles, dev)
-        finally:
-            triton_launch.PROGRAMS_PER_SM = before
+        return triton_launch.splits(B, -(-Dout // c[0]) * -(-Din // c[1]), dev, p)
     configs = [c for c in configs if split(c, 1) != split(c, 2)]
     if not configs:
         return out

@@ -67,10 +67,10 @@ def sm_count(dev: torch.device) -> int:
 PROGRAMS_PER_SM = 2
 
 
-def splits(B: int, tiles: int, dev: torch.device) -> int:
+def splits(B: int, tiles: int, dev: torch.device, per_sm: int | None = None) -> int:
     """How many groups the B examples are split into over the grid's second axis: enough programs for
-    :data:`PROGRAMS_PER_SM` per SM."""
-    return max(1, min(B, (PROGRAMS_PER_SM * sm_count(dev)) // tiles))
+    ``per_sm`` (default :data:`PROGRAMS_PER_SM`) per SM."""
+    return max(1, min(B, ((per_sm or PROGRAMS_PER_SM) * sm_count(dev)) // tiles))
 
 
 def precision(dtype: torch.dtype, tf32: bool | None = None) -> str:
