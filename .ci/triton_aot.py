@@ -82,6 +82,15 @@ def cases() -> list[tuple]:
         bm, bn, bk, w, s = triton_tune.WIDE
         meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION="tf32", FLAT=flat)
         out.append(("outer-tma", dt, meta, w, s, ()))
+    # the tuner's deeper K step (TMA loads, 16-bit layers, the flat loop): with and without the gradient, both
+    # gradient layouts (a mirrored launch stores it transposed), without and with the bias sums
+    # (triton_outer.fuses_bias takes its 128×128 tile: 1 from δ's tiles, 2 a mirrored launch's, from a's)
+    for dt, grad, grad_t in itertools.product(("bf16", "fp16"), (False, True), (False, True)):
+        bm, bn, bk, w, s = triton_tune.DEEP
+        for bias in ((0, 2 if grad_t else 1) if grad else (0,)):
+            meta = dict(BM=bm, BN=bn, BK=bk, WITH_GRAD=grad, PRECISION="tf32", FLAT=True)
+            meta.update({"GRAD_T": True} if grad_t else {}, **({"BIAS": bias} if bias else {}))
+            out.append(("outer-tma", dt, meta, w, s, ()))        # (as the sweep's, where they coincide)
     # the overlapped flat loop (a second accumulator; TMA loads) in the default 16-bit tiles, both gradient
     # layouts, with and without the gradient
     for h, grad_t, grad in itertools.product(("bf16", "fp16"), (False, True), (False, True)):
@@ -154,13 +163,17 @@ def on_default_path(case: tuple) -> bool:
     operands, or TMA) or the Gram kernel, on 16-bit operands, in a tile or config that the wrappers or the
     tuner choose (sweep-only configs are not)."""
     import torch
+
+    from elasticlab.gns import triton_tune
     name, dt, meta, warps, stages, ones = case
     if dt not in ("bf16", "fp16") or (name != "outer-tma" and not set(ROW_MAJOR) <= set(ones)) \
             or meta.get("BIAS"):                    # the bias sums fused in: off by default (FUSE_BIAS)
         return False
     half = torch.bfloat16 if dt == "bf16" else torch.float16
     if name in ("outer", "outer-tma"):
-        return (meta["BM"], meta["BN"], meta["BK"], warps, stages) in _outer_tiles(half)
+        tile = (meta["BM"], meta["BN"], meta["BK"], warps, stages)
+        deep = name == "outer-tma" and tile == triton_tune.DEEP and meta["FLAT"]      # the tuner's K step
+        return tile in _outer_tiles(half) or deep
     if name == "ghost":
         return (meta["BT"], meta["BK"], warps, stages) in _ghost_configs(half)
     return False

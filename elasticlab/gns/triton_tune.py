@@ -2,21 +2,21 @@
 
 :mod:`elasticlab.gns.triton_outer` has four variants of one computation: two loops (``flat``: one loop over
 (example, K step) pairs; nested: a K loop per example) × two ways of loading the operands (pointers, or
-Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`), and with TMA loads on wide
-16-bit layers a wider tile too (:data:`WIDE`, "-wide"), and with TMA loads a
-third loop (:data:`~elasticlab.gns.triton_outer.OVERLAP`, "-overlap"); each also on the
-layer's mirrored shape ("-swap", the gradient's rows over Din). Beside them, where its
-multiply-adds are fewer (:func:`elasticlab.gns.triton_gram.worthwhile`) and :data:`GHOST` is on, the fused
-Gram form ("ghost": :func:`elasticlab.gns.triton_gram.ghost_norms` and the plain weight-gradient GEMM, whose
-gradient is then in the inputs' dtype, as the plain layer's). The H100 sweeps of ``bench_seq_linear_cuda.py``
-ranked the variants differently from shape to shape (session 10: the flat loop won on W3.up only), which one
-fixed choice cannot follow. So, as ``torch.backends.cudnn.benchmark`` does for convolution algorithms, with
-:data:`ENABLED` the first call of each (shape, dtype, device) runs every form on the layer's own operands,
-each once to warm up (Triton compiles there) and then :data:`REPEATS` times, keeps the fastest for that shape
-and returns its result; later calls run the kept one. The forms compute the same sums in other orders, so
-any of them is a valid result. Untuned (off, under ``torch.compile``, while a CUDA graph is captured, on the
-CPU), :data:`~elasticlab.gns.triton_outer.FLAT` and :data:`~elasticlab.gns.triton_outer.TMA` say which
-variant runs. ``ELASTICLAB_TRITON_TMA=0`` in the environment keeps the TMA variants out (:data:`TMA`),
+Hopper's TMA descriptors where :func:`~elasticlab.gns.triton_outer.tma_ok`), and with TMA loads on wide 16-bit
+layers a wider tile too (:data:`WIDE`, "-wide") and a deeper K step (:data:`DEEP`, "-deep"), and a third loop
+(:data:`~elasticlab.gns.triton_outer.OVERLAP`, "-overlap"); each also on the layer's mirrored shape ("-swap",
+the gradient's rows over Din). Beside them, where its multiply-adds are fewer
+(:func:`elasticlab.gns.triton_gram.worthwhile`) and :data:`GHOST` is on, the fused Gram form ("ghost":
+:func:`elasticlab.gns.triton_gram.ghost_norms` and the plain weight-gradient GEMM, whose gradient is then in
+the inputs' dtype, as the plain layer's). The H100 sweeps of ``bench_seq_linear_cuda.py`` ranked the variants
+differently from shape to shape (session 10: the flat loop won on W3.up only), which one fixed choice cannot
+follow. So, as ``torch.backends.cudnn.benchmark`` does for convolution algorithms, with :data:`ENABLED` the
+first call of each (shape, dtype, device) runs every form on the layer's own operands, each once to warm up
+(Triton compiles there) and then :data:`REPEATS` times, keeps the fastest for that shape and returns its
+result; later calls run the kept one. The forms compute the same sums in other orders, so any of them is a
+valid result. Untuned (off, under ``torch.compile``, while a CUDA graph is captured, on the CPU),
+:data:`~elasticlab.gns.triton_outer.FLAT` and :data:`~elasticlab.gns.triton_outer.TMA` say which variant runs.
+``ELASTICLAB_TRITON_TMA=0`` in the environment keeps the TMA variants out (:data:`TMA`),
 ``ELASTICLAB_TRITON_GHOST=0`` the fused Gram form (:data:`GHOST`; calibration's candidates too).
 :func:`tunings` lists what was measured.
 """
@@ -50,6 +50,23 @@ def wide_ok(din: int, dout: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and din >= WIDE[1] and dout >= WIDE[0]
 
 
+# A K step of 128, timed beside the default tile on 16-bit layers, in the TMA flat loop: 128×128×128, 8 warps,
+# 3 stages (192 KB of shared memory; no spills, ptxas for sm_90 with Triton 3.6 and 3.8). The H200 sweep of
+# 2026-11-28 (G3.up, TMA flat loop, bf16) reads as a loop bound by its per-step waits and load latency rather
+# than by its MMAs: the same multiply-adds in K steps of 32 took 1.59× the time of steps of 64 (2.21× against
+# 1.39× the weight-gradient GEMM), and a fourth stage of 64 took 15% off the third's (1.63× → 1.39×). Steps of
+# 128 halve the loop's turns (and its four block-wide barriers, its mbarrier wait, its two TMA issues), and
+# three stages keep two steps of twice the MMA work in flight. Not yet timed: kept only where fastest.
+DEEP = (128, 128, 128, 8, 3)
+
+
+def deep_ok(T: int, din: int, dout: int, dtype: torch.dtype) -> bool:
+    """Whether :data:`DEEP` is a candidate for a (Din → Dout) layer of ``dtype`` over T positions an example:
+    16-bit operands, T ≥ 128 (a shorter example would be one K step mostly of padding) and Din, Dout ≥ 128."""
+    return (dtype in (torch.bfloat16, torch.float16) and T >= DEEP[2] and din >= DEEP[1]
+            and dout >= DEEP[0])
+
+
 _CHOSEN: dict[tuple, tuple] = {}                  # key -> (name, config or None) of the form measured fastest
 _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}
 
@@ -64,14 +81,17 @@ def active(a: torch.Tensor) -> bool:
 def variant_name(config: tuple) -> str:
     """Which variant a full config (BM, BN, BK, warps, stages, loop, tma[, swap]) runs: "pointer" or "tma",
     then the loop's name in :data:`~elasticlab.gns.triton_outer.LOOPS` ("-nested", "-flat", "-overlap"),
-    then "-wide" for the tile :data:`WIDE`, then "-swap" for the mirrored shape."""
+    then "-wide" for the tile :data:`WIDE` or "-deep" for :data:`DEEP`, then "-swap" for the mirrored
+    shape."""
+    tile = tuple(config[:5])
     return (("tma" if config[6] else "pointer") + "-" + triton_outer.LOOPS[int(config[5])]
-            + ("-wide" if tuple(config[:5]) == WIDE else "")
+            + ("-wide" if tile == WIDE else "-deep" if tile == DEEP else "")
             + ("-swap" if len(config) > 7 and config[7] else ""))
 
 
-def _oriented(din: int, dout: int, dtype: torch.dtype, tma: bool, swap: bool) -> list[tuple]:
-    """The configs of one orientation of a (Din → Dout) layer (``swap``: its mirror, Dout → Din)."""
+def _oriented(T: int, din: int, dout: int, dtype: torch.dtype, tma: bool, swap: bool) -> list[tuple]:
+    """The configs of one orientation of a (Din → Dout) layer over T positions (``swap``: its mirror, Dout →
+    Din)."""
     if swap:
         din, dout = dout, din
     base = triton_outer._config(din, dout, dtype)[:5]
@@ -80,6 +100,8 @@ def _oriented(din: int, dout: int, dtype: torch.dtype, tma: bool, swap: bool) ->
         out.append(base + (triton_outer.OVERLAP, True))
     if tma and wide_ok(din, dout, dtype):
         out += [WIDE + (flat, True) for flat in (False, True)]
+    if tma and deep_ok(T, din, dout, dtype):
+        out.append(DEEP + (True, True))
     return [c + (True,) for c in out] if swap else out
 
 
@@ -87,14 +109,14 @@ def candidates(a: torch.Tensor, d: torch.Tensor) -> list[tuple]:
     """The full configs timed for these operands: the tile of :func:`~elasticlab.gns.triton_outer._config`,
     both loops, and TMA loads too where :data:`TMA` and the descriptors address the operands, with TMA also
     the overlapped loop (:data:`~elasticlab.gns.triton_outer.OVERLAP`); with TMA loads, where
-    :func:`wide_ok`, the tile :data:`WIDE` in the
-    two plain loops as well. Where Din ≠ Dout, each again on the mirrored shape ("-swap": the gradient's rows
-    over Din; H200, 2026-11-28: G3's 4096 → 1024 layer took 1.72× the weight-gradient GEMM where its mirror,
-    1024 → 4096, took 1.39×, in the same variant)."""
-    din, dout = a.shape[2], d.shape[2]
+    :func:`wide_ok`, the tile :data:`WIDE` in the two plain loops as well, and where :func:`deep_ok`, the K
+    step of :data:`DEEP` in the flat loop. Where Din ≠ Dout, each again on the mirrored shape ("-swap": the
+    gradient's rows over Din; H200, 2026-11-28: G3's 4096 → 1024 layer took 1.72× the weight-gradient GEMM
+    where its mirror, 1024 → 4096, took 1.39×, in the same variant)."""
+    T, din, dout = a.shape[1], a.shape[2], d.shape[2]
     tma = TMA and triton_outer.tma_ok(a, d)
-    out = _oriented(din, dout, a.dtype, tma, False)
-    return out + (_oriented(din, dout, a.dtype, tma, True) if din != dout else [])
+    out = _oriented(T, din, dout, a.dtype, tma, False)
+    return out + (_oriented(T, din, dout, a.dtype, tma, True) if din != dout else [])
 
 
 def ghost(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple | None = None, bias: bool = False):

@@ -207,6 +207,44 @@ def test_the_wide_tile_is_timed_on_wide_16_bit_layers_with_tma_loads(monkeypatch
     assert [c[:5] for c in seen] == [triton_tune.WIDE]
 
 
+@pytest.mark.skipif(not triton_outer.HAS_TMA, reason="this Triton has no tensor descriptors")
+def test_the_deep_k_step_is_timed_on_long_16_bit_layers_with_tma_loads(monkeypatch):
+    """T = 130 ≥ 128 (a second K step of two rows: the descriptor pads it), Din = 136, Dout = 144 in float16:
+    the K step of 128 joins the variants in the flat loop, in both orientations; when the clock says it is
+    the fastest it is kept, and its norms and gradient are right, the examples split over the programs too.
+    Shorter examples, narrower layers, float32 and no TMA loads do not time it."""
+    a, d = _inputs(2, 130, 136, 144)
+    deep = [c for c in triton_tune.candidates(a, d) if c[:5] == triton_tune.DEEP]
+    assert [triton_tune.variant_name(c) for c in deep] == ["tma-flat-deep", "tma-flat-deep-swap"]
+    for shape in ((2, 127, 136, 144), (2, 130, 120, 144), (2, 130, 136, 120)):
+        short = _inputs(*shape)
+        assert not any(c[:5] == triton_tune.DEEP for c in triton_tune.candidates(*short)), shape
+    assert not any(c[:5] == triton_tune.DEEP for c in triton_tune.candidates(a.float(), d.float()))
+    monkeypatch.setattr(triton_tune, "TMA", False)
+    assert not any(c[:5] == triton_tune.DEEP for c in triton_tune.candidates(a, d))
+    monkeypatch.setattr(triton_tune, "TMA", True)
+    want = _reference(a, d)
+    assert triton_launch.splits(2, 2 * 2, a.device) == 2             # 4 tiles of 128×128: both examples split
+    for config in deep:                              # each orientation, straight from the kernel's wrapper
+        _close(triton_outer.outer_norms(a, d, True, config), want)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    real_forms = triton_tune.forms                   # two of the forms, for a quicker test
+    monkeypatch.setattr(triton_tune, "forms", lambda a, d, g, bias=False: {
+        n: v for n, v in real_forms(a, d, g, bias).items() if n in ("tma-flat", "tma-flat-deep")})
+    real = triton_tune.timing.elapsed
+
+    def clock(fn, device, repeats=3):
+        real(fn, device, 1)
+        return 0.0 if triton_tune.variant_name(fn.args[3]) == "tma-flat-deep" else 1.0
+
+    monkeypatch.setattr(triton_tune.timing, "elapsed", clock)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    assert list(triton_tune.chosen().values()) == ["tma-flat-deep"]
+    seen = _count_configs(monkeypatch)
+    _close(triton_tune.outer_norms(a, d, True), want)
+    assert [c[:5] for c in seen] == [triton_tune.DEEP]
+
+
 def test_the_mirrored_shape_gives_the_same_norms_and_the_gradient_in_place(monkeypatch):
     """A swapped config runs the kernel on (d, a), storing each gradient tile transposed: the same norms,
     and the gradient a contiguous (Dout, Din), also when the examples are split; when the clock says it is the
