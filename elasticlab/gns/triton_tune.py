@@ -56,7 +56,10 @@ def wide_ok(din: int, dout: int, dtype: torch.dtype) -> bool:
 # than by its MMAs: the same multiply-adds in K steps of 32 took 1.59× the time of steps of 64 (2.21× against
 # 1.39× the weight-gradient GEMM), and a fourth stage of 64 took 15% off the third's (1.63× → 1.39×). Steps of
 # 128 halve the loop's turns (and its four block-wide barriers, its mbarrier wait, its two TMA issues), and
-# three stages keep two steps of twice the MMA work in flight. Not yet timed: kept only where fastest.
+# three stages keep two steps of twice the MMA work in flight. It moves the same operand bytes as the default
+# tile, though (G3.up: 4.3 GB from L2 into shared memory, which the default tile moved at 8.8 TB/s and the
+# 4-warp tiles of the same sweep, with 1.5× the bytes, at up to 10.9 TB/s): if L2 bandwidth is the ceiling, no
+# 128×128 tile gets below about 1.1× that GEMM. Not yet timed: kept only where fastest.
 DEEP = (128, 128, 128, 8, 3)
 
 
