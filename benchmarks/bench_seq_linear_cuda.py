@@ -14,7 +14,8 @@ allocations). Each method's peak scratch (MB allocated by one call, outputs incl
 Then sweeps: the cuBLAS form's chunk budget (``chunks``: :data:`CHUNKS`), the fused Gram kernel's blocks
 (``ghost``: :data:`GHOST_SWEEP`), and the outer Triton kernel's tiles and variants (``sweep``; with its lines
 ``triton-gemm``, ``bias-apart``/``bias-fused`` and ``per-sm-1``/``per-sm-2``: the examples split for one
-program an SM or two, :data:`SPLIT_CONFIGS`).
+program an SM or two, :data:`SPLIT_CONFIGS`; and ``tma-flat TB/s``, ``gemm TB/s``: the L2 bandwidth each TMA
+flat launch and each plain Triton GEMM drew, :func:`operand_bytes` over its time).
 Every method is first checked against float64. It also measures the two ceilings the cost
 model of ``elasticlab.gns.form_choice.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
 
@@ -190,13 +191,16 @@ SWEEP = {"layers": ["G3.up", "G3.down", "G1.head"],
             if triton_tune.TMA else [])}
 
 
+WGRAD_MS: dict[str, float] = {}          # layer -> the weight-gradient GEMM's ms, as the last sweep timed it
+
+
 def _sweep_layer(name: str, iters: int, configs, form) -> dict:
     """{str(config): time of ``form(a, d, config)`` over the weight-gradient GEMM's, or the error} on one
-    layer's bfloat16 operands."""
+    layer's bfloat16 operands (the GEMM's own time: :data:`WGRAD_MS`)."""
     B, T, Din, Dout = SHAPES[name]
     a = torch.randn(B, T, Din, device="cuda").to(torch.bfloat16)
     d = (torch.randn(B, T, Dout, device="cuda") / T ** 0.5).to(torch.bfloat16)
-    base = timed(lambda: d.view(-1, Dout).t() @ a.view(-1, Din), iters)
+    base = WGRAD_MS[name] = timed(lambda: d.view(-1, Dout).t() @ a.view(-1, Din), iters)
     row = {}
     for cfg in configs:
         try:
@@ -214,6 +218,24 @@ def _cells(pairs, label="{}x{}x{}/{}/{}") -> str:
                      + (f"{v:.2f}x" if isinstance(v, float) else v) for c, v in pairs)
 
 
+def operand_bytes(name: str, tile: tuple) -> int:
+    """Bytes a launch in ``tile`` (BM, BN, …) of the fused kernel, or of the plain Triton GEMM, loads into
+    shared memory on bfloat16 layer ``name``: each of its ⌈Dout/BM⌉·⌈Din/BN⌉ programs loads BM values of δ and
+    BN of a for each of the B·T rows. Every program reads its operands from L2, so over a time this is the
+    L2 bandwidth the launch drew (the ``TB/s`` lines)."""
+    B, T, Din, Dout = SHAPES[name]
+    bm, bn = tile[:2]
+    return -(-Dout // bm) * -(-Din // bn) * B * T * (bm + bn) * 2
+
+
+def _rates(name: str, pairs, wgrad_ms: float) -> str:
+    """A ``TB/s`` line's cells: for each (config, ratio over the GEMM) pair, the operand bytes it loaded
+    (:func:`operand_bytes`) over its time (ratio × ``wgrad_ms``, the GEMM's time its ratio was taken
+    against), in TB/s."""
+    return _cells((c, f"{operand_bytes(name, c) / (v * wgrad_ms * 1e9):.1f}" if isinstance(v, float) else v)
+                  for c, v in pairs)
+
+
 def sweep_triton(iters: int, layers=None) -> dict:
     """The fused kernel's time over the weight-gradient GEMM's for a few tile configurations (bf16), on
     ``layers`` (default: :data:`SWEEP`'s); with TMA, also Triton's plain weight-gradient GEMM in each TMA
@@ -223,6 +245,7 @@ def sweep_triton(iters: int, layers=None) -> dict:
     gemm_tiles = sorted({c[:5] for c in SWEEP["configs"] if c[6]}) if triton_outer.HAS_TMA else []
     for name in layers or SWEEP["layers"]:
         row = out[name] = _sweep_layer(name, iters, SWEEP["configs"], triton_outer.outer_norms)
+        wgrad_ms = WGRAD_MS.get(name)
         gemm = _sweep_layer(name, iters, gemm_tiles, lambda a, d, _, tile: (triton_wgrad(a, d, tile),))
         row.update({f"gemm {k}": v for k, v in gemm.items()})
         if gemm:
@@ -235,6 +258,14 @@ def sweep_triton(iters: int, layers=None) -> dict:
             print(f"sweep {name:8s} {loop:13s} " + _cells(
                 (c, v) for c, v in zip(SWEEP["configs"], row.values())     # (gemm entries come last)
                 if (c[5], c[6], len(c) > 7 and c[7]) == (flat, tma, swap)))
+        # the L2 bandwidth each TMA flat launch and each plain GEMM drew (their loads over their time)
+        flat_tma = [(c, v) for c, v in zip(SWEEP["configs"], row.values()) if c[5] is True and c[6]
+                    and not (len(c) > 7 and c[7])]
+        if wgrad_ms and flat_tma:
+            print(f"sweep {name:8s} {'tma-flat TB/s':13s} " + _rates(name, flat_tma, wgrad_ms))
+        if gemm:
+            print(f"sweep {name:8s} {'gemm TB/s':13s} "
+                  + _rates(name, zip(gemm_tiles, gemm.values()), WGRAD_MS[name]))
         row.update(sweep_bias(name, iters))
         row.update(sweep_split(name, iters))
     return out

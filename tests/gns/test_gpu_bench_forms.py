@@ -168,3 +168,33 @@ def test_the_split_sweep_times_each_setting_where_the_splits_differ(bench, monke
     assert "per-sm-1      tma-flat-wide(split 1) 1.10x" in text and "tma-flat-wide(split 2) 1.20x" in text
     seen.clear()
     assert seq.sweep_split("G1.head", 1) == {} and seen == []
+
+
+def test_the_sweep_prints_the_l2_bandwidth_each_tma_flat_launch_drew(bench, monkeypatch, capsys):
+    """``operand_bytes``: G3.up's 128×128 tile, 32 × 8 programs each loading 256 bf16 values a row for
+    64 × 512 rows, is 2³² B; the wide tile 3/4 of that. ``sweep_triton`` (its timing stubbed: the GEMM
+    0.5 ms, each config 1.25× or 2×) prints those bytes over each TMA flat config's time, in TB/s, and the
+    errors as they are."""
+    seq, _ = bench
+    assert seq.operand_bytes("G3.up", (128, 128, 64, 8, 4)) == 2 ** 32
+    assert seq.operand_bytes("G3.up", triton_tune.WIDE) == 3 * 2 ** 30
+    assert seq.operand_bytes("G3.down", (128, 128, 64, 8, 4)) == 2 ** 32        # the same loads, mirrored
+    monkeypatch.setattr(seq.triton_tune, "TMA", True)
+    monkeypatch.setattr(seq, "SWEEP", {"layers": ["G3.up"], "configs": [
+        (128, 128, 64, 8, 4, True, True), seq.triton_tune.WIDE + (True, True),
+        (128, 128, 128, 8, 3, True, True), (128, 128, 64, 8, 4, False, True),
+        (128, 128, 64, 8, 4, True, True, True)]})
+
+    def fake(name, iters, configs, form):
+        seq.WGRAD_MS[name] = 0.5
+        ratio = {0: 1.25, 1: 2.0, 2: "error: OutOfResources"}
+        return {str(c): ratio.get(i, 3.0) for i, c in enumerate(configs)}
+    monkeypatch.setattr(seq, "_sweep_layer", fake)
+    monkeypatch.setattr(seq, "sweep_bias", lambda name, iters: {})
+    monkeypatch.setattr(seq, "sweep_split", lambda name, iters: {})
+    seq.sweep_triton(1)
+    line, = [ln for ln in capsys.readouterr().out.splitlines() if "tma-flat TB/s" in ln]
+    # 2³² B in 0.625 ms; 3·2³⁰ B in 1 ms; the error; not the nested loop nor the mirrored launch
+    assert line.split("TB/s")[1].split() == [
+        "128x128x64/8/4", f"{2 ** 32 / 0.625e-3 / 1e12:.1f}",
+        "128x256x64/8/3", f"{3 * 2 ** 30 / 1e-3 / 1e12:.1f}", "128x128x128/8/3", "error:", "OutOfResources"]
