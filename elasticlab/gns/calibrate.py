@@ -54,7 +54,9 @@ def choose(key: tuple, forms: dict[str, Callable[[], tuple]], device: torch.devi
     returns (its name, its result). A form that raises is left out, with a RuntimeWarning naming it and its
     error; if all raise, the last error propagates."""
     best_name, best_out, times = timing.fastest(forms, device, REPEATS,
-                                                f"calibrate: forms left out of the choice for {key}")
+                                                f"calibrate: forms left out of the choice for {key}",
+                                                desc=f"calibrate {key[0]} "
+                                                + "x".join(str(p) for p in key[1:] if isinstance(p, int)))
     _CHOSEN[key], _TIMES[key] = best_name, times
     return best_name, best_out
 

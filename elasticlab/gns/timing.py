@@ -66,34 +66,73 @@ def disagreement(out, ref) -> str | None:
     return None
 
 
+# A tqdm bar (``leave=False``) while :func:`fastest` times its forms: on a GPU a shape's first call compiles
+# and times each of its forms (a couple of dozen for a wide 16-bit sequence Linear), which can take seconds.
+# Not on a distributed rank other than 0 (every rank times its own shapes: one bar is enough).
+PROGRESS = True
+
+
+def _progress(total: int, desc: str | None):
+    """The bar of :data:`PROGRESS` for ``total`` forms, or None (off, no ``desc``, a rank other than 0, or no
+    tqdm)."""
+    if not (PROGRESS and desc):
+        return None
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:        # installed with the package, but a bare GPU environment may run it from source
+        return None
+    return tqdm(total=total, desc=desc, unit="form", leave=False)
+
+
 def fastest(forms: dict[str, Callable[[], object]], device: torch.device, repeats: int,
-            label: str) -> tuple[str, object, dict[str, float]]:
+            label: str, desc: str | None = None) -> tuple[str, object, dict[str, float]]:
     """(name, result, {name: seconds}) of the fastest of ``forms`` (name → call; their results
     interchangeable): each called once to warm up (Triton compiles there), then timed by :func:`elapsed`. A
     form that raises, or whose warm-up result departs from the first form's (:func:`disagreement`: a wrong
     kernel, which could otherwise be kept for being fast), is left out, with a RuntimeWarning "``label``:
-    {name: why}"; if all raise, the last error propagates."""
-    best_name, best_out, best_t, times, err, failed = None, None, float("inf"), {}, None, {}
-    ref_name = ref = None
-    for name, fn in forms.items():
-        try:
-            out = fn()
-            why = None if ref_name is None else disagreement(out, ref)
-            if why is not None:
-                failed[name] = f"disagrees with {ref_name}: {why}"
-                continue
-            t = elapsed(fn, device, repeats)
-        except Exception as e:       # e.g. Triton's OutOfResources for this tile, CUDA out of memory
-            err, failed[name] = e, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            continue
-        if ref_name is None:
-            ref_name, ref = name, out
-        times[name] = t
-        if t < best_t:
-            best_name, best_out, best_t = name, out, t
-        del out
+    {name: why}"; if all raise, the last error propagates. ``desc``: the progress bar's title
+    (:data:`PROGRESS`), the bar advancing a form at a time."""
+    bar = _progress(len(forms), desc)
+    try:
+        best_name, best_out, times, err, failed = _time_each(forms, device, repeats, bar)
+    finally:
+        if bar is not None:
+            bar.close()
     if best_name is None:
         raise err if err is not None else ValueError(f"{label}: no form to time")
     if failed:
         warnings.warn(f"{label}: {failed}", RuntimeWarning, stacklevel=3)
     return best_name, best_out, times
+
+
+def _time_each(forms, device, repeats, bar):
+    """:func:`fastest`'s loop: (best name or None, its result, times, the last error, {left out: why})."""
+    best_name, best_out, best_t, times, err, failed = None, None, float("inf"), {}, None, {}
+    ref_name = ref = None
+    for name, fn in forms.items():
+        if bar is not None:
+            bar.set_postfix_str(name, refresh=False)
+        try:
+            try:
+                out = fn()
+                why = None if ref_name is None else disagreement(out, ref)
+                if why is not None:
+                    failed[name] = f"disagrees with {ref_name}: {why}"
+                    continue
+                t = elapsed(fn, device, repeats)
+            except Exception as e:       # e.g. Triton's OutOfResources for this tile, CUDA out of memory
+                err, failed[name] = e, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                continue
+            if ref_name is None:
+                ref_name, ref = name, out
+            times[name] = t
+            if t < best_t:
+                best_name, best_out, best_t = name, out, t
+            del out
+        finally:
+            if bar is not None:
+                bar.update()
+    return best_name, best_out, times, err, failed

@@ -176,8 +176,10 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = 
             return ghost(a, d, with_grad, config, bias)
         return triton_outer.outer_norms(a, d, with_grad, config, bias)
     found = forms(a, d, with_grad, bias)
+    shape = tuple(key[:4])
     name, out, times = timing.fastest({n: run for n, (run, _) in found.items()}, a.device, REPEATS,
-                                      f"triton_tune: forms left out for (B, T, Din, Dout) = {tuple(key[:4])}")
+                                      f"triton_tune: forms left out for (B, T, Din, Dout) = {shape}",
+                                      desc=f"triton_tune {'x'.join(map(str, shape))}")
     _CHOSEN[key], _TIMES[key] = (name, found[name][1]), times
     return out
 

@@ -61,3 +61,67 @@ def test_a_fast_form_with_a_wrong_result_is_left_out(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")                   # all agree: no warning
         assert timing.fastest({"a": lambda: (n, g), "b": lambda: (n, g.bfloat16())}, CPU, 1, "t")[0] in "ab"
+
+
+class _Bar:
+    """A stand-in for tqdm that records what it is told."""
+    made: list = []
+
+    def __init__(self, total, desc, unit, leave):
+        self.total, self.desc, self.leave, self.n, self.names, self.closed = total, desc, leave, 0, [], False
+        _Bar.made.append(self)
+
+    def set_postfix_str(self, s, refresh=True):
+        self.names.append(s)
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    import tqdm.auto
+    _Bar.made = []
+    monkeypatch.setattr(tqdm.auto, "tqdm", _Bar)
+    return _Bar.made
+
+
+def test_a_progress_bar_advances_a_form_at_a_time_and_closes(bars, monkeypatch):
+    """Every form counts, kept or left out (one raises, one disagrees), and the bar closes even when all
+    raise; no ``desc``, PROGRESS off or a distributed rank other than 0: no bar."""
+    n, g = _result()
+
+    def boom():
+        raise RuntimeError("no")
+    forms = {"a": lambda: (n, g), "b": boom, "c": lambda: (n * 2, g), "d": lambda: (n, g)}
+    with pytest.warns(RuntimeWarning):
+        timing.fastest(forms, CPU, 1, "label", desc="tune 2x3")
+    (bar,) = bars
+    assert (bar.total, bar.desc, bar.leave, bar.n, bar.names, bar.closed) == (
+        4, "tune 2x3", False, 4, ["a", "b", "c", "d"], True)
+    with pytest.raises(RuntimeError, match="no"):
+        timing.fastest({"b": boom}, CPU, 1, "label", desc="all fail")
+    assert bars[1].closed and bars[1].n == 1
+    timing.fastest(forms | {"b": lambda: (n, g), "c": lambda: (n, g)}, CPU, 1, "label")        # no desc
+    monkeypatch.setattr(timing, "PROGRESS", False)
+    timing.fastest({"a": forms["a"]}, CPU, 1, "label", desc="off")
+    monkeypatch.setattr(timing, "PROGRESS", True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    timing.fastest({"a": forms["a"]}, CPU, 1, "label", desc="rank 1")
+    assert len(bars) == 2
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    timing.fastest({"a": forms["a"]}, CPU, 1, "label", desc="rank 0")
+    assert [b.desc for b in bars] == ["tune 2x3", "all fail", "rank 0"]
+
+
+def test_without_tqdm_the_forms_are_timed_without_a_bar(monkeypatch):
+    """A bare environment running the package from source (a GPU machine) may lack tqdm: no bar, no error."""
+    import sys
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)                      # import fails
+    n, g = _result()
+    assert timing._progress(2, "tune") is None
+    assert timing.fastest({"a": lambda: (n, g), "b": lambda: (n, g)}, CPU, 1, "label", desc="tune")[0] in "ab"

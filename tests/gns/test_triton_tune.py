@@ -63,9 +63,13 @@ def test_first_call_times_every_variant_and_later_calls_run_the_kept_one(monkeyp
     assert not triton_gram.worthwhile(40, 32, 48)            # the outer kernel's variants only
     seen = _count_configs(monkeypatch)
     monkeypatch.setattr(triton_tune, "REPEATS", 2)
+    bars, real_progress = [], triton_tune.timing._progress
+    monkeypatch.setattr(triton_tune.timing, "_progress", lambda n, desc: bars.append((n, desc))
+                        or real_progress(n, desc))
     want = _reference(a, d)
     _close(triton_tune.outer_norms(a, d, True), want)
     names = [triton_tune.variant_name(c) for c in triton_tune.candidates(a, d)]
+    assert bars == [(len(names), "triton_tune 3x40x32x48")]             # a progress bar over the forms
     expect = {"pointer-nested", "pointer-flat"}
     if triton_outer.tma_ok(a, d):
         expect |= {"tma-nested", "tma-flat", "tma-overlap"}
