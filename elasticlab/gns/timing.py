@@ -84,7 +84,8 @@ def _progress(total: int, desc: str | None):
         from tqdm.auto import tqdm
     except ImportError:        # installed with the package, but a bare GPU environment may run it from source
         return None
-    return tqdm(total=total, desc=desc, unit="form", leave=False)
+    # disable=None: off where stderr is no terminal (a log file); a notebook shows its widget either way
+    return tqdm(total=total, desc=desc, unit="form", leave=False, disable=None)
 
 
 def fastest(forms: dict[str, Callable[[], object]], device: torch.device, repeats: int,

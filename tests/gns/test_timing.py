@@ -67,8 +67,9 @@ class _Bar:
     """A stand-in for tqdm that records what it is told."""
     made: list = []
 
-    def __init__(self, total, desc, unit, leave):
+    def __init__(self, total, desc, unit, leave, disable):
         self.total, self.desc, self.leave, self.n, self.names, self.closed = total, desc, leave, 0, [], False
+        assert disable is None                      # tqdm's own rule: off where stderr is not a terminal
         _Bar.made.append(self)
 
     def set_postfix_str(self, s, refresh=True):
