@@ -17,7 +17,9 @@ Then sweeps: the cuBLAS form's chunk budget (``chunks``: :data:`CHUNKS`), the fu
 program an SM or two, :data:`SPLIT_CONFIGS`; and ``tma-flat TB/s``, ``gemm TB/s``: the L2 bandwidth each TMA
 flat launch and each plain Triton GEMM drew, :func:`operand_bytes` over its time).
 Every method is first checked against float64. It also measures the two ceilings the cost
-model of ``elasticlab.gns.form_choice.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them.
+model of ``elasticlab.gns.form_choice.use_gram`` uses (GEMM rate per dtype, copy bandwidth) and prints them,
+and the L2 read bandwidth (:func:`l2_read_rate`, also with ``--sweep-only``), against which the ``TB/s`` lines
+read.
 
     python benchmarks/bench_seq_linear_cuda.py [--iters 10]
 Last line: ``RESULT {json}``.
@@ -32,9 +34,10 @@ import torch
 
 from elasticlab.gns import form_choice, kernels, triton_launch, triton_outer, triton_tune
 
-if triton_outer.HAS_TMA:
+if triton_outer.HAS_TRITON:
     import triton
     import triton.language as tl
+if triton_outer.HAS_TMA:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
@@ -52,6 +55,38 @@ if triton_outer.HAS_TMA:
         rows, cols = m0 + tl.arange(0, BM), n0 + tl.arange(0, BN)
         tl.store(grad_ptr + rows[:, None] * Din + cols[None, :], acc,
                  mask=(rows[:, None] < Dout) & (cols[None, :] < Din))
+
+
+if triton_outer.HAS_TRITON:
+    @triton.jit
+    def _l2_read_kernel(x_ptr, out_ptr, NBLK, PASSES: tl.constexpr, BLOCK: tl.constexpr):
+        """Reads x (NBLK blocks of BLOCK values) PASSES times, program p taking blocks p, p + programs, …,
+        past L1 (``.cg``), and stores its float32 sums (one BLOCK row a program): after a first pass the
+        buffer sits in L2, so the time is L2's to give."""
+        pid = tl.program_id(0)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(pid, NBLK * PASSES, tl.num_programs(0)):
+            x = tl.load(x_ptr + (i % NBLK) * BLOCK + tl.arange(0, BLOCK), cache_modifier=".cg")
+            acc += x.to(tl.float32)
+        tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+
+def l2_read(x: torch.Tensor, passes: int, programs: int, block: int = 2048) -> torch.Tensor:
+    """(programs, block) float32 sums of :func:`_l2_read_kernel` over ``x`` (a multiple of ``block``
+    values)."""
+    out = torch.empty(programs, block, device=x.device, dtype=torch.float32)
+    _l2_read_kernel[(programs,)](x, out, x.numel() // block, PASSES=passes, BLOCK=block, num_warps=4)
+    return out
+
+
+def l2_read_rate(iters: int, mb: int = 16, passes: int = 64) -> float:
+    """TB/s of L2 read by :func:`l2_read`: a ``mb`` MB bfloat16 buffer (well within an H100's or H200's 50 MB
+    of L2) read ``passes`` times by four programs an SM (1 GB a launch: its start is lost in the time). The
+    ceiling to set the sweep's ``TB/s`` lines against (TMA loads into shared memory may draw somewhat more or
+    less than these plain loads)."""
+    x = torch.randn(mb << 19, device="cuda").to(torch.bfloat16)
+    programs = 4 * triton_launch.sm_count(x.device)
+    return passes * x.numel() * 2 / timed(lambda: l2_read(x, passes, programs), iters) / 1e9
 
 
 def triton_wgrad(a: torch.Tensor, d: torch.Tensor, tile: tuple) -> torch.Tensor:
@@ -101,6 +136,8 @@ def ceilings(iters: int) -> dict:
     x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")          # 256 MB
     y = torch.empty_like(x)
     out = {"copy_TBps": 2 * x.numel() / timed(lambda: y.copy_(x), iters) / 1e9}
+    if triton_outer.HAS_TRITON:
+        out["l2_read_TBps"] = l2_read_rate(iters)
     for dt in (torch.bfloat16, torch.float32):
         out[f"gemm_TFLOPs_{str(dt).split('.')[-1]}"] = _gemm_rate(dt, iters)
     return out
@@ -394,8 +431,10 @@ def main(argv=None) -> int:
         if not triton_outer.HAS_TRITON:
             raise SystemExit("--sweep-only needs Triton")
         torch.manual_seed(0)
+        l2 = l2_read_rate(args.iters)
+        print(f"ceilings: l2_read_TBps {l2:.1f}")                  # what the TB/s lines are set against
         sweep = sweep_triton(args.iters, args.sweep_only.split(","))
-        print("RESULT " + json.dumps({"triton_sweep": sweep}))
+        print("RESULT " + json.dumps({"ceilings": {"l2_read_TBps": l2}, "triton_sweep": sweep}))
         return 0
     torch.manual_seed(0)
     ceil = ceilings(args.iters)

@@ -198,3 +198,17 @@ def test_the_sweep_prints_the_l2_bandwidth_each_tma_flat_launch_drew(bench, monk
     assert line.split("TB/s")[1].split() == [
         "128x128x64/8/4", f"{2 ** 32 / 0.625e-3 / 1e12:.1f}",
         "128x256x64/8/3", f"{3 * 2 ** 30 / 1e-3 / 1e12:.1f}", "128x128x128/8/3", "error:", "OutOfResources"]
+
+
+@pytest.mark.skipif(not triton_outer.HAS_TRITON, reason="the L2 read kernel is a Triton kernel")
+def test_the_l2_read_kernel_reads_every_block_once_a_pass(bench):
+    """``l2_read`` (the ceiling of the sweep's TB/s lines): 5 programs over 7 blocks of 64 values, 3 passes:
+    program p sums blocks p, p + 5, … of the 21 block reads, so the rows add up to 3 × x's block sum, and
+    program 0's row is blocks 0, 5, 3 (10 mod 7), 1 (15 mod 7) and 6 (20 mod 7)."""
+    seq, _ = bench
+    dev = triton_launch.kernel_device() or pytest.skip("needs a CUDA device or TRITON_INTERPRET=1")
+    x = torch.randn(7 * 64, generator=torch.Generator().manual_seed(5)).to(dev, DTYPES[1])
+    out = seq.l2_read(x, passes=3, programs=5, block=64).double().cpu()
+    blocks = x.double().cpu().view(7, 64)
+    torch.testing.assert_close(out.sum(0), 3 * blocks.sum(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0], blocks[[0, 5, 3, 1, 6]].sum(0), rtol=1e-6, atol=1e-6)
