@@ -89,6 +89,19 @@ def l2_read_rate(iters: int, mb: int = 16, passes: int = 64) -> float:
     return passes * x.numel() * 2 / timed(lambda: l2_read(x, passes, programs), iters) / 1e9
 
 
+def _num(v) -> str:
+    """A measured value to one decimal, or an error's text as it is."""
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def _l2_ceiling(iters: int) -> float | str:
+    """:func:`l2_read_rate`, or its error as text: a ceiling that fails to measure must not stop the sweep."""
+    try:
+        return l2_read_rate(iters)
+    except Exception as e:                                       # e.g. a Triton that rejects the kernel
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def triton_wgrad(a: torch.Tensor, d: torch.Tensor, tile: tuple) -> torch.Tensor:
     """The (Dout, Din) float32 weight gradient by :func:`_wgrad_gemm_kernel` in ``tile`` (BM, BN, BK, warps,
     stages): Triton's own GEMM at the fused kernel's tile, against which the fused kernel's per-example work
@@ -137,7 +150,7 @@ def ceilings(iters: int) -> dict:
     y = torch.empty_like(x)
     out = {"copy_TBps": 2 * x.numel() / timed(lambda: y.copy_(x), iters) / 1e9}
     if triton_outer.HAS_TRITON:
-        out["l2_read_TBps"] = l2_read_rate(iters)
+        out["l2_read_TBps"] = _l2_ceiling(iters)
     for dt in (torch.bfloat16, torch.float32):
         out[f"gemm_TFLOPs_{str(dt).split('.')[-1]}"] = _gemm_rate(dt, iters)
     return out
@@ -431,14 +444,14 @@ def main(argv=None) -> int:
         if not triton_outer.HAS_TRITON:
             raise SystemExit("--sweep-only needs Triton")
         torch.manual_seed(0)
-        l2 = l2_read_rate(args.iters)
-        print(f"ceilings: l2_read_TBps {l2:.1f}")                  # what the TB/s lines are set against
+        l2 = _l2_ceiling(args.iters)
+        print(f"ceilings: l2_read_TBps {_num(l2)}")                 # what the TB/s lines are set against
         sweep = sweep_triton(args.iters, args.sweep_only.split(","))
         print("RESULT " + json.dumps({"ceilings": {"l2_read_TBps": l2}, "triton_sweep": sweep}))
         return 0
     torch.manual_seed(0)
     ceil = ceilings(args.iters)
-    print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
+    print("ceilings: " + ", ".join(f"{k} {_num(v)}" for k, v in ceil.items()))
     rows = {}
     cols = ("triton", "flat", "tma", "tma-flat", "ghost", "tuned", "cublas", "bmm", "gram")
     print(f"{'layer':10s} {'dtype':9s} {'wgrad ms':>9s} " + " ".join(f"{c:>8s}" for c in cols) + "   "

@@ -212,3 +212,13 @@ def test_the_l2_read_kernel_reads_every_block_once_a_pass(bench):
     blocks = x.double().cpu().view(7, 64)
     torch.testing.assert_close(out.sum(0), 3 * blocks.sum(0), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out[0], blocks[[0, 5, 3, 1, 6]].sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_an_l2_ceiling_that_fails_to_measure_is_reported_not_raised(bench, monkeypatch):
+    seq, _ = bench
+
+    def broken(iters):
+        raise RuntimeError("no such kernel\nmore")
+    monkeypatch.setattr(seq, "l2_read_rate", broken)
+    assert seq._l2_ceiling(3) == "error: RuntimeError: no such kernel"
+    assert seq._num(seq._l2_ceiling(3)) == "error: RuntimeError: no such kernel" and seq._num(9.87) == "9.9"
