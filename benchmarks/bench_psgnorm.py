@@ -13,10 +13,11 @@ not timed per shape by :mod:`elasticlab.gns.triton_tune`: its nested loop, point
 are printed under each workload as ``tuned``), ``psgn-tritonflat`` (fixed to the flat loop over (example, K
 step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and ``psgn-tritontmaflat`` (its
 operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the nested and the flat loop),
-``psgn-fusedbias`` and ``psgn-tmaflatbias`` (each example's bias gradient summed inside the Triton kernel,
-:data:`elasticlab.gns.triton_outer.FUSE_BIAS`: tuned, and fixed to the TMA flat loop, beside
-``psgn-tritontmaflat``), ``psgn-chunkshare`` (float32 layers on CUDA keep the cuBLAS outer form in chunks
-under the memory rule's share instead of the Gram form, :data:`elasticlab.gns.form_choice.CHUNK_TO_SHARE`),
+``psgn-fusedbias`` and ``psgn-tmaflatbias`` (each example's bias gradient summed inside the Triton kernel
+wherever the tile can, :data:`elasticlab.gns.triton_outer.FUSE_BIAS`: tuned, and fixed to the TMA flat loop,
+beside ``psgn-tritontmaflat``; ``psgn`` itself times each form both ways and keeps the faster),
+``psgn-chunkshare`` (float32 layers on CUDA keep the cuBLAS outer form in chunks under the memory rule's
+share instead of the Gram form, :data:`elasticlab.gns.form_choice.CHUNK_TO_SHARE`),
 ``psgn-convgrouped`` (convolutions on CUDA by one grouped convolution's weight gradient instead of a batched
 GEMM over the patches, :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16
 convolutions on CUDA by the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`),

@@ -39,9 +39,9 @@ FLAT = False
 TMA = False
 # Each example's bias gradient Σ_t δ_{b,t} summed inside the kernel from the δ tiles it loads for the MMA
 # (``outer_norms(..., bias=True)``, where :func:`fuses_bias`), instead of by a pass over δ (268 MB on G3's
-# 1024→4096 layer). Off until timed on a GPU (bench_psgnorm.py's ``psgn-fusedbias``): ptxas (sm_90) has the
-# default 128×128 TMA tiles at 203-214 registers (from 167), no spills (pointer loads: up to 255, 16-68 B
-# spilled), and each δ tile is read from shared memory into registers at every step, in every program.
+# 1024→4096 layer). Untuned: off, and True forces it; tuned, off, each form is timed both ways. ptxas (sm_90):
+# the default 128×128 TMA tiles at 203-214 registers (from 167), no spills (pointer loads: up to 255, 16-68 B
+# spilled); each δ tile is read from shared memory into registers at every step, in every program.
 FUSE_BIAS = False
 
 if HAS_TRITON:
@@ -329,11 +329,12 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
                 bias: bool = False):
     """(‖G_b‖² (B,) float32, Σ_b G_b (Dout, Din) float32 or None) for a (B,T,Din), d (B,T,Dout), and with
     ``bias`` a third entry: each example's bias gradient Σ_t δ_{b,t} (B, Dout) float32, summed in the kernel
-    from the δ tiles it loads for the MMA where :func:`fuses_bias`, else by ``d.sum(1)`` after it.
-    ``config``: (BM, BN, BK, num_warps, num_stages[, loop[, tma[, swap]]]) instead of :func:`_config`'s;
-    ``loop``: False nested, True flat, :data:`OVERLAP` (TMA only), else :data:`FLAT`'s; ``tma``: else
+    from the δ tiles it loads for the MMA where :func:`fuses_bias`, else by ``d.sum(1)`` after it. ``config``:
+    (BM, BN, BK, num_warps, num_stages[, loop[, tma[, swap[, fuse]]]]) instead of :func:`_config`'s; ``loop``:
+    False nested, True flat, :data:`OVERLAP` (TMA only), else :data:`FLAT`'s; ``tma``: else
     :data:`TMA`'s, where :func:`tma_ok`; ``swap``: the kernel on the mirrored shape, G_bᵀ (rows over Din,
-    same norms), each gradient tile stored transposed so that the gradient is (Dout, Din) still.
+    same norms), each gradient tile stored transposed so that the gradient is (Dout, Din) still; ``fuse``:
+    the bias sums' way, in place of :data:`FUSE_BIAS` (:func:`fuses_bias`).
     ``with_grad=False``: no gradient buffer, no gradient tile stored (the partial norms are all it writes)."""
     B, T, Din = a.shape
     Dout = d.shape[2]
@@ -374,9 +375,9 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, config: tuple
 
 def fuses_bias(config: tuple) -> bool:
     """Whether a launch in ``config`` (as :func:`outer_norms` takes it) sums the bias gradients in the kernel:
-    :data:`FUSE_BIAS` on, a tile of at most 128×128 and not the overlapped loop."""
-    loop = int(config[5]) if len(config) > 5 else int(FLAT)
-    return FUSE_BIAS and config[0] * config[1] <= 128 * 128 and loop != OVERLAP
+    its ``fuse`` entry, else :data:`FUSE_BIAS`, on; a tile of at most 128×128 and not the overlapped loop."""
+    loop, fuse = int(config[5]) if len(config) > 5 else int(FLAT), config[8] if len(config) > 8 else FUSE_BIAS
+    return bool(fuse) and config[0] * config[1] <= 128 * 128 and loop != OVERLAP
 
 
 def tma_ok(a: torch.Tensor, d: torch.Tensor) -> bool:

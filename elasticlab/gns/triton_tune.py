@@ -85,11 +85,12 @@ def variant_name(config: tuple) -> str:
     """Which variant a full config (BM, BN, BK, warps, stages, loop, tma[, swap]) runs: "pointer" or "tma",
     then the loop's name in :data:`~elasticlab.gns.triton_outer.LOOPS` ("-nested", "-flat", "-overlap"),
     then "-wide" for the tile :data:`WIDE` or "-deep" for :data:`DEEP`, then "-swap" for the mirrored
-    shape."""
+    shape, then "-fusedbias" where its ninth entry fuses the bias sums in."""
     tile = tuple(config[:5])
     return (("tma" if config[6] else "pointer") + "-" + triton_outer.LOOPS[int(config[5])]
             + ("-wide" if tile == WIDE else "-deep" if tile == DEEP else "")
-            + ("-swap" if len(config) > 7 and config[7] else ""))
+            + ("-swap" if len(config) > 7 and config[7] else "")
+            + ("-fusedbias" if len(config) > 8 and config[8] else ""))
 
 
 def _oriented(T: int, din: int, dout: int, dtype: torch.dtype, tma: bool, swap: bool) -> list[tuple]:
@@ -149,9 +150,16 @@ def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = False)
     """{name: (call, config)} of the forms timed for these operands: :func:`candidates`, and where
     :data:`GHOST` and :func:`~elasticlab.gns.triton_gram.worthwhile`, the fused Gram form in each of
     :func:`~elasticlab.gns.triton_gram.tuned_configs` (names starting "ghost"); with ``bias`` each also
-    returns the per-example bias gradients (so that their cost is in every form's time)."""
+    returns the per-example bias gradients (so that their cost is in every form's time), summed after the
+    kernel, and, unless :data:`~elasticlab.gns.triton_outer.FUSE_BIAS` fuses them everywhere, each candidate
+    that can sum them from its δ tiles (:func:`~elasticlab.gns.triton_outer.fuses_bias`) once more that way
+    ("-fusedbias")."""
+    configs = candidates(a, d)
+    if bias and not triton_outer.FUSE_BIAS:             # the bias sums each way, where a form can fuse them
+        configs += [f for f in (c + (False,) * (8 - len(c)) + (True,) for c in configs)
+                    if triton_outer.fuses_bias(f)]
     out = {variant_name(c): (functools.partial(triton_outer.outer_norms, a, d, with_grad, c, bias), c)
-           for c in candidates(a, d)}
+           for c in configs}
     if GHOST and triton_gram.worthwhile(*a.shape[1:], d.shape[2]):
         for name, c in triton_gram.tuned_configs(a.shape[1], a.dtype).items():
             out[name] = (functools.partial(ghost, a, d, with_grad, c, bias), c)
@@ -168,7 +176,7 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = 
         return triton_outer.outer_norms(a, d, with_grad, bias=bias)
     tma = TMA and triton_outer.tma_ok(a, d)
     key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma, GHOST,
-           ("fused" if triton_outer.FUSE_BIAS else "apart") if bias else None)
+           ("fused" if triton_outer.FUSE_BIAS else "both") if bias else None)
     kept = _CHOSEN.get(key)
     if kept is not None:
         name, config = kept
@@ -186,7 +194,8 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = 
 
 def tunings() -> dict[tuple, dict[str, float]]:
     """{(B, T, Din, Dout, dtype, device, with_grad, TMA variants timed, ghost allowed, bias sums: None,
-    "fused" or "apart"): {form: seconds}} of every shape tuned so far; the fastest is the one kept."""
+    "fused" (:data:`~elasticlab.gns.triton_outer.FUSE_BIAS`: in the kernel wherever it can) or "both" (each
+    way timed)): {form: seconds}} of every shape tuned so far; the fastest is the one kept."""
     return {k: dict(v) for k, v in _TIMES.items()}
 
 

@@ -331,12 +331,13 @@ def test_calibration_takes_the_tuners_forms_each_with_its_scratch(monkeypatch):
     assert scratch["triton-tma-nested-wide"] == wide
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
+@pytest.mark.parametrize("fused", [False, True], ids=["both", "fused"])
 def test_bias_sums_are_tuned_as_their_own_key_and_come_from_every_form(monkeypatch, fused):
     """``bias=True`` (a layer with a bias): every timed form returns the per-example bias gradients too, so
     their cost is in each form's time; the shape is tuned under its own key (with the bias sums' way,
     :data:`~elasticlab.gns.triton_outer.FUSE_BIAS`), and the kept form's sums match float64. The fused Gram
-    form (Din = Dout = 256 at T = 40) sums them apart."""
+    form (Din = Dout = 256 at T = 40) sums them apart. FUSE_BIAS off, each outer form whose tile can sum them
+    in the kernel is timed that way too ("-fusedbias"); on, every such form sums them there."""
     monkeypatch.setattr(triton_outer, "FUSE_BIAS", fused)
     monkeypatch.setattr(triton_tune, "REPEATS", 1)
     for shape in ((3, 40, 32, 48), (2, 40, 256, 256)):
@@ -345,13 +346,47 @@ def test_bias_sums_are_tuned_as_their_own_key_and_come_from_every_form(monkeypat
         n, g, db = triton_tune.outer_norms(a, d, True, bias=True)
         _close((n, g), want, grad_tol=1e-3)
         torch.testing.assert_close(db.double().cpu(), d.double().cpu().sum(1), rtol=1e-5, atol=1e-5)
-        for name, (call, _) in triton_tune.forms(a, d, True, bias=True).items():
+        found = triton_tune.forms(a, d, True, bias=True)
+        outer = triton_tune.candidates(a, d)
+        fusable = [c for c in outer if c[0] * c[1] <= 128 * 128 and c[5] != triton_outer.OVERLAP]
+        assert fusable                                            # (the 32×48 and 256×256 tiles: all of them)
+        fused_names = {n for n in found if n.endswith("-fusedbias")}
+        want_fused = {triton_tune.variant_name(c) + "-fusedbias" for c in fusable}
+        assert fused_names == (set() if fused else want_fused)
+        for name, (call, config) in found.items():
             assert len(call()) == 3, name
+            if name.endswith("-fusedbias"):
+                assert triton_outer.fuses_bias(config) and config[:len(config) - 2] in [c[:7] for c in outer]
     keys = list(triton_tune.tunings())
-    assert [k[-1] for k in keys] == ["fused" if fused else "apart"] * 2
+    assert [k[-1] for k in keys] == ["fused" if fused else "both"] * 2
     assert "ghost" in triton_tune.tunings()[keys[1]]
     triton_tune.outer_norms(*_inputs(3, 40, 32, 48), True)           # no bias: another key
     assert len(triton_tune.tunings()) == 3 and list(triton_tune.tunings())[-1][-1] is None
+    assert not any(n.endswith("-fusedbias") for n in triton_tune.forms(*_inputs(3, 40, 32, 48), True))
+
+
+def test_a_fused_bias_form_kept_runs_with_the_sums_in_the_kernel(monkeypatch):
+    """FUSE_BIAS off (the default): when the clock says a "-fusedbias" form is the fastest, it is kept, and
+    later calls run its config, the bias sums from the kernel's δ tiles (BIAS on), matching float64."""
+    a, d = _inputs(3, 40, 32, 48)
+    want = _reference(a, d)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    real = triton_tune.timing.elapsed
+
+    def clock(fn, device, repeats=3):
+        real(fn, device, 1)
+        return 0.0 if triton_tune.variant_name(fn.args[3]) == "pointer-flat-fusedbias" else 1.0
+
+    monkeypatch.setattr(triton_tune.timing, "elapsed", clock)
+    triton_tune.outer_norms(a, d, True, bias=True)
+    assert list(triton_tune.chosen().values()) == ["pointer-flat-fusedbias"]
+    metas, launch = [], triton_launch.launch
+    monkeypatch.setattr(triton_launch, "launch", lambda k, grid, dev, args, meta: metas.append(meta)
+                        or launch(k, grid, dev, args, meta))
+    n, g, db = triton_tune.outer_norms(a, d, True, bias=True)
+    _close((n, g), want)
+    torch.testing.assert_close(db.double().cpu(), d.double().cpu().sum(1), rtol=1e-5, atol=1e-5)
+    assert [m["BIAS"] for m in metas] == [1] and metas[0]["FLAT"] is True
 
 
 def test_a_choice_saved_and_loaded_runs_its_config_without_timing(monkeypatch, tmp_path):
