@@ -2,6 +2,7 @@
 share (:mod:`elasticlab.gns.calibrate`'s forms, :mod:`elasticlab.gns.triton_tune`'s Triton forms)."""
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -95,28 +96,15 @@ def fastest(forms: dict[str, Callable[[], object]], device: torch.device, repeat
     form that raises, or whose warm-up result departs from the first form's (:func:`disagreement`: a wrong
     kernel, which could otherwise be kept for being fast), is left out, with a RuntimeWarning "``label``:
     {name: why}"; if all raise, the last error propagates. ``desc``: the progress bar's title
-    (:data:`PROGRESS`), the bar advancing a form at a time."""
-    bar = _progress(len(forms), desc)
-    try:
-        best_name, best_out, times, err, failed = _time_each(forms, device, repeats, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    if best_name is None:
-        raise err if err is not None else ValueError(f"{label}: no form to time")
-    if failed:
-        warnings.warn(f"{label}: {failed}", RuntimeWarning, stacklevel=3)
-    return best_name, best_out, times
-
-
-def _time_each(forms, device, repeats, bar):
-    """:func:`fastest`'s loop: (best name or None, its result, times, the last error, {left out: why})."""
+    (:data:`PROGRESS`), the bar advancing a form at a time (closed on leaving, an error too)."""
     best_name, best_out, best_t, times, err, failed = None, None, float("inf"), {}, None, {}
     ref_name = ref = None
-    for name, fn in forms.items():
-        if bar is not None:
-            bar.set_postfix_str(name, refresh=False)
-        try:
+    bar = _progress(len(forms), desc)
+    with bar if bar is not None else contextlib.nullcontext():
+        for name, fn in forms.items():
+            if bar is not None:
+                bar.set_postfix_str(name, refresh=False)
+                bar.update()
             try:
                 out = fn()
                 why = None if ref_name is None else disagreement(out, ref)
@@ -133,7 +121,8 @@ def _time_each(forms, device, repeats, bar):
             if t < best_t:
                 best_name, best_out, best_t = name, out, t
             del out
-        finally:
-            if bar is not None:
-                bar.update()
-    return best_name, best_out, times, err, failed
+    if best_name is None:
+        raise err if err is not None else ValueError(f"{label}: no form to time")
+    if failed:
+        warnings.warn(f"{label}: {failed}", RuntimeWarning, stacklevel=3)
+    return best_name, best_out, times

@@ -81,6 +81,12 @@ class _Bar:
     def close(self):
         self.closed = True
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 @pytest.fixture
 def bars(monkeypatch):
