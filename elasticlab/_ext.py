@@ -124,6 +124,19 @@ def has_kernel(name: str, device_type: str) -> bool:
     return ok
 
 
+def _known_kernels() -> None:
+    """Fills :func:`has_kernel`'s answers for every operator of ``_C`` at import: a traced call
+    (``torch.compile``) then reads a dict, where the dispatcher query, which returns no tensor, would break
+    the graph."""
+    for name in operators():
+        for dev in ("cpu", "cuda"):
+            has_kernel(name, dev)
+
+
+if HAS_C:
+    _known_kernels()
+
+
 def direct_call(name: str):
     """``_C.<name>``, the direct call of a fused layer's operator (csrc/bindings.cpp: the same positional
     arguments as ``torch.ops.elasticlab.<name>``, without torch.ops' boxed Python entry), or None when this

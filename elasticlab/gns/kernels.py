@@ -73,7 +73,7 @@ def _op(name: str, t: torch.Tensor, use_kernel: bool | None):
     if op is _MISSING:
         # _ext.has_kernel raises for an operator an older build of _C lacks: ask _ext.operators() first.
         op = _ext.kernel(*key) if (not _ext.HAS_C or name in _OPERATORS) else None
-        if _ext.HAS_C:
+        if _ext.HAS_C and not torch.compiler.is_compiling():    # (a store in a traced backward breaks it)
             _OP_CACHE[key] = op
     if op is None and use_kernel:
         raise RuntimeError(f"kernel elasticlab::{name} is not built for device {t.device.type!r}")

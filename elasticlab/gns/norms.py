@@ -88,6 +88,7 @@ class PerSampleGradNorms:
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
+        self._sinks: list[Slot] = []                       # slots of fused forms (their sinks: compile)
         self._bufs: list[torch.Tensor] | None = None       # slots' own C++-backward buffers, reset each step
         for i, s in enumerate(self._slots):
             s.index = i
@@ -95,7 +96,10 @@ class PerSampleGradNorms:
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
-    def _begin_step(self, *_):
+    @torch.compiler.disable
+    def _begin_step(self, module=None, args=(), kwargs=None):
+        """At each forward of the model, eagerly (never traced: under ``torch.compile`` it is its own frame,
+        or one graph break at the model's call where an enclosing function is compiled)."""
         self._layer_cache = None
         for s in self._slots:
             s.calls, s.norms, s.on_block = 0, {}, False
@@ -109,12 +113,17 @@ class PerSampleGradNorms:
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
         self._scale = self._current_scale()
+        batch = _batch_of(args, kwargs)
+        if batch is not None:
+            for sl in self._sinks:
+                sl.ready_sink(batch)
 
     def _drop_probes(self) -> None:
         for h in self._probes:
             h.remove()
         self._probes = []
 
+    @torch.compiler.disable
     def _end_forward(self, *_):
         """After the model's forward: a one-shot probe on each needed parameter of a module that did not run,
         noting (without a host sync) whether the backward writes its gradient."""
@@ -216,7 +225,7 @@ class PerSampleGradNorms:
     def __enter__(self) -> PerSampleGradNorms:
         if self._active:
             raise RuntimeError("PerSampleGradNorms is already active")
-        self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
+        self._handles.append(self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._end_forward))
         for s in self._slots:
             fused_only = s.rule.norms is None
@@ -228,6 +237,7 @@ class PerSampleGradNorms:
             if fwd is not None:
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
                 s.module.forward = fwd
+                self._sinks.append(s)
             else:
                 self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
         self._active = True
@@ -243,7 +253,7 @@ class PerSampleGradNorms:
                 del mod.forward
             else:
                 mod.forward = old
-        self._handles, self._patched, self._active = [], [], False
+        self._handles, self._patched, self._sinks, self._active = [], [], [], False
 
     # ------------------------------------------------------------------------------------------ results
     def param_sq_norms(self) -> dict[str, torch.Tensor]:
@@ -387,3 +397,12 @@ class PerSampleGradNorms:
                 tot += v
             out[s.name] = tot / div
         return out
+
+
+def _batch_of(args, kwargs) -> int | None:
+    """The batch size of a model call: dim 0 of its first tensor argument (positional, then keyword) with a
+    dimension, or None."""
+    for v in (*args, *(kwargs or {}).values()):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.shape[0]
+    return None

@@ -36,7 +36,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import form_choice, kernels
-from elasticlab.gns.layers.common import autocast_dtype, cast
+from elasticlab.gns.layers.common import autocast_dtype, cast, deliver, sink_for
 from elasticlab.gns.registry import register_rule
 
 PARAMS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k",
@@ -51,8 +51,8 @@ class _ProjNorms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, slot, dtype, *tensors):
         n_x, wnames, bname, groups = plan
-        xs, ws, b = tensors[:n_x], tensors[n_x:n_x + len(wnames)], tensors[-1]
-        ctx.plan, ctx.slot = plan, slot
+        xs, ws, b, sink = tensors[:n_x], tensors[n_x:n_x + len(wnames)], tensors[-2], tensors[-1]
+        ctx.plan, ctx.slot, ctx.sink = plan, slot, None if sink is None else sink.dtype
         ctx.dtypes = ([x.dtype for x in xs], [w.dtype for w in ws], None if b is None else b.dtype)
         ctx.b_len = 0 if b is None else b.shape[0]
         xc, wc, bc = [cast(x, dtype) for x in xs], [cast(w, dtype) for w in ws], cast(b, dtype)
@@ -73,7 +73,7 @@ class _ProjNorms(torch.autograd.Function):
         x_dtypes, w_dtypes, b_dtype = ctx.dtypes
         need = ctx.needs_input_grad[3:]
         need_x, need_w = need[:n_x], need[n_x:n_x + len(wnames)]
-        need_b = bname is not None and need[-1]
+        need_b = bname is not None and need[-2]
         B = xc[0].shape[0]
         gxs, gws, wsq = [None] * n_x, [None] * len(wnames), [None] * len(wnames)
         gb = bsq = None
@@ -106,26 +106,27 @@ class _ProjNorms(torch.autograd.Function):
         norms = {name: v for name, v in zip(wnames, wsq) if v is not None}
         if bsq is not None:
             norms[bname] = bsq
-        ctx.slot.record(norms, B)
+        sunk = deliver(ctx, norms, B)
         gxs = [cast(gx, dt) for gx, dt in zip(gxs, x_dtypes)]
         gws = [cast(gw, dt) for gw, dt in zip(gws, w_dtypes)]
-        return (None, None, None, *gxs, *gws, cast(gb, b_dtype))
+        return (None, None, None, *gxs, *gws, cast(gb, b_dtype), sunk)
 
 
 class _CopyNorms(torch.autograd.Function):
     """A (1, 1, E) parameter copied to each example, (B, 1, E): ∇p ℓ_b is the gradient of example b's copy."""
 
     @staticmethod
-    def forward(ctx, p, batch, dtype, slot, name):
+    def forward(ctx, p, batch, dtype, slot, name, sink=None):
         ctx.slot, ctx.name, ctx.p_dtype = slot, name, p.dtype
+        ctx.sink = None if sink is None else sink.dtype
         return cast(p, dtype).expand(batch, *p.shape[1:]).contiguous()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        ctx.slot.record({ctx.name: kernels.row_sq(g)}, g.shape[0])
+        sunk = deliver(ctx, {ctx.name: kernels.row_sq(g)}, g.shape[0])
         gp = g.sum(0, keepdim=True, dtype=kernels.acc_dtype(g.dtype))
-        return cast(gp, ctx.p_dtype), None, None, None, None
+        return cast(gp, ctx.p_dtype), None, None, None, None, sunk
 
 
 def _canonical_mask(mask, dtype):
@@ -165,7 +166,7 @@ def _in_projection(module, slot, query, key, value, dtype):
         groups = [(idx[j], j, 0, E, j * E) for j in range(3)]
     b = module.in_proj_bias
     plan = (len(distinct), wnames, None if b is None else "in_proj_bias", tuple(groups))
-    outs = _ProjNorms.apply(plan, slot, dtype, *distinct, *ws, b)
+    outs = _ProjNorms.apply(plan, slot, dtype, *distinct, *ws, b, sink_for(slot, distinct[0]))
     blocks = []
     for out in outs:
         blocks.extend(out.split(E, dim=-1))
@@ -259,8 +260,8 @@ def _mha(module, slot, query, key, value, key_padding_mask, need_weights, attn_m
     q, k, v = _in_projection(module, slot, q_in, k_in, v_in, dtype)
     extra = []
     if module.bias_k is not None and module.bias_v is not None:
-        extra.append((_CopyNorms.apply(module.bias_k, B, k.dtype, slot, "bias_k"),
-                      _CopyNorms.apply(module.bias_v, B, v.dtype, slot, "bias_v")))
+        extra.append((_CopyNorms.apply(module.bias_k, B, k.dtype, slot, "bias_k", sink_for(slot, k)),
+                      _CopyNorms.apply(module.bias_v, B, v.dtype, slot, "bias_v", sink_for(slot, v))))
     if module.add_zero_attn:
         extra.append((k.new_zeros(B, 1, E), v.new_zeros(B, 1, E)))
     for ek, ev in extra:                                 # bias_k/v first, then the zero position, as in F

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab._ext import conv_out_sizes
 from elasticlab.gns import calibrate, form_choice, kernels, triton_conv
-from elasticlab.gns.layers.common import autocast_dtype, batched, cast
+from elasticlab.gns.layers.common import autocast_dtype, batched, cast, deliver, sink_for
 from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
 
@@ -96,8 +96,8 @@ def conv_norms(module: nn.Module, inputs, d: torch.Tensor, need) -> dict:
 
 class _ConvNorms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, slot, dtype):
-        ctx.slot, ctx.module = slot, module
+    def forward(ctx, x, weight, bias, module, slot, dtype, sink=None):
+        ctx.slot, ctx.module, ctx.sink = slot, module, None if sink is None else sink.dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         xc, wc, bc = cast(x, dtype), cast(weight, dtype), cast(bias, dtype)
         ctx.save_for_backward(xc, wc)
@@ -137,8 +137,8 @@ class _ConvNorms(torch.autograd.Function):
             db = d3.sum(2, dtype=kernels.acc_dtype(d3.dtype))
             gb = db.sum(0)
             norms["bias"] = kernels.row_sq(db)
-        ctx.slot.record(norms, B)
-        return cast(gx, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None, None
+        sunk = deliver(ctx, norms, B)
+        return cast(gx, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None, None, sunk
 
 
 def _weight_norms(m, x, g, w, d3, gram, measured, gw_native):
@@ -330,7 +330,7 @@ def conv_forward(module: nn.Module, slot):
                 buf = slot.buffer(x.shape[0], kernels.acc_dtype(dtype or x.dtype), x.device)
                 return op(x, params["weight"], params.get("bias"), *geometry, buf, form, _chunk_elems(x),
                           dtype, tf32)
-        return _ConvNorms.apply(x, module.weight, module.bias, module, slot, dtype)
+        return _ConvNorms.apply(x, module.weight, module.bias, module, slot, dtype, sink_for(slot, x))
     return forward
 
 

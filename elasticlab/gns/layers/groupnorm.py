@@ -18,7 +18,15 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
+from elasticlab.gns.layers.common import (
+    affine_norms,
+    batched,
+    cast,
+    deliver,
+    norm_layer_buffer,
+    sink_for,
+    wider,
+)
 from elasticlab.gns.registry import register_rule
 
 
@@ -67,8 +75,9 @@ class _GroupNormNorms(torch.autograd.Function):
     gradients, and their norms."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, groups, eps, slot):
+    def forward(ctx, x, weight, bias, groups, eps, slot, sink=None):
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        ctx.sink = None if sink is None else sink.dtype
         if torch.is_autocast_enabled(x.device.type):          # run in float32, as autocast's group_norm would
             dt = torch.promote_types(x.dtype, torch.float32)
             x, weight, bias = cast(x, dt), cast(weight, dt), cast(bias, dt)
@@ -106,8 +115,8 @@ class _GroupNormNorms(torch.autograd.Function):
                 gw, norms["weight"] = cast(pw.sum(0), w_dtype), kernels.row_sq(pw)
             if need_b:
                 gb, norms["bias"] = cast(pb.sum(0), b_dtype), kernels.row_sq(pb)
-        ctx.slot.record(norms, B)
-        return cast(gx, x_dtype), gw, gb, None, None, None
+        sunk = deliver(ctx, norms, B)
+        return cast(gx, x_dtype), gw, gb, None, None, None, sunk
 
 
 def groupnorm_forward(module: nn.GroupNorm, slot):
@@ -125,7 +134,8 @@ def groupnorm_forward(module: nn.GroupNorm, slot):
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             buf, upcast = norm_layer_buffer(slot, x)
             return op(x, params["weight"], params["bias"], module.num_groups, module.eps, buf, upcast)
-        return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot)
+        return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot,
+                                     sink_for(slot, x))
     return forward
 
 

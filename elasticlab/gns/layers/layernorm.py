@@ -16,7 +16,15 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
+from elasticlab.gns.layers.common import (
+    affine_norms,
+    batched,
+    cast,
+    deliver,
+    norm_layer_buffer,
+    sink_for,
+    wider,
+)
 from elasticlab.gns.registry import register_rule
 
 
@@ -41,8 +49,9 @@ def layernorm_norms(module: nn.LayerNorm, inputs, d: torch.Tensor, need) -> dict
 
 class _LayerNormNorms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, normalized_shape, eps, slot):
+    def forward(ctx, x, weight, bias, normalized_shape, eps, slot, sink=None):
         ctx.x_dtype = x.dtype
+        ctx.sink = None if sink is None else sink.dtype
         if torch.is_autocast_enabled(x.device.type):          # autocast's layer_norm runs in float32
             x = cast(x, torch.promote_types(x.dtype, torch.float32))
             with torch.autocast(x.device.type, enabled=False):
@@ -72,8 +81,8 @@ class _LayerNormNorms(torch.autograd.Function):
                 gw, norms["weight"] = cast(pw.sum(0).view(ctx.shape), w.dtype), kernels.row_sq(pw)
             if need_b:
                 gb, norms["bias"] = cast(pb.sum(0).view(ctx.shape), b.dtype), kernels.row_sq(pb)
-        ctx.slot.record(norms, B)
-        return cast(gx, ctx.x_dtype), gw, gb, None, None, None
+        sunk = deliver(ctx, norms, B)
+        return cast(gx, ctx.x_dtype), gw, gb, None, None, None, sunk
 
 
 def layernorm_forward(module: nn.LayerNorm, slot):
@@ -87,7 +96,8 @@ def layernorm_forward(module: nn.LayerNorm, slot):
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             buf, upcast = norm_layer_buffer(slot, x)
             return op(x, params.get("weight"), params.get("bias"), shape, module.eps, buf, upcast)
-        return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot)
+        sink = sink_for(slot, x)
+        return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot, sink)
     return forward
 
 

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab import _ext
 from elasticlab.gns import calibrate, form_choice, kernels, triton_outer, triton_tune
-from elasticlab.gns.layers.common import autocast_dtype, batched, cast
+from elasticlab.gns.layers.common import autocast_dtype, batched, cast, deliver, sink_for
 from elasticlab.gns.registry import register_rule
 
 
@@ -90,8 +90,9 @@ class _LinearNorms(torch.autograd.Function):
     """y = x Wᵀ + b; backward: input gradient, Σ_b G_b and the per-example norms together."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, slot, dtype):
+    def forward(ctx, x, weight, bias, slot, dtype, sink=None):
         ctx.slot, ctx.dtypes = slot, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.sink = None if sink is None else sink.dtype
         if dtype is None:                                  # no autocast: no casts (the common case)
             xc, wc = x, weight
             out = F.linear(x, weight, bias)
@@ -146,12 +147,12 @@ class _LinearNorms(torch.autograd.Function):
                     db = d.sum(1, dtype=acc)
                 gb = db.sum(0)
                 norms["bias"] = kernels.row_sq(db)
-        ctx.slot.record(norms, B)
+        sunk = deliver(ctx, norms, B)
         if gw is not None and gw.dtype != w_dtype:
             gw = gw.to(w_dtype)
         if gb is not None and gb.dtype != b_dtype:
             gb = gb.to(b_dtype)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, sunk
 
 
 def _cxx_form(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype | None) -> int | None:
@@ -215,7 +216,7 @@ def linear_forward(module: nn.Linear, slot):
                 finally:
                     if prev is not None:
                         _ext.set_scratch_bytes(prev)
-        return _LinearNorms.apply(x, module.weight, module.bias, slot, dtype)
+        return _LinearNorms.apply(x, module.weight, module.bias, slot, dtype, sink_for(slot, x))
     return forward
 
 

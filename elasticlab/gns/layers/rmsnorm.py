@@ -15,7 +15,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import batched, cast, wider
+from elasticlab.gns.layers.common import batched, cast, deliver, sink_for, wider
 from elasticlab.gns.registry import register_rule
 
 
@@ -46,7 +46,8 @@ def rmsnorm_norms(module: nn.RMSNorm, inputs, d: torch.Tensor, need) -> dict:
 
 class _RMSNormNorms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, normalized_shape, eps, slot):
+    def forward(ctx, x, weight, normalized_shape, eps, slot, sink=None):
+        ctx.sink = None if sink is None else sink.dtype
         D = math.prod(normalized_shape)
         acc = kernels.acc_dtype(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
@@ -77,8 +78,8 @@ class _RMSNormNorms(torch.autograd.Function):
         if need_w:
             pw = (g2 * xhat).view(B, -1, D).sum(1)
             gw, norms["weight"] = cast(pw.sum(0).view(ctx.shape), w.dtype), kernels.row_sq(pw)
-        ctx.slot.record(norms, B)
-        return gx, gw, None, None, None
+        sunk = deliver(ctx, norms, B)
+        return gx, gw, None, None, None, sunk
 
 
 def rmsnorm_forward(module: nn.RMSNorm, slot):
@@ -93,7 +94,7 @@ def rmsnorm_forward(module: nn.RMSNorm, slot):
         if list(x.shape[x.dim() - len(shape):]) != shape:
             raise ValueError(f"RMSNorm over {tuple(shape)} got an input of shape {tuple(x.shape)}")
         slot.called()
-        return _RMSNormNorms.apply(x, module.weight, shape, rms_eps(module, x.dtype), slot)
+        return _RMSNormNorms.apply(x, module.weight, shape, rms_eps(module, x.dtype), slot, sink_for(slot, x))
     return forward
 
 
