@@ -25,7 +25,9 @@ convolutions on CUDA by the implicit-GEMM Triton kernel, :data:`elasticlab.gns.l
 fused layers' C++ operators called through torch.ops' boxed entry, not ``_C``'s direct one),
 ``psgn-calibrated`` (each layer shape's form timed at its first backward and the fastest kept,
 :mod:`elasticlab.gns.calibrate`; the warm-up steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks
-only), ``torch.func`` (vmap of grad, then the gradient as the sum of per-example ones; skipped when B ×
+only), ``plain-compiled`` and ``psgn-compiled`` (the model under ``torch.compile``, plainly and with the fused
+norms; not run by default: Inductor compiles each workload for minutes on the CPU), ``torch.func`` (vmap of
+grad, then the gradient as the sum of per-example ones; skipped when B ×
 #params × 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward)
 when Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go
 on.
@@ -275,6 +277,9 @@ def _bf16_seq(dev: str, name: str, prec: str) -> bool:
 
 _KERNEL_VARIANT = ("it changes the Triton kernel's variant, which serves bfloat16 sequence Linear layers on "
                    "CUDA")
+# The model under torch.compile (default Inductor backend), plainly and with elasticlab's fused norms, whose
+# layers then hand their norms out of the compiled backward as gradients (elasticlab.gns.sink).
+COMPILED = {"plain-compiled": "plain", "psgn-compiled": "psgn"}
 SWITCHED = {
     "psgn-ref": ("kernels:USE_KERNELS=False", None, ""),                 # the compiled kernels off
     "psgn-py": ("kernels:USE_CXX_AUTOGRAD=False", None, ""),             # Python autograd.Functions
@@ -318,15 +323,20 @@ def _switch(method: str) -> list[tuple]:
     return out
 
 
-def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
+def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32", run=None):
     """A closure running one training step (forward and loss in ``prec``, backward, norms); returns the (B,)
-    squared norms (None for plain)."""
+    squared norms (None for plain). ``run``: what runs the forward (``model``, or its compiled form)."""
     dev = x.device
+    run = model if run is None else run
+    if method in COMPILED:
+        # torch.compile(model) (Inductor): one compiled model per workload copy and method
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        return make_step(COMPILED[method], model, x, y, prec, run=torch.compile(model))
     if method == "plain":
         def step():
             model.zero_grad(set_to_none=True)
             with autocast(dev, prec):
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(run(x), y)
             loss.backward()
         return step
     if method in SWITCHED:
@@ -351,7 +361,7 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32"):
         def step():
             model.zero_grad(set_to_none=True)
             with autocast(dev, prec):
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(run(x), y)
             loss.backward()
             return ctx.sq_norms()
         step.close = lambda: ctx.__exit__(None, None, None)
@@ -465,7 +475,7 @@ def check_methods(name: str, methods, device) -> tuple[dict, dict]:
     torch.set_default_dtype(torch.float64)             # for scratch tensors made without a dtype (Opacus)
     try:
         for m in methods:
-            if m == "plain":
+            if m in ("plain", "plain-compiled"):
                 continue
             step = None
             try:

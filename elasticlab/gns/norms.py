@@ -31,6 +31,7 @@ from torch import nn
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.registry import covered_params, rule_for
+from elasticlab.gns.sink import Sinks, tap
 from elasticlab.gns.slot import Slot
 
 
@@ -88,11 +89,11 @@ class PerSampleGradNorms:
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
-        self._sinks: list[Slot] = []                       # slots of fused forms (their sinks: compile)
         self._bufs: list[torch.Tensor] | None = None       # slots' own C++-backward buffers, reset each step
         for i, s in enumerate(self._slots):
             s.index = i
         self._block = NormBlock(self._slots)               # the C++ backwards' rows: one reset, one read
+        self._sinks = Sinks([s for s in self._slots if s.need])   # norms out of compiled backwards
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -113,10 +114,7 @@ class PerSampleGradNorms:
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
         self._scale = self._current_scale()
-        batch = _batch_of(args, kwargs)
-        if batch is not None:
-            for sl in self._sinks:
-                sl.ready_sink(batch)
+        self._sinks.ready(args, kwargs)
 
     def _drop_probes(self) -> None:
         for h in self._probes:
@@ -212,6 +210,9 @@ class PerSampleGradNorms:
         def hook(module, inputs, output):
             slot.called()
             if isinstance(output, torch.Tensor) and output.requires_grad:
+                # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
+                if torch.compiler.is_compiling() and (t := tap(slot, module, inputs, output)) is not None:
+                    return t
                 saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
 
                 def on_grad(g):
@@ -237,7 +238,6 @@ class PerSampleGradNorms:
             if fwd is not None:
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
                 s.module.forward = fwd
-                self._sinks.append(s)
             else:
                 self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
         self._active = True
@@ -253,7 +253,7 @@ class PerSampleGradNorms:
                 del mod.forward
             else:
                 mod.forward = old
-        self._handles, self._patched, self._sinks, self._active = [], [], [], False
+        self._handles, self._patched, self._active = [], [], False
 
     # ------------------------------------------------------------------------------------------ results
     def param_sq_norms(self) -> dict[str, torch.Tensor]:
@@ -397,12 +397,3 @@ class PerSampleGradNorms:
                 tot += v
             out[s.name] = tot / div
         return out
-
-
-def _batch_of(args, kwargs) -> int | None:
-    """The batch size of a model call: dim 0 of its first tensor argument (positional, then keyword) with a
-    dimension, or None."""
-    for v in (*args, *(kwargs or {}).values()):
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return v.shape[0]
-    return None

@@ -36,8 +36,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import form_choice, kernels
-from elasticlab.gns.layers.common import autocast_dtype, cast, deliver, sink_for
+from elasticlab.gns.layers.common import autocast_dtype, cast
 from elasticlab.gns.registry import register_rule
+from elasticlab.gns.sink import deliver, sink_for
 
 PARAMS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k",
           "bias_v")

@@ -68,21 +68,3 @@ def affine_norms(gw: torch.Tensor, gb: torch.Tensor, need) -> dict:
         out["bias"] = kernels.row_sq(gb)
     return out
 
-
-def sink_for(slot, x: torch.Tensor) -> torch.Tensor | None:
-    """Under ``torch.compile``, the (len(need), B) sink rows through which a fused layer's backward hands out
-    its norms (:meth:`elasticlab.gns.slot.Slot.sink`; x's dim 0 is the batch), else None (eager: recorded in
-    the slot)."""
-    return slot.sink(x) if torch.compiler.is_compiling() else None
-
-
-def deliver(ctx, norms: dict, batch: int) -> torch.Tensor | None:
-    """A fused backward's norms: the gradient of its sink when the forward had one (``ctx.sink``, its dtype,
-    else None): a row per parameter the slot needs, in ``slot.need``'s order, 0 for those this call has no
-    norm of (several calls of one slot add up in the sink); else recorded in ``ctx.slot`` (None)."""
-    if ctx.sink is None:
-        ctx.slot.record(norms, batch)
-        return None
-    rows = [norms.get(p) for p in ctx.slot.need]
-    like = next(r for r in rows if r is not None)
-    return torch.stack([(r if r is not None else torch.zeros_like(like)).to(ctx.sink) for r in rows])

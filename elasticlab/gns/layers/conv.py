@@ -21,9 +21,10 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab._ext import conv_out_sizes
 from elasticlab.gns import calibrate, form_choice, kernels, triton_conv
-from elasticlab.gns.layers.common import autocast_dtype, batched, cast, deliver, sink_for
+from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
+from elasticlab.gns.sink import deliver, sink_for
 
 # Unfolded-input elements per chunk of a Conv's backward: bounds its scratch memory (4 MB on the CPU;
 # 256 MB of float32 on CUDA, where fewer, larger launches matter more).

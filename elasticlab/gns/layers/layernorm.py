@@ -16,16 +16,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import (
-    affine_norms,
-    batched,
-    cast,
-    deliver,
-    norm_layer_buffer,
-    sink_for,
-    wider,
-)
+from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
 from elasticlab.gns.registry import register_rule
+from elasticlab.gns.sink import deliver, sink_for
 
 
 def layernorm_stats(x3: torch.Tensor, eps: float):

@@ -16,8 +16,9 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab import _ext
 from elasticlab.gns import calibrate, form_choice, kernels, triton_outer, triton_tune
-from elasticlab.gns.layers.common import autocast_dtype, batched, cast, deliver, sink_for
+from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
+from elasticlab.gns.sink import deliver, sink_for
 
 
 def seq_weight_norms(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

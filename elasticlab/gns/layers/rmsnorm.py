@@ -15,8 +15,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import batched, cast, deliver, sink_for, wider
+from elasticlab.gns.layers.common import batched, cast, wider
 from elasticlab.gns.registry import register_rule
+from elasticlab.gns.sink import deliver, sink_for
 
 
 def rms_eps(module: nn.RMSNorm, dtype: torch.dtype) -> float:

@@ -1,0 +1,83 @@
+"""How per-example norms leave a compiled backward: as the gradient of a sink.
+
+A backward that records its norms in the layer's slot (a Python side effect) cannot be traced by
+``torch.compile``: Dynamo breaks the graph at each such layer and runs that layer eagerly. Instead, each slot
+keeps a *sink*, a (len(need), capacity) leaf tensor made eagerly before each forward of the model
+(:meth:`~elasticlab.gns.slot.Slot.ready_sink`, sized from the batch of the model's input); under
+``torch.compile`` a fused layer takes a (len(need), B) slice of it as one more input (:func:`sink_for`) and
+its backward returns the norms as that input's gradient (:func:`deliver`). AOTAutograd traces that like any
+gradient; after the compiled backward, the sink's post-accumulate-grad hook records the rows in the slot
+(:meth:`~elasticlab.gns.slot.Slot._take_sink`). Layers served by hook rules get the same through :class:`Tap`,
+an identity on the layer's output whose backward runs the rule. Eager calls keep recording directly.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sink_for(slot, x: torch.Tensor) -> torch.Tensor | None:
+    """Under ``torch.compile``, the (len(need), B) sink rows through which a fused layer's backward hands out
+    its norms (:meth:`elasticlab.gns.slot.Slot.sink`; x's dim 0 is the batch), else None (eager: recorded in
+    the slot)."""
+    return slot.sink(x) if torch.compiler.is_compiling() else None
+
+
+def deliver(ctx, norms: dict, batch: int) -> torch.Tensor | None:
+    """A fused backward's norms: the gradient of its sink when the forward had one (``ctx.sink``, its dtype,
+    else None): a row per parameter the slot needs, in ``slot.need``'s order, 0 for those this call has no
+    norm of (several calls of one slot add up in the sink); else recorded in ``ctx.slot`` (None)."""
+    if ctx.sink is None:
+        ctx.slot.record(norms, batch)
+        return None
+    rows = [norms.get(p) for p in ctx.slot.need]
+    like = next(r for r in rows if r is not None)
+    return torch.stack([(r if r is not None else torch.zeros_like(like)).to(ctx.sink) for r in rows])
+
+
+class Tap(torch.autograd.Function):
+    """Identity on a hooked layer's output; the backward runs the slot's hook rule on the output's gradient
+    and the layer's inputs, and hands the norms to the sink (:func:`deliver`)."""
+
+    @staticmethod
+    def forward(ctx, out, sink, slot, module, layout, *tensors):
+        ctx.slot, ctx.module, ctx.layout, ctx.sink = slot, module, layout, sink.dtype
+        ctx.save_for_backward(*tensors)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        tensors = iter(ctx.saved_tensors)
+        inputs = tuple(next(tensors) if v is None else v for v in ctx.layout)
+        norms = ctx.slot.rule.norms(ctx.module, inputs, g.detach(), ctx.slot.need)
+        return (g, deliver(ctx, norms, inputs[0].shape[0]), None, None, None,
+                *([None] * len(ctx.saved_tensors)))
+
+
+def tap(slot, module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    """Under ``torch.compile``, a hooked layer's output through :class:`Tap`, or None where the slot's sink
+    does not fit the first input (then the caller's tensor hook records the norms)."""
+    if not inputs or not isinstance(inputs[0], torch.Tensor):
+        return None
+    sink = slot.sink(inputs[0])
+    if sink is None:
+        return None
+    layout = tuple(None if isinstance(i, torch.Tensor) else i for i in inputs)
+    tensors = [i.detach() for i in inputs if isinstance(i, torch.Tensor)]
+    return Tap.apply(output, sink, slot, module, layout, *tensors)
+
+
+class Sinks:
+    """The sinks of one :class:`~elasticlab.gns.PerSampleGradNorms`' slots, made ready before each forward of
+    the model for its batch (dim 0 of the call's first tensor argument with a dimension) and device: one
+    comparison a step, the slots' sinks remade only for a larger batch or another input device."""
+
+    def __init__(self, slots: list):
+        self.slots, self.capacity, self.device = slots, 0, None
+
+    def ready(self, args: tuple, kwargs: dict | None) -> None:
+        x = next((v for v in (*args, *(kwargs or {}).values())
+                  if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if x is not None and (x.shape[0] > self.capacity or x.device != self.device):
+            for s in self.slots:
+                s.ready_sink(x.shape[0])
+            self.capacity, self.device = x.shape[0], x.device

@@ -1,0 +1,129 @@
+"""Under torch.compile the layers hand their per-example norms out of the compiled backward as the gradient
+of a sink (elasticlab.gns.sink), so that a model compiles to one graph, with the norms and gradients of
+eager."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms
+from tests.gns.test_mixed_precision import ConvNet, TinyGPT, mlp_seq, unet3d
+
+
+class NormNet(nn.Module):
+    """Conv2d, GroupNorm, RMSNorm and nn.MultiheadAttention with bias_k/bias_v (two calls into one sink)."""
+
+    def __init__(self, C=8):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(3, C, 3, padding=1), nn.GroupNorm(2, C)
+        self.rms = nn.RMSNorm(C)
+        self.mha = nn.MultiheadAttention(C, 2, batch_first=True, add_bias_kv=True)
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, x):
+        h = F.relu(self.gn(self.conv(x))).flatten(2).transpose(1, 2)          # (B, HW, C)
+        h = self.rms(h)
+        a, _ = self.mha(h, h, h, need_weights=False)
+        return self.head(a.mean(1))
+
+
+def _mean_sq(o):
+    return o.pow(2).mean()
+
+
+def _gpt_loss(o):
+    return F.cross_entropy(o.flatten(0, 1), torch.arange(o.numel() // o.shape[-1]) % 40)
+
+
+CASES = {
+    "seq-mlp": (mlp_seq, lambda g: torch.randn(8, 10, 16, generator=g), _mean_sq),
+    "conv": (ConvNet, lambda g: torch.randn(6, 3, 8, 8, generator=g), _mean_sq),
+    "gpt": (TinyGPT, lambda g: torch.randint(0, 40, (4, 12), generator=g), _gpt_loss),
+    "norms-mha": (NormNet, lambda g: torch.randn(5, 3, 4, 4, generator=g), _mean_sq),
+    "unet3d": (unet3d, lambda g: torch.randn(6, 2, 4, 3, 2, generator=g), _mean_sq),
+}
+
+
+def _steps(model, batches, loss_fn, backend=None):
+    """Per step (sq_norms, param_sq_norms, grads) of ``model`` (float64) in one PerSampleGradNorms."""
+    out = []
+    run = torch.compile(model, backend=backend) if backend else model
+    with PerSampleGradNorms(model) as n:
+        for x in batches:
+            model.zero_grad()
+            loss_fn(run(x)).backward()
+            out.append((n.sq_norms(), n.param_sq_norms(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_steps_match_eager_in_one_graph(case):
+    """Two compiled steps on different batches (a sink's gradient must not carry over) give eager's norms, per
+    parameter, and gradients; the model's forward traces to one graph with no break."""
+    make, data, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    model = make().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [data(g) for _ in range(2)]
+    batches = [b.double() if b.is_floating_point() else b for b in batches]
+    ref = _steps(model, batches, loss_fn)
+    torch._dynamo.reset()
+    got = _steps(model, batches, loss_fn, backend="aot_eager")
+    for (n, per, grads), (n0, per0, grads0) in zip(got, ref):
+        torch.testing.assert_close(n, n0, rtol=1e-10, atol=0)
+        assert per.keys() == per0.keys()
+        for k in per:
+            torch.testing.assert_close(per[k], per0[k], rtol=1e-10, atol=1e-300)
+        for a, b in zip(grads, grads0):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with PerSampleGradNorms(model):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(batches[0])
+    reasons = [r.reason.splitlines()[0] for r in explained.break_reasons]
+    assert explained.graph_break_count == 0, reasons
+    assert explained.graph_count == 1
+
+
+class SeqFirst(nn.Module):
+    """Takes (T, B, D): the sinks, sized from the input's dim 0, hold T examples, not B."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ln = nn.Linear(4, 6), nn.LayerNorm(6)
+
+    def forward(self, x):
+        return self.ln(self.lin(x.transpose(0, 1)))
+
+
+def test_batch_beyond_the_sinks_falls_back_to_recording():
+    """Where a layer's batch exceeds its sink (the model input's dim 0 is not the batch), its backward records
+    the norms itself (a graph break): still eager's norms."""
+    torch.manual_seed(0)
+    model = SeqFirst().double()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(3, 5, 4, generator=g, dtype=torch.float64) for _ in range(2)]     # T=3 < B=5
+    ref = _steps(model, batches, _mean_sq)
+    torch._dynamo.reset()
+    got = _steps(model, batches, _mean_sq, backend="aot_eager")
+    for (n, _, grads), (n0, _, grads0) in zip(got, ref):
+        assert n.shape == (5,)
+        torch.testing.assert_close(n, n0, rtol=1e-10, atol=0)
+        for a, b in zip(grads, grads0):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_sinks_follow_the_batch_and_stay_unused_in_eager():
+    """Sinks are made before the forward for the input's batch, remade only for a larger one; an eager step
+    records the norms directly, leaving every sink without a gradient."""
+    model = mlp_seq()
+    with PerSampleGradNorms(model) as n:
+        slots = [s for s in n._slots if s.need]
+        model(torch.randn(4, 3, 16)).sum().backward()
+        assert all(s._sink.shape == (len(s.need), 4) and s._sink.grad is None for s in slots)
+        first = [s._sink for s in slots]
+        model(torch.randn(2, 3, 16)).sum().backward()                       # smaller: kept
+        assert all(s._sink is f for s, f in zip(slots, first))
+        assert n.sq_norms().shape == (2,)
+        model(torch.randn(7, 3, 16)).sum().backward()                       # larger: remade
+        assert all(s._sink.shape == (len(s.need), 7) and s._sink.grad is None for s in slots)
+        assert n.sq_norms().shape == (7,)
