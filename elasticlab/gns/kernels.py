@@ -213,6 +213,27 @@ def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | N
     return op(_plain(a), _plain(d)) if op is not None else seq_linear_gram_norms_ref(a, d)
 
 
+@torch.library.custom_op("elasticlab_triton::outer_norms", mutates_args=())
+def _triton_outer_op(a: torch.Tensor, d: torch.Tensor, with_grad: bool,
+                     bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`elasticlab.gns.triton_tune.outer_norms` as an operator, which a traced backward
+    (``torch.compile``) records as one opaque call, run with real tensors (tuned and launched as in eager):
+    (norms (B,), the weight gradient (Dout, Din) or (0,), the bias sums (B, Dout) or (0,)), in float32 for
+    half-precision inputs (:func:`acc_dtype`; the fused Gram form's gradient, in the inputs' dtype, cast)."""
+    out = triton_tune.outer_norms(a, d, with_grad, bias)
+    f = acc_dtype(a.dtype)
+    none = a.new_empty(0, dtype=f)
+    return (out[0].to(f), out[1].to(f) if with_grad else none, out[2].to(f) if bias else none.clone())
+
+
+@_triton_outer_op.register_fake
+def _(a, d, with_grad, bias):
+    f = acc_dtype(a.dtype)
+    B, Din, Dout = a.shape[0], a.shape[2], d.shape[2]
+    return (a.new_empty(B, dtype=f), a.new_empty((Dout, Din) if with_grad else (0,), dtype=f),
+            a.new_empty((B, Dout) if bias else (0,), dtype=f))
+
+
 def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = False,
                            use_kernel: bool | None = None, bias: bool = False):
     """Per-example ‖Σ_t d_t a_tᵀ‖² by the outer-product form, fused with the weight gradient Σ_b G_b when
@@ -223,6 +244,9 @@ def seq_linear_outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool = F
     ``seq_linear_outer_norms`` (cuBLAS batched GEMMs on CUDA) and ``d.sum(1)``."""
     _check_seq(a, d, "seq_linear_outer_norms")
     if use_kernel is None and USE_KERNELS and triton_outer.preferred(a, d):
+        if torch.compiler.is_compiling():                 # traced: the Triton forms as one opaque operator
+            norms, grad, db = torch.ops.elasticlab_triton.outer_norms(_plain(a), _plain(d), with_grad, bias)
+            return (norms, grad if with_grad else None, *((db,) if bias else ()))
         return triton_tune.outer_norms(_plain(a), _plain(d), with_grad, bias)     # fused on tensor cores
     op = _op("seq_linear_outer_norms", a, use_kernel)
     if op is None:

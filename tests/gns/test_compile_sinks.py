@@ -127,3 +127,33 @@ def test_sinks_follow_the_batch_and_stay_unused_in_eager():
         model(torch.randn(7, 3, 16)).sum().backward()                       # larger: remade
         assert all(s._sink.shape == (len(s.need), 7) and s._sink.grad is None for s in slots)
         assert n.sq_norms().shape == (7,)
+
+
+def test_triton_form_is_one_opaque_operator_when_traced(monkeypatch):
+    """A layer the Triton kernel serves (CUDA, half precision) is one call of the operator
+    elasticlab_triton::outer_norms in the compiled backward, run with real tensors: here on the CPU with the
+    Triton forms stood in for by the float64 reference, counted."""
+    from elasticlab.gns import form_choice, kernels, triton_outer, triton_tune
+    calls = []
+
+    def stand_in(a, d, with_grad, bias=False):
+        calls.append(type(a))
+        norms, grad = kernels.seq_linear_outer_norms_ref(a, d, with_grad)
+        return (norms, grad, d.sum(1)) if bias else (norms, grad)
+
+    torch.manual_seed(0)
+    model = mlp_seq().double()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 10, 16, generator=g, dtype=torch.float64) for _ in range(2)]
+    ref = _steps(model, batches, _mean_sq)
+    monkeypatch.setattr(triton_outer, "preferred", lambda a, d: True)
+    monkeypatch.setattr(triton_tune, "outer_norms", stand_in)
+    monkeypatch.setattr(form_choice, "use_gram", lambda *a, **k: False)
+    torch._dynamo.reset()
+    got = _steps(model, batches, _mean_sq, backend="aot_eager")
+    assert calls and set(calls) == {torch.Tensor}          # run with real tensors, never traced into
+    assert len(calls) == 3 * 2                             # three sequence Linears a step, two steps
+    for (n, _, grads), (n0, _, grads0) in zip(got, ref):
+        torch.testing.assert_close(n, n0, rtol=1e-10, atol=0)
+        for a, b in zip(grads, grads0):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
