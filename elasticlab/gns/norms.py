@@ -97,10 +97,8 @@ class PerSampleGradNorms:
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
-    @torch.compiler.disable
     def _begin_step(self, module=None, args=(), kwargs=None):
-        """At each forward of the model, eagerly (never traced: under ``torch.compile`` it is its own frame,
-        or one graph break at the model's call where an enclosing function is compiled)."""
+        """At each forward of the model; run eagerly (``__enter__``)."""
         self._layer_cache = None
         for s in self._slots:
             s.calls, s.norms, s.on_block = 0, {}, False
@@ -121,7 +119,6 @@ class PerSampleGradNorms:
             h.remove()
         self._probes = []
 
-    @torch.compiler.disable
     def _end_forward(self, *_):
         """After the model's forward: a one-shot probe on each needed parameter of a module that did not run,
         noting (without a host sync) whether the backward writes its gradient."""
@@ -226,8 +223,11 @@ class PerSampleGradNorms:
     def __enter__(self) -> PerSampleGradNorms:
         if self._active:
             raise RuntimeError("PerSampleGradNorms is already active")
-        self._handles.append(self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._end_forward))
+        # eager, never traced: under torch.compile each is a frame of its own (one graph break at the model's
+        # call where an enclosing function is compiled). (Imports Dynamo here, not with elasticlab.)
+        eager = torch.compiler.disable
+        self._handles.append(self.model.register_forward_pre_hook(eager(self._begin_step), with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(eager(self._end_forward)))
         for s in self._slots:
             fused_only = s.rule.norms is None
             fwd = s.rule.fused(s.module, s) if ((self.fused or fused_only) and s.rule.fused) else None

@@ -157,3 +157,31 @@ def test_triton_form_is_one_opaque_operator_when_traced(monkeypatch):
         torch.testing.assert_close(n, n0, rtol=1e-10, atol=0)
         for a, b in zip(grads, grads0):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_batches_of_several_sizes(dynamic):
+    """Batches of 8, 5 (the sinks sliced), 11 (remade) and 3 examples, static or dynamic shapes: eager's
+    norms at each."""
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 40, (b, 12), generator=g) for b in (8, 5, 11, 3)]
+    ref = _steps(model, batches, _gpt_loss)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    with PerSampleGradNorms(model) as n:
+        for x, (n0, _, _) in zip(batches, ref):
+            model.zero_grad()
+            _gpt_loss(run(x)).backward()
+            torch.testing.assert_close(n.sq_norms(), n0, rtol=1e-10, atol=0)
+
+
+def test_importing_elasticlab_leaves_dynamo_unloaded():
+    """The eager hooks are wrapped for torch.compile when a context is entered, not at import (importing
+    Dynamo takes about a second)."""
+    import subprocess
+    import sys
+    code = "import sys, elasticlab.gns; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
