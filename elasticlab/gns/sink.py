@@ -25,12 +25,15 @@ def sink_for(slot, x: torch.Tensor) -> torch.Tensor | None:
 def deliver(ctx, norms: dict, batch: int) -> torch.Tensor | None:
     """A fused backward's norms: the gradient of its sink when the forward had one (``ctx.sink``, its dtype,
     else None): a row per parameter the slot needs, in ``slot.need``'s order, 0 for those this call has no
-    norm of (several calls of one slot add up in the sink); else recorded in ``ctx.slot`` (None)."""
+    norm of (several calls of one slot add up in the sink), None if it has none; else recorded in
+    ``ctx.slot`` (None)."""
     if ctx.sink is None:
         ctx.slot.record(norms, batch)
         return None
     rows = [norms.get(p) for p in ctx.slot.need]
-    like = next(r for r in rows if r is not None)
+    like = next((r for r in rows if r is not None), None)
+    if like is None:                                   # no needed parameter trains in this call
+        return None
     return torch.stack([(r if r is not None else torch.zeros_like(like)).to(ctx.sink) for r in rows])
 
 

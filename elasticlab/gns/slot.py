@@ -103,5 +103,7 @@ class Slot:
 
     def _take_sink(self, leaf: torch.Tensor) -> None:
         g, leaf.grad = leaf.grad, None
+        if g is None:                    # no gradient reached it (no needed parameter trained in this call)
+            return
         b = self._sink_batch
         self.record({p: g[r, :b] for r, p in enumerate(self.need)}, b)

@@ -52,7 +52,8 @@ def _steps(model, batches, loss_fn, backend=None):
         for x in batches:
             model.zero_grad()
             loss_fn(run(x)).backward()
-            out.append((n.sq_norms(), n.param_sq_norms(), [p.grad.clone() for p in model.parameters()]))
+            out.append((n.sq_norms(), n.param_sq_norms(),
+                        [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     return out
 
 
@@ -161,15 +162,15 @@ def test_triton_form_is_one_opaque_operator_when_traced(monkeypatch):
 
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_compiled_batches_of_several_sizes(dynamic):
-    """Batches of 8, 5 (the sinks sliced), 11 (remade) and 3 examples, static or dynamic shapes: eager's
-    norms at each."""
+    """Batches of 8, 5 (the sinks sliced), 11 (remade) and 3 examples, static or dynamic shapes, with
+    ``fullgraph=True``: eager's norms at each."""
     torch.manual_seed(0)
     model = TinyGPT().double()
     g = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, 40, (b, 12), generator=g) for b in (8, 5, 11, 3)]
     ref = _steps(model, batches, _gpt_loss)
     torch._dynamo.reset()
-    run = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    run = torch.compile(model, backend="aot_eager", dynamic=dynamic, fullgraph=True)   # a break would raise
     with PerSampleGradNorms(model) as n:
         for x, (n0, _, _) in zip(batches, ref):
             model.zero_grad()
@@ -185,3 +186,30 @@ def test_importing_elasticlab_leaves_dynamo_unloaded():
     code = "import sys, elasticlab.gns; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_compiled_layer_frozen_after_a_step_records_nothing():
+    """A covered layer whose parameters stop training after a compiled step (its sink made) hands nothing
+    to its sink in the next (no crash); the others' norms are eager's."""
+    torch.manual_seed(0)
+    model = mlp_seq().double()
+    x = torch.randn(4, 10, 16, dtype=torch.float64)
+    frozen = list(model[2].parameters())
+    for p in frozen:
+        p.requires_grad_(False)
+    ref = _steps(model, [x], _mean_sq)[0][1]
+    for p in frozen:
+        p.requires_grad_(True)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, strict=False) as n:
+        run(x).pow(2).mean().backward()
+        assert "2.weight" in n.param_sq_norms()
+        for p in frozen:
+            p.requires_grad_(False)
+        model.zero_grad()
+        run(x).pow(2).mean().backward()
+        got = n.param_sq_norms()
+    assert got.keys() == ref.keys() and not any(k.startswith("2.") for k in got)
+    for k in got:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=0)
