@@ -213,3 +213,38 @@ def test_compiled_layer_frozen_after_a_step_records_nothing():
     assert got.keys() == ref.keys() and not any(k.startswith("2.") for k in got)
     for k in got:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cuda_compiled_bf16_block_one_graph(backend):
+    """On CUDA under bf16 autocast, with the Triton form as one opaque operator (wide sequence Linears, 200+
+    tiles): a compiled block's norms are eager's (bf16 rounding apart) in one graph, and the tuner ran."""
+    from elasticlab.gns import triton_outer, triton_tune
+    if not triton_outer.HAS_TRITON:
+        pytest.skip("needs Triton")
+    torch.manual_seed(0)
+    D = 1024
+    model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D), nn.LayerNorm(D),
+                          nn.Linear(D, 10)).cuda()
+    x = torch.randn(4, 128, D, device="cuda")
+
+    def steps(run):
+        out = []
+        with PerSampleGradNorms(model) as n:
+            for _ in range(2):
+                model.zero_grad()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = run(x).float().pow(2).mean()
+                loss.backward()
+                out.append(n.sq_norms().clone())
+        return out
+
+    ref = steps(model)
+    torch._dynamo.reset()
+    triton_tune.reset()
+    got = steps(torch.compile(model, backend=backend, fullgraph=True))
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.float32
+        assert float(((a - b).abs() / b).median()) < 2e-2
+    assert triton_tune.tunings()                 # the compiled run's operator tuned the forms afresh
