@@ -213,9 +213,9 @@ def seq_linear_gram_norms(a: torch.Tensor, d: torch.Tensor, use_kernel: bool | N
     return op(_plain(a), _plain(d)) if op is not None else seq_linear_gram_norms_ref(a, d)
 
 
-@torch.library.custom_op("elasticlab_triton::outer_norms", mutates_args=())
-def _triton_outer_op(a: torch.Tensor, d: torch.Tensor, with_grad: bool,
-                     bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("elasticlab_triton::outer_norms", mutates_args=(),
+                         schema="(Tensor a, Tensor d, bool with_grad, bool bias) -> (Tensor, Tensor, Tensor)")
+def _triton_outer_op(a, d, with_grad, bias):
     """:func:`elasticlab.gns.triton_tune.outer_norms` as an operator, which a traced backward
     (``torch.compile``) records as one opaque call, run with real tensors (tuned and launched as in eager):
     (norms (B,), the weight gradient (Dout, Din) or (0,), the bias sums (B, Dout) or (0,)), in float32 for
