@@ -1,24 +1,25 @@
 """Host (Python) overhead of per-example gradient norms on small steps, where kernels are cheap.
 
 Two stacks of 24 layers with tiny batches, so that a step is dominated by per-layer dispatch rather than
-arithmetic: ``mlp24`` (24 × Linear(D, D) + tanh on (B, D) inputs: the product-of-norms path) and ``seq24``
-(24 × LayerNorm → Linear → GELU on (B, T, D): LayerNorm's rule and the sequence Linear) and ``conv24`` (24 ×
-Conv2d 3×3 → GroupNorm → ReLU on (B, C, 4, 4): G2's layer families). Methods, timed
-interleaved in the same run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``, fused
-backward, ``sq_norms()`` read each step), ``psgn-torchops`` (the same, but the fused layers' operators called
-through torch.ops' boxed entry rather than ``_C``'s direct one: ``kernels.USE_DIRECT_CALLS = False``) and
-``psgn-hooks`` (hooks only). ``--conv-form outer|gram`` sends conv24's convolutions to the C++ function's
-CUDA forms (the batched GEMM or the Gram form over the patches) on the CPU, so that their host work is
-counted here. Each round times ``--steps`` steps
-of one method, by the CPU time of the calling thread (``time.thread_time``: with one intra-op thread the
-forward, the backward and the kernels all run there, and other processes on a shared machine barely move
-it; ``--clock wall`` for wall time); the minimum over ``--rounds`` rounds of the mean step is reported (the
-median too, as ``*_med``), with the ratio to plain and the extra microseconds per layer ((psgn − plain) /
-24). Timings on a loaded machine move by ±20%, so each workload also gets two deterministic counts per
-step and method: ATen operators dispatched (``torch.profiler``, CPU; and those outside elasticlab's kernel
-operators, whose inner ATen calls are the device's own) and Python function calls
-(``cProfile``), under ``counts``. ``--profile``: cProfile of ``psgn`` steps, the top functions by own time.
-Last line: ``RESULT {json}``.
+arithmetic: ``mlp24`` (24 × Linear(D, D) + tanh on (B, D) inputs: the product-of-norms path) and ``seq24`` (24
+× LayerNorm → Linear → GELU on (B, T, D): LayerNorm's rule and the sequence Linear) and ``conv24`` (24 ×
+Conv2d 3×3 → GroupNorm → ReLU on (B, C, 4, 4): G2's layer families). Methods, timed interleaved in the same
+run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``, fused backward, ``sq_norms()`` read
+each step), ``psgn-torchops`` (the same, but the fused layers' operators called through torch.ops' boxed entry
+rather than ``_C``'s direct one: ``kernels.USE_DIRECT_CALLS = False``) and ``psgn-hooks`` (hooks only); and,
+asked for, ``plain-compiled`` and ``psgn-compiled`` (the model under ``torch.compile``, ``--compile-backend``:
+Inductor by default, plainly and with the fused norms, whose layers then hand their norms out of the compiled
+backward as gradients, :mod:`elasticlab.gns.sink`). ``--conv-form outer|gram`` sends conv24's convolutions to
+the C++ function's CUDA forms (the batched GEMM or the Gram form over the patches) on the CPU, so that their
+host work is counted here. Each round times ``--steps`` steps of one method, by the CPU time of the calling
+thread (``time.thread_time``: with one intra-op thread the forward, the backward and the kernels all run
+there, and other processes on a shared machine barely move it; ``--clock wall`` for wall time); the minimum
+over ``--rounds`` rounds of the mean step is reported (the median too, as ``*_med``), with the ratio to plain
+and the extra microseconds per layer ((psgn − plain) / 24). Timings on a loaded machine move by ±20%, so each
+workload also gets two deterministic counts per step and method: ATen operators dispatched
+(``torch.profiler``, CPU; and those outside elasticlab's kernel operators, whose inner ATen calls are the
+device's own) and Python function calls (``cProfile``), under ``counts``. ``--profile``: cProfile of ``psgn``
+steps, the top functions by own time. Last line: ``RESULT {json}``.
 
     python benchmarks/bench_psgnorm_overhead.py [--rounds 15] [--steps 30] [--threads 1]
         [--clock thread|wall] [--profile]
@@ -90,12 +91,23 @@ def workload(name: str):
     raise ValueError(f"unknown workload {name!r}")
 
 
-def make_step(method: str, model: nn.Module, x: torch.Tensor):
-    """A closure running one step; ``.close()`` leaves the context of the psgn methods."""
+# The model under torch.compile (``--compile-backend``), plainly and with the fused norms: made once per
+# workload (a context entered anew gives the layers new forwards, which Dynamo would recompile each round).
+COMPILED = {"plain-compiled": "plain", "psgn-compiled": "psgn"}
+COMPILE_BACKEND = "inductor"
+
+
+def make_step(method: str, model: nn.Module, x: torch.Tensor, run=None):
+    """A closure running one step; ``.close()`` leaves the context of the psgn methods. ``run``: what runs
+    the forward (the model, or its compiled form)."""
+    if method in COMPILED:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        return make_step(COMPILED[method], model, x, run=torch.compile(model, backend=COMPILE_BACKEND))
+    run = model if run is None else run
     if method == "plain":
         def step():
             model.zero_grad(set_to_none=True)
-            model(x).pow(2).mean().backward()
+            run(x).pow(2).mean().backward()
         step.close = lambda: None
         return step
     if method not in ("psgn", "psgn-torchops", "psgn-hooks"):
@@ -107,7 +119,7 @@ def make_step(method: str, model: nn.Module, x: torch.Tensor):
         before, kernels.USE_DIRECT_CALLS = kernels.USE_DIRECT_CALLS, direct
         try:
             model.zero_grad(set_to_none=True)
-            model(x).pow(2).mean().backward()
+            run(x).pow(2).mean().backward()
             return ctx.sq_norms()
         finally:
             kernels.USE_DIRECT_CALLS = before
@@ -118,20 +130,27 @@ def make_step(method: str, model: nn.Module, x: torch.Tensor):
 def time_workload(name: str, methods, rounds: int, steps: int, clock=time.thread_time) -> dict:
     model, x = workload(name)
     per: dict[str, list[float]] = {m: [] for m in methods}
-    for r in range(rounds + 1):             # round 0 is the warm-up
-        for m in methods:                   # a psgn method's context is entered for its own round only
-            step = make_step(m, model, x)
-            try:
-                for _ in range(5):
-                    step()
-                t0 = clock()
-                for _ in range(steps):
-                    step()
-                dt = (clock() - t0) / steps
-            finally:
-                step.close()
-            if r:
-                per[m].append(dt)
+    # each compiled method keeps its own copy of the model, compiled once, and its context for all rounds
+    kept = {m: make_step(m, workload(name)[0], x) for m in methods if m in COMPILED}
+    try:
+        for r in range(rounds + 1):             # round 0 is the warm-up
+            for m in methods:                   # a psgn method's context is entered for its own round only
+                step = kept.get(m) or make_step(m, model, x)
+                try:
+                    for _ in range(5):
+                        step()
+                    t0 = clock()
+                    for _ in range(steps):
+                        step()
+                    dt = (clock() - t0) / steps
+                finally:
+                    if m not in kept:
+                        step.close()
+                if r:
+                    per[m].append(dt)
+    finally:
+        for step in kept.values():
+            step.close()
     best = {m: min(v) for m, v in per.items()}
     med = {m: statistics.median(v) for m, v in per.items()}
     out = {"plain_us": round(best["plain"] * 1e6, 1), "plain_us_med": round(med["plain"] * 1e6, 1)}
@@ -141,6 +160,8 @@ def time_workload(name: str, methods, rounds: int, steps: int, clock=time.thread
         out[m] = {"us": round(best[m] * 1e6, 1), "ratio": round(best[m] / best["plain"], 3),
                   "extra_us_per_layer": round((best[m] - best["plain"]) * 1e6 / LAYERS, 2),
                   "ratio_med": round(med[m] / med["plain"], 3)}
+        if m == "psgn-compiled" and "plain-compiled" in best:        # against the compiled plain step
+            out[m]["ratio_to_compiled"] = round(best[m] / best["plain-compiled"], 3)
     return out
 
 
@@ -215,7 +236,10 @@ def main(argv=None) -> int:
     ap.add_argument("--conv-form", choices=tuple(CONV_FORMS), default="auto",
                     help="the C++ convolution's form for conv24 (CUDA's outer and Gram forms on the CPU)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--compile-backend", default=COMPILE_BACKEND,
+                    help="torch.compile backend of plain-compiled and psgn-compiled (e.g. aot_eager)")
     args = ap.parse_args(argv)
+    globals()["COMPILE_BACKEND"] = args.compile_backend
     torch.set_num_threads(args.threads)
     if args.conv_form != "auto":             # every shape to one form (the rule's per-shape choice replaced)
         from elasticlab.gns.layers import conv as conv_rule
@@ -233,6 +257,9 @@ def main(argv=None) -> int:
         line = "  ".join(f"{m} {r[m]['us']:.0f} us ({r[m]['ratio']:.2f}x, median {r[m]['ratio_med']:.2f}x; "
                          f"+{r[m]['extra_us_per_layer']:.1f} us/layer)" for m in methods if m != "plain")
         print(f"{name}: plain {r['plain_us']:.0f} us  {line}", flush=True)
+        if "ratio_to_compiled" in r.get("psgn-compiled", {}):
+            rc = r["psgn-compiled"]["ratio_to_compiled"]
+            print(f"   psgn-compiled / plain-compiled: {rc:.2f}x", flush=True)
         print("   per step: " + "  ".join(f"{m} {c['aten_ops']} aten ops ({c['host_ops']} outside kernels), "
                                          f"{c['py_calls']} Python calls" for m, c in r["counts"].items()),
               flush=True)

@@ -1,18 +1,23 @@
 """How per-example norms leave a compiled backward: as the gradient of a sink.
 
 A backward that records its norms in the layer's slot (a Python side effect) cannot be traced by
-``torch.compile``: Dynamo breaks the graph at each such layer and runs that layer eagerly. Instead, each slot
-keeps a *sink*, a (len(need), capacity) leaf tensor made eagerly before each forward of the model
-(:meth:`~elasticlab.gns.slot.Slot.ready_sink`, sized from the batch of the model's input); under
-``torch.compile`` a fused layer takes a (len(need), B) slice of it as one more input (:func:`sink_for`) and
-its backward returns the norms as that input's gradient (:func:`deliver`). AOTAutograd traces that like any
-gradient; after the compiled backward, the sink's post-accumulate-grad hook records the rows in the slot
-(:meth:`~elasticlab.gns.slot.Slot._take_sink`). Layers served by hook rules get the same through :class:`Tap`,
-an identity on the layer's output whose backward runs the rule. Eager calls keep recording directly.
+``torch.compile``: Dynamo breaks the graph at each such layer and runs that layer eagerly. Instead, a
+:class:`~elasticlab.gns.PerSampleGradNorms` keeps a *sink*, a (rows, capacity) leaf tensor with a row per
+needed parameter of each layer, made eagerly before each forward of the model (:class:`Sinks`, sized from
+the batch of the model's input). Under ``torch.compile`` a fused layer takes its (len(need), B) slice of it
+as one more input (:func:`sink_for`) and its backward returns the norms as that input's gradient
+(:func:`deliver`). AOTAutograd traces that like any gradient; after the compiled backward, the sink's
+post-accumulate-grad hook records each layer's rows in its slot (:meth:`Sinks._take`). Layers served by hook
+rules get the same through :class:`Tap`, an identity on the layer's output whose backward runs the rule.
+Eager calls keep recording directly.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from elasticlab.gns import kernels
 
 
 def sink_for(slot, x: torch.Tensor) -> torch.Tensor | None:
@@ -28,7 +33,8 @@ def deliver(ctx, norms: dict, batch: int) -> torch.Tensor | None:
     norm of (several calls of one slot add up in the sink), None if it has none; else recorded in
     ``ctx.slot`` (None)."""
     if ctx.sink is None:
-        ctx.slot.record(norms, batch)
+        if norms:                                          # (nothing to record where nothing trains)
+            ctx.slot.record(norms, batch)
         return None
     rows = [norms.get(p) for p in ctx.slot.need]
     like = next((r for r in rows if r is not None), None)
@@ -70,17 +76,45 @@ def tap(slot, module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | Non
 
 
 class Sinks:
-    """The sinks of one :class:`~elasticlab.gns.PerSampleGradNorms`' slots, made ready before each forward of
-    the model for its batch (dim 0 of the call's first tensor argument with a dimension) and device: one
-    comparison a step, the slots' sinks remade only for a larger batch or another input device."""
+    """The sink of one :class:`~elasticlab.gns.PerSampleGradNorms`: one (rows, capacity) leaf, a row per
+    needed parameter of each slot (``slot.rows``), made before each forward of the model for its batch (dim 0
+    of the call's first tensor argument with a dimension) and device: one comparison a step, the leaf remade
+    only for a larger batch or another input device. One post-accumulate-grad hook a step (:meth:`_take`)
+    records each slot's rows that a traced forward used."""
 
     def __init__(self, slots: list):
         self.slots, self.capacity, self.device = slots, 0, None
+        self.leaf: torch.Tensor | None = None
+        rows = 0
+        for s in slots:
+            s.rows, rows = (rows, rows + len(s.need)), rows + len(s.need)
+        self.n_rows = rows
 
     def ready(self, args: tuple, kwargs: dict | None) -> None:
         x = next((v for v in (*args, *(kwargs or {}).values())
                   if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         if x is not None and (x.shape[0] > self.capacity or x.device != self.device):
-            for s in self.slots:
-                s.ready_sink(x.shape[0])
+            self._make(x.shape[0])
             self.capacity, self.device = x.shape[0], x.device
+
+    def _make(self, batch: int) -> None:
+        """The leaf, on the device of the slots' first trainable parameter, in the widest float type their
+        norms come in (float32 for 16-bit parameters)."""
+        params = [p for s in self.slots for p in s.module.parameters() if p.requires_grad]
+        if not params:
+            self.leaf = None
+            return
+        dtype = functools.reduce(torch.promote_types, {kernels.acc_dtype(p.dtype) for p in params})
+        leaf = torch.zeros((self.n_rows, batch), dtype=dtype, device=params[0].device, requires_grad=True)
+        leaf.register_post_accumulate_grad_hook(self._take)
+        self.leaf = leaf
+
+    def _take(self, leaf: torch.Tensor) -> None:
+        g, leaf.grad = leaf.grad, None
+        if g is None:
+            return
+        for s in self.slots:
+            b = s._sink_batch
+            if b:
+                s._sink_batch, r = 0, s.rows[0]
+                s.record({p: g[r + i, :b] for i, p in enumerate(s.need)}, b)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elasticlab.gns import kernels
 from elasticlab.gns.block import ROWS
 
 
@@ -22,8 +21,8 @@ class Slot:
         self._buf_key: tuple | None = None
         self._views: dict[str, torch.Tensor] = {}
         self.index = -1                                   # position among the owner's slots (set by it)
-        self._sink: torch.Tensor | None = None            # (len(need), capacity) leaf (compile)
-        self._sink_batch = 0
+        self.rows = (0, 0)          # its rows of the owner's sink (gns.sink.Sinks), from and to
+        self._sink_batch = 0        # the batch its rows hold this step (set by a traced forward), or 0
         self.on_block = False       # this step's norms are the rows of the owner's shared block, unaltered
         self._in_block = False
 
@@ -76,34 +75,17 @@ class Slot:
         """B² for a mean-reduced loss (per-example losses are ℓ_i/B), 1 for a summed one."""
         return float(self.batch) ** 2 if self.owner.loss_reduction == "mean" else 1.0
 
-    def ready_sink(self, batch: int) -> None:
-        """Before a forward of the model (eagerly): a sink (:meth:`sink`) holding at least ``batch`` examples,
-        on the module's device, in the float type its norms come in (float32 for 16-bit parameters)."""
-        s = self._sink
-        p = next((v for v in self.module.parameters() if v.requires_grad), None)
-        if p is None or not self.need or (s is not None and s.shape[1] >= batch and s.device == p.device):
-            return
-        s = torch.zeros((len(self.need), batch), dtype=kernels.acc_dtype(p.dtype), device=p.device,
-                        requires_grad=True)
-        s.register_post_accumulate_grad_hook(self._take_sink)
-        self._sink = s
-
     def sink(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Under ``torch.compile``: the (len(need), B) rows, a norm per parameter of :attr:`need`, that a
-        fused backward returns as the gradient of this slot's sink, a leaf outside the graph whose
-        post-accumulate-grad hook records them (:meth:`_take_sink`): the norms leave the compiled backward as
-        a gradient, where recording them in the slot (a side effect) would break the graph at every layer.
-        None where the sink made before the forward (:meth:`ready_sink`, from the batch of the model's input)
-        does not fit x's batch and device: the backward then records them (correct, with a graph break)."""
-        s, batch = self._sink, x.shape[0]
+        """Under ``torch.compile``: this slot's rows of the owner's sink (:class:`elasticlab.gns.sink.Sinks`),
+        (len(need), B), a norm per parameter of :attr:`need`, which a fused backward returns as their
+        gradient; the sink's hook records them after the compiled backward. None where the sink made before
+        the forward (from the batch of the model's input) does not fit x's batch and device, or where none of
+        the needed parameters trains (the backward then records the norms itself: correct, with a graph
+        break, and nothing where nothing trains)."""
+        s, batch = self.owner._sinks.leaf, x.shape[0]
         if s is None or s.shape[1] < batch or s.device != x.device:
             return None
+        if not any(self.module._parameters[p].requires_grad for p in self.need):
+            return None
         self._sink_batch = batch
-        return s[:, :batch]
-
-    def _take_sink(self, leaf: torch.Tensor) -> None:
-        g, leaf.grad = leaf.grad, None
-        if g is None:                    # no gradient reached it (no needed parameter trained in this call)
-            return
-        b = self._sink_batch
-        self.record({p: g[r, :b] for r, p in enumerate(self.need)}, b)
+        return s[self.rows[0]:self.rows[1], :batch]

@@ -114,19 +114,19 @@ def test_batch_beyond_the_sinks_falls_back_to_recording():
 
 
 def test_sinks_follow_the_batch_and_stay_unused_in_eager():
-    """Sinks are made before the forward for the input's batch, remade only for a larger one; an eager step
-    records the norms directly, leaving every sink without a gradient."""
+    """The sink is made before the forward for the input's batch, a row per needed parameter, remade only
+    for a larger batch; an eager step records the norms directly, leaving it without a gradient."""
     model = mlp_seq()
     with PerSampleGradNorms(model) as n:
-        slots = [s for s in n._slots if s.need]
+        rows = sum(len(s.need) for s in n._slots)
+        assert rows == 8                                   # 3 Linears and a LayerNorm, weight and bias each
         model(torch.randn(4, 3, 16)).sum().backward()
-        assert all(s._sink.shape == (len(s.need), 4) and s._sink.grad is None for s in slots)
-        first = [s._sink for s in slots]
+        first = n._sinks.leaf
+        assert first.shape == (rows, 4) and first.grad is None and first.requires_grad
         model(torch.randn(2, 3, 16)).sum().backward()                       # smaller: kept
-        assert all(s._sink is f for s, f in zip(slots, first))
-        assert n.sq_norms().shape == (2,)
+        assert n._sinks.leaf is first and n.sq_norms().shape == (2,)
         model(torch.randn(7, 3, 16)).sum().backward()                       # larger: remade
-        assert all(s._sink.shape == (len(s.need), 7) and s._sink.grad is None for s in slots)
+        assert n._sinks.leaf.shape == (rows, 7) and n._sinks.leaf.grad is None
         assert n.sq_norms().shape == (7,)
 
 
