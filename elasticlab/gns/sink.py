@@ -44,35 +44,37 @@ def deliver(ctx, norms: dict, batch: int) -> torch.Tensor | None:
 
 
 class Tap(torch.autograd.Function):
-    """Identity on a hooked layer's output; the backward runs the slot's hook rule on the output's gradient
-    and the layer's inputs, and hands the norms to the sink (:func:`deliver`)."""
+    """Identity on a hooked layer's output; the backward runs a hook rule (``norms(module, inputs, grad,
+    need)``, the slot's by default) on the output's gradient and the layer's inputs, and hands the norms to
+    the sink (:func:`deliver`)."""
 
     @staticmethod
-    def forward(ctx, out, sink, slot, module, layout, *tensors):
-        ctx.slot, ctx.module, ctx.layout, ctx.sink = slot, module, layout, sink.dtype
+    def forward(ctx, out, sink, slot, module, norms, kinds, values, *tensors):
+        ctx.slot, ctx.module, ctx.norms, ctx.sink = slot, module, norms, sink.dtype
+        ctx.kinds, ctx.values, ctx.batch = kinds, values, out.shape[0]
         ctx.save_for_backward(*tensors)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, g):
         tensors = iter(ctx.saved_tensors)
-        inputs = tuple(next(tensors) if v is None else v for v in ctx.layout)
-        norms = ctx.slot.rule.norms(ctx.module, inputs, g.detach(), ctx.slot.need)
-        return (g, deliver(ctx, norms, inputs[0].shape[0]), None, None, None,
+        inputs = tuple(next(tensors) if k else v for k, v in zip(ctx.kinds, ctx.values))
+        norms = ctx.norms(ctx.module, inputs, g.detach(), ctx.slot.need)
+        return (g, deliver(ctx, norms, ctx.batch), None, None, None, None, None,
                 *([None] * len(ctx.saved_tensors)))
 
 
-def tap(slot, module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
-    """Under ``torch.compile``, a hooked layer's output through :class:`Tap`, or None where the slot's sink
-    does not fit the first input (then the caller's tensor hook records the norms)."""
-    if not inputs or not isinstance(inputs[0], torch.Tensor):
-        return None
-    sink = slot.sink(inputs[0])
+def tap(slot, module, inputs: tuple, output: torch.Tensor, norms=None) -> torch.Tensor | None:
+    """Under ``torch.compile``, a hooked layer's output through :class:`Tap` (``norms``: the rule, else the
+    slot's), or None where the sink does not fit the output's batch (dim 0) and device: the caller's tensor
+    hook then records the norms."""
+    sink = slot.sink(output)
     if sink is None:
         return None
-    layout = tuple(None if isinstance(i, torch.Tensor) else i for i in inputs)
+    kinds = tuple(isinstance(i, torch.Tensor) for i in inputs)
+    values = tuple(None if k else i for k, i in zip(kinds, inputs))
     tensors = [i.detach() for i in inputs if isinstance(i, torch.Tensor)]
-    return Tap.apply(output, sink, slot, module, layout, *tensors)
+    return Tap.apply(output, sink, slot, module, norms or slot.rule.norms, kinds, values, *tensors)
 
 
 class Sinks:

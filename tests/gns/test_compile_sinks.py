@@ -27,6 +27,23 @@ class NormNet(nn.Module):
         return self.head(a.mean(1))
 
 
+class BagNet(nn.Module):
+    """EmbeddingBag over (B, L) indices and over the flat indices with offsets, Bilinear, BatchNorm1d in eval
+    mode, Conv1d: the remaining rules with fused or hook forms."""
+
+    def __init__(self, V=30, E=6):
+        super().__init__()
+        self.bag2d, self.bag1d = nn.EmbeddingBag(V, E, mode="mean"), nn.EmbeddingBag(V, E, mode="sum")
+        self.bil, self.bn = nn.Bilinear(E, E, 5), nn.BatchNorm1d(5).eval()
+        self.conv, self.head = nn.Conv1d(1, 2, 3), nn.Linear(6, 3)
+
+    def forward(self, idx):
+        B, L = idx.shape
+        flat = self.bag1d(idx.reshape(-1), torch.arange(0, B * L, L, device=idx.device))
+        h = self.bn(self.bil(self.bag2d(idx), flat))
+        return self.head(self.conv(h.unsqueeze(1)).flatten(1))
+
+
 def _mean_sq(o):
     return o.pow(2).mean()
 
@@ -41,6 +58,7 @@ CASES = {
     "gpt": (TinyGPT, lambda g: torch.randint(0, 40, (4, 12), generator=g), _gpt_loss),
     "norms-mha": (NormNet, lambda g: torch.randn(5, 3, 4, 4, generator=g), _mean_sq),
     "unet3d": (unet3d, lambda g: torch.randn(6, 2, 4, 3, 2, generator=g), _mean_sq),
+    "bags": (BagNet, lambda g: torch.randint(0, 30, (4, 7), generator=g), _mean_sq),
 }
 
 

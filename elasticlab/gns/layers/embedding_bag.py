@@ -17,6 +17,7 @@ from torch import nn
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.embedding import segment_sums
 from elasticlab.gns.registry import register_rule
+from elasticlab.gns.sink import tap
 
 
 def bag_coefficient_sq(module: nn.EmbeddingBag, idx: torch.Tensor, offsets, per_sample_weights,
@@ -51,16 +52,22 @@ def embedding_bag_forward(module: nn.EmbeddingBag, slot):
         slot.called()
         out = own(module, input, offsets, per_sample_weights)
         if out.requires_grad and module.weight.requires_grad:
-            idx, off = input.detach(), None if offsets is None else offsets.detach()
-            psw = None if per_sample_weights is None else per_sample_weights.detach()
-
-            def on_grad(g):
-                acc = kernels.acc_dtype(g.dtype)
-                q = bag_coefficient_sq(module, idx, off, psw, out.shape[0], acc)
-                slot.record({"weight": q * kernels.row_sq(g.detach().to(acc))}, out.shape[0])
-            out.register_hook(on_grad)
+            inputs = (input, offsets, per_sample_weights)
+            # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
+            if torch.compiler.is_compiling() and (t := tap(slot, module, inputs, out, bag_norms)) is not None:
+                return t
+            saved, bags = tuple(None if v is None else v.detach() for v in inputs), out.shape[0]
+            out.register_hook(lambda g: slot.record(bag_norms(module, saved, g.detach(), slot.need), bags))
         return out
     return forward
+
+
+def bag_norms(module: nn.EmbeddingBag, inputs, g: torch.Tensor, need) -> dict:
+    """{"weight": ‖δ_b‖² times :func:`bag_coefficient_sq`} from the inputs (input, offsets,
+    per_sample_weights) and the output's gradient δ (bags, D)."""
+    acc = kernels.acc_dtype(g.dtype)
+    q = bag_coefficient_sq(module, *inputs, g.shape[0], acc)
+    return {"weight": q * kernels.row_sq(g.to(acc))}
 
 
 def embedding_bag_check(module: nn.EmbeddingBag) -> None:
