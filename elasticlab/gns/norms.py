@@ -101,7 +101,7 @@ class PerSampleGradNorms:
         """At each forward of the model; run eagerly (``__enter__``)."""
         self._layer_cache = None
         for s in self._slots:
-            s.calls, s.norms, s.on_block = 0, {}, False
+            s.calls, s.norms, s.on_block, s._sink_batch = 0, {}, False, 0
             if s.touched:
                 s.touched = set()
         if self._probes:
@@ -112,7 +112,7 @@ class PerSampleGradNorms:
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
         self._scale = self._current_scale()
-        self._sinks.ready(args, kwargs)
+        self._sinks.ready(args, kwargs)                    # (and forgets the last step's gradient)
 
     def _drop_probes(self) -> None:
         for h in self._probes:
@@ -321,9 +321,10 @@ class PerSampleGradNorms:
         without a loss scale), or three (stack, sum, multiply by f/scale²) when every recorded norm (B,) has
         one batch size, dtype and device, and every layer one factor; else None."""
         self._check_coverage()
-        fast = self._block.read() if self._scale is None else None
-        if fast is not None:
-            return fast
+        for read in (self._block.read, lambda: self._sinks.read(self._slots)):
+            fast = read() if self._scale is None else None
+            if fast is not None:
+                return fast
         vals: list[torch.Tensor] = []
         f = None
         for s in self._slots:

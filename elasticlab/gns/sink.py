@@ -87,12 +87,14 @@ class Sinks:
     def __init__(self, slots: list):
         self.slots, self.capacity, self.device = slots, 0, None
         self.leaf: torch.Tensor | None = None
+        self.last: tuple | None = None         # this step's (gradient, batch, slots recorded), for read()
         rows = 0
         for s in slots:
             s.rows, rows = (rows, rows + len(s.need)), rows + len(s.need)
         self.n_rows = rows
 
     def ready(self, args: tuple, kwargs: dict | None) -> None:
+        self.last = None
         x = next((v for v in (*args, *(kwargs or {}).values())
                   if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         if x is not None and (x.shape[0] > self.capacity or x.device != self.device):
@@ -112,11 +114,33 @@ class Sinks:
         self.leaf = leaf
 
     def _take(self, leaf: torch.Tensor) -> None:
+        """The sink's gradient, after the compiled backward: each slot whose rows a traced forward used
+        records them, as views of one row split (no launch)."""
         g, leaf.grad = leaf.grad, None
         if g is None:
             return
+        batches = {s._sink_batch for s in self.slots} - {0}
+        batch = batches.pop() if len(batches) == 1 else None   # one batch size: the common case
+        rows = None if batch is None else g[:, :batch].unbind(0)
+        taken = 0
         for s in self.slots:
-            b = s._sink_batch
+            b, (r0, r1) = s._sink_batch, s.rows
             if b:
-                s._sink_batch, r = 0, s.rows[0]
-                s.record({p: g[r + i, :b] for i, p in enumerate(s.need)}, b)
+                s._sink_batch = 0
+                own = rows[r0:r1] if rows is not None else [g[r, :b] for r in range(r0, r1)]
+                s.record(dict(zip(s.need, own)), b)
+                taken += 1
+        self.last = None if batch is None or not taken else (g, batch, taken)
+
+    def read(self, slots: list) -> torch.Tensor | None:
+        """:meth:`~elasticlab.gns.PerSampleGradNorms.sq_norms` in one reduction over the sink's gradient
+        (rows of slots that did not run are 0), when every slot holding norms this step took them from it
+        (one batch size), without a loss scale; else None."""
+        if self.last is None:
+            return None
+        g, b, taken = self.last
+        if sum(1 for s in slots if s.norms) != taken:
+            return None
+        f = next(s for s in slots if s.norms).factor() if taken else 1.0
+        total = g[:, :b].sum(0)
+        return total * f if f != 1.0 else total

@@ -62,14 +62,17 @@ CASES = {
 }
 
 
-def _steps(model, batches, loss_fn, backend=None):
-    """Per step (sq_norms, param_sq_norms, grads) of ``model`` (float64) in one PerSampleGradNorms."""
+def _steps(model, batches, loss_fn, backend=None, sunk=True):
+    """Per step (sq_norms, param_sq_norms, grads) of ``model`` (float64) in one PerSampleGradNorms; compiled
+    and ``sunk``, checks that every layer's norms came through the sink."""
     out = []
     run = torch.compile(model, backend=backend) if backend else model
     with PerSampleGradNorms(model) as n:
         for x in batches:
             model.zero_grad()
             loss_fn(run(x)).backward()
+            if backend:             # every layer's norms came through the sink: sq_norms reads it at once
+                assert (n._sinks.last is not None) == sunk
             out.append((n.sq_norms(), n.param_sq_norms(),
                         [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     return out
@@ -123,7 +126,7 @@ def test_batch_beyond_the_sinks_falls_back_to_recording():
     batches = [torch.randn(3, 5, 4, generator=g, dtype=torch.float64) for _ in range(2)]     # T=3 < B=5
     ref = _steps(model, batches, _mean_sq)
     torch._dynamo.reset()
-    got = _steps(model, batches, _mean_sq, backend="aot_eager")
+    got = _steps(model, batches, _mean_sq, backend="aot_eager", sunk=False)
     for (n, _, grads), (n0, _, grads0) in zip(got, ref):
         assert n.shape == (5,)
         torch.testing.assert_close(n, n0, rtol=1e-10, atol=0)
