@@ -7,9 +7,10 @@ needed parameter of each layer, made eagerly before each forward of the model (:
 the batch of the model's input). Under ``torch.compile`` a fused layer takes its (len(need), B) slice of it
 as one more input (:func:`sink_for`) and its backward returns the norms as that input's gradient
 (:func:`deliver`). AOTAutograd traces that like any gradient; after the compiled backward, the sink's
-post-accumulate-grad hook records each layer's rows in its slot (:meth:`Sinks._take`). Layers served by hook
-rules get the same through :class:`Tap`, an identity on the layer's output whose backward runs the rule.
-Eager calls keep recording directly.
+post-accumulate-grad hook records each layer's rows in its slot (:meth:`Sinks._take`), and ``sq_norms``
+reads them in one reduction (:meth:`Sinks.read`). Layers served by hook rules get the same through
+:class:`Tap`, an identity on the layer's output whose backward runs the rule. Eager calls keep recording
+directly.
 """
 from __future__ import annotations
 
