@@ -33,11 +33,15 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_psgnorm import COMPILED  # noqa: E402  (plain-compiled, psgn-compiled: the methods' one list)
 
 LAYERS = 24
 CONV_FORMS = {"auto": None, "outer": 0, "gram": 1, "grouped": 2}     # --conv-form: the C++ function's forms
@@ -93,7 +97,6 @@ def workload(name: str):
 
 # The model under torch.compile (``--compile-backend``), plainly and with the fused norms: made once per
 # workload (a context entered anew gives the layers new forwards, which Dynamo would recompile each round).
-COMPILED = {"plain-compiled": "plain", "psgn-compiled": "psgn"}
 COMPILE_BACKEND = "inductor"
 
 

@@ -87,3 +87,25 @@ def test_switched_methods_are_paired_with_psgn_round_by_round(bench, capsys):
     workloads = {"G3-bf16": runs[0], "G3-bf16#2": runs[1], "G3-bf16#3": runs[3]}
     bench.print_rounds(workloads, [("G3", "bf16")])
     assert "psgn-fusedbias   / psgn 0.950 1.100 0.900   faster in 2 of 3 rounds" in capsys.readouterr().out
+
+
+def test_compiled_methods_give_psgn_norms(bench, monkeypatch):
+    """psgn-compiled (the model under torch.compile, here with aot_eager for speed) gives psgn's norms on a
+    shrunken W2; plain-compiled runs and gives none."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="aot_eager"))
+    torch._dynamo.reset()
+    model, x, y = bench.workload("W2", check=True)
+    model = model.double()
+    x = x.double()
+    ref = bench.make_step("psgn", model, x, y)
+    want = ref()
+    ref.close()
+    step = bench.make_step("psgn-compiled", model, x, y)
+    try:
+        for _ in range(2):
+            got = step()
+    finally:
+        step.close()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    assert bench.make_step("plain-compiled", model, x, y)() is None
