@@ -223,8 +223,7 @@ class PerSampleGradNorms:
     def __enter__(self) -> PerSampleGradNorms:
         if self._active:
             raise RuntimeError("PerSampleGradNorms is already active")
-        # eager, never traced: under torch.compile each is a frame of its own (one graph break at the model's
-        # call where an enclosing function is compiled). (Imports Dynamo here, not with elasticlab.)
+        # eager, never traced (a frame of its own, or a break in an enclosing compiled function): loads Dynamo
         eager = torch.compiler.disable
         self._handles.append(self.model.register_forward_pre_hook(eager(self._begin_step), with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(eager(self._end_forward)))
@@ -321,10 +320,11 @@ class PerSampleGradNorms:
         without a loss scale), or three (stack, sum, multiply by f/scale²) when every recorded norm (B,) has
         one batch size, dtype and device, and every layer one factor; else None."""
         self._check_coverage()
-        for read in (self._block.read, lambda: self._sinks.read(self._slots)):
-            fast = read() if self._scale is None else None
-            if fast is not None:
-                return fast
+        fast = self._block.read() if self._scale is None else None
+        if fast is None and self._scale is None:
+            fast = self._sinks.read()
+        if fast is not None:
+            return fast
         vals: list[torch.Tensor] = []
         f = None
         for s in self._slots:

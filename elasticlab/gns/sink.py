@@ -133,15 +133,15 @@ class Sinks:
                 taken += 1
         self.last = None if batch is None or not taken else (g, batch, taken)
 
-    def read(self, slots: list) -> torch.Tensor | None:
+    def read(self) -> torch.Tensor | None:
         """:meth:`~elasticlab.gns.PerSampleGradNorms.sq_norms` in one reduction over the sink's gradient
         (rows of slots that did not run are 0), when every slot holding norms this step took them from it
         (one batch size), without a loss scale; else None."""
         if self.last is None:
             return None
         g, b, taken = self.last
-        if sum(1 for s in slots if s.norms) != taken:
+        if sum(1 for s in self.slots if s.norms) != taken:    # (a slot without a parameter records none)
             return None
-        f = next(s for s in slots if s.norms).factor() if taken else 1.0
+        f = next(s for s in self.slots if s.norms).factor()
         total = g[:, :b].sum(0)
         return total * f if f != 1.0 else total

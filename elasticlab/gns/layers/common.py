@@ -67,4 +67,3 @@ def affine_norms(gw: torch.Tensor, gb: torch.Tensor, need) -> dict:
     if "bias" in need:
         out["bias"] = kernels.row_sq(gb)
     return out
-
