@@ -280,6 +280,14 @@ _KERNEL_VARIANT = ("it changes the Triton kernel's variant, which serves bfloat1
 # The model under torch.compile (default Inductor backend), plainly and with elasticlab's fused norms, whose
 # layers then hand their norms out of the compiled backward as gradients (elasticlab.gns.sink).
 COMPILED = {"plain-compiled": "plain", "psgn-compiled": "psgn"}
+
+
+def compiled(model: nn.Module, backend: str = "inductor"):
+    """``torch.compile(model)`` for the compiled methods, with room in Dynamo's cache for one compiled model
+    per workload copy and method (its default of 8 entries a frame would send later copies back to eager)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(model, backend=backend)
+
 SWITCHED = {
     "psgn-ref": ("kernels:USE_KERNELS=False", None, ""),                 # the compiled kernels off
     "psgn-py": ("kernels:USE_CXX_AUTOGRAD=False", None, ""),             # Python autograd.Functions
@@ -329,9 +337,7 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32", run=None)
     dev = x.device
     run = model if run is None else run
     if method in COMPILED:
-        # torch.compile(model) (Inductor): one compiled model per workload copy and method
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        return make_step(COMPILED[method], model, x, y, prec, run=torch.compile(model))
+        return make_step(COMPILED[method], model, x, y, prec, run=compiled(model))
     if method == "plain":
         def step():
             model.zero_grad(set_to_none=True)

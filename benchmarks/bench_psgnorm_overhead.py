@@ -41,7 +41,7 @@ from torch import nn
 from elasticlab.gns import PerSampleGradNorms, kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_psgnorm import COMPILED  # noqa: E402  (plain-compiled, psgn-compiled: the methods' one list)
+from bench_psgnorm import COMPILED, compiled  # noqa: E402  (the compiled methods: one list, one way)
 
 LAYERS = 24
 CONV_FORMS = {"auto": None, "outer": 0, "gram": 1, "grouped": 2}     # --conv-form: the C++ function's forms
@@ -104,8 +104,7 @@ def make_step(method: str, model: nn.Module, x: torch.Tensor, run=None):
     """A closure running one step; ``.close()`` leaves the context of the psgn methods. ``run``: what runs
     the forward (the model, or its compiled form)."""
     if method in COMPILED:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        return make_step(COMPILED[method], model, x, run=torch.compile(model, backend=COMPILE_BACKEND))
+        return make_step(COMPILED[method], model, x, run=compiled(model, COMPILE_BACKEND))
     run = model if run is None else run
     if method == "plain":
         def step():
