@@ -158,19 +158,61 @@ def test_in_a_language_model_with_autocast():
         assert ((got - ref).abs() / ref).median() < 0.05, k
 
 
-def test_compiled_equals_eager():
-    """torch.compile (aot_eager) of a model holding a GRU: the same norms as eager."""
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_compiled_equals_eager_in_one_graph(cell):
+    """torch.compile (aot_eager) of a language model holding a 2-layer bidirectional recurrent layer: with
+    Dynamo's allow_rnn (off by default: Dynamo then runs nn.RNN/LSTM/GRU eagerly, a graph break, and eager
+    norms follow), one graph and no break; the norms leave the compiled backward through the sink and equal
+    eager's, per parameter, on two batches."""
     torch.manual_seed(0)
-    gru = nn.GRU(3, 4, num_layers=2, batch_first=True, bidirectional=True)
-    x = torch.randn(4, 5, 3)
-    got = []
-    for run_it in (gru, torch.compile(gru, backend="aot_eager")):
-        gru.zero_grad()
-        with PerSampleGradNorms(gru) as n:
-            run_it(x)[0].pow(2).mean().backward()
-        got.append(n.sq_norms())
+    emb, rnn, head = nn.Embedding(20, 3), CELLS[cell](input_size=3, hidden_size=4, num_layers=2,
+                                                    batch_first=True, bidirectional=True), nn.Linear(8, 20)
+    model = nn.Sequential(emb, rnn, Pick(), head).double()
+    batches = [torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))]
+
+    def loss_of(run, idx):
+        return F.cross_entropy(run(idx).flatten(0, 1), idx.flatten())
+    with torch._dynamo.config.patch(allow_rnn=True):
+        with PerSampleGradNorms(model) as n:
+            explained = torch._dynamo.explain(model)(batches[0])
+            compiled = torch.compile(model, backend="aot_eager")
+            for idx in batches:
+                got = []
+                for run_it in (model, compiled):
+                    model.zero_grad()
+                    loss_of(run_it, idx).backward()
+                    got.append((n.sq_norms(), n.param_sq_norms(), n._sinks.last is not None))
+                assert not got[0][2] and got[1][2]                       # eager records; compiled: the sink
+                torch.testing.assert_close(got[1][0], got[0][0], rtol=1e-10, atol=0)
+                for k, v in got[0][1].items():
+                    torch.testing.assert_close(got[1][1][k], v, rtol=1e-10, atol=0, msg=k)
     torch._dynamo.reset()
-    torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-8)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+class Pick(nn.Module):
+    """A recurrent layer's output sequence, without its final state."""
+
+    def forward(self, out):
+        return out[0]
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_relu"])
+def test_frozen_input_weights_on_an_input_without_gradient(cell):
+    """W_ih (and b_ih) frozen on the first layer, whose input needs no gradient: the input-side
+    pre-activations need none either, yet W_hh's and b_hh's norms still come from them (float64)."""
+    torch.manual_seed(1)
+    m = CELLS[cell](input_size=3, hidden_size=4, num_layers=2).double()
+    m.weight_ih_l0.requires_grad_(False)
+    m.bias_ih_l0.requires_grad_(False)
+    x = torch.randn(6, 3, 3, dtype=torch.float64)                       # (T, B, F)
+    want = example_param_sq_norms(m, (m(x[:, b:b + 1])[0].pow(2).sum() for b in range(3)))
+    with PerSampleGradNorms(m, loss_reduction="sum") as n:
+        m(x)[0].pow(2).sum().backward()
+    got = n.param_sq_norms()
+    assert set(got) == set(want) and "weight_hh_l0" in got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-14, msg=k)
 
 
 @pytest.mark.gpu
