@@ -75,10 +75,17 @@ _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}
 
 
 def active(a: torch.Tensor) -> bool:
-    """Whether a call on ``a`` is tuned: :data:`ENABLED`, on CUDA, eager (a traced call or a captured graph
-    would record the measuring)."""
+    """Whether a call on ``a`` may measure its shape's forms: :data:`ENABLED`, on CUDA, eager (a traced call
+    or a captured CUDA graph would record the measuring)."""
     return (ENABLED and a.is_cuda and not torch.compiler.is_compiling()
             and not torch.cuda.is_current_stream_capturing())
+
+
+def follows(a: torch.Tensor) -> bool:
+    """Whether a call on ``a`` runs the form kept for its shape, once measured: :data:`ENABLED`, on CUDA, not
+    traced. While a CUDA graph is captured too (warmed up eagerly first, as captures are): the graph records
+    the kept form's launch, only the measuring is left out."""
+    return ENABLED and a.is_cuda and not torch.compiler.is_compiling()
 
 
 def variant_name(config: tuple) -> str:
@@ -169,10 +176,11 @@ def forms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = False)
 def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = False):
     """(‖G_b‖² (B,) float32, Σ_b G_b or None[, with ``bias`` the per-example bias gradients (B, Dout)]) by the
     form measured fastest for this shape (measured at its first call, whose result is the winner's);
-    :func:`elasticlab.gns.triton_outer.outer_norms` untuned where not :func:`active`. A form that raises (a
-    tile over the device's shared memory, say) is left out with a warning; if all raise, the last error
+    :func:`elasticlab.gns.triton_outer.outer_norms` untuned where not :func:`follows`, and where nothing is
+    kept for the shape yet while not :func:`active` (a CUDA graph being captured). A form that raises (a tile
+    over the device's shared memory, say) is left out with a warning; if all raise, the last error
     propagates."""
-    if not active(a):
+    if not follows(a):
         return triton_outer.outer_norms(a, d, with_grad, bias=bias)
     tma = TMA and triton_outer.tma_ok(a, d)
     key = (*a.shape, d.shape[2], a.dtype, a.device, bool(with_grad), tma, GHOST,
@@ -183,6 +191,8 @@ def outer_norms(a: torch.Tensor, d: torch.Tensor, with_grad: bool, bias: bool = 
         if name.startswith("ghost"):
             return ghost(a, d, with_grad, config, bias)
         return triton_outer.outer_norms(a, d, with_grad, config, bias)
+    if not active(a):
+        return triton_outer.outer_norms(a, d, with_grad, bias=bias)
     found = forms(a, d, with_grad, bias)
     shape = tuple(key[:4])
     name, out, times = timing.fastest({n: run for n, (run, _) in found.items()}, a.device, REPEATS,

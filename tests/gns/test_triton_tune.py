@@ -22,6 +22,7 @@ def fresh(monkeypatch):
     triton_tune.reset()
     if INTERPRET:                           # CPU tensors: force the tuning on (active() says no off CUDA)
         monkeypatch.setattr(triton_tune, "active", lambda a: triton_tune.ENABLED)
+        monkeypatch.setattr(triton_tune, "follows", lambda a: triton_tune.ENABLED)
     yield
     triton_tune.reset()
 
@@ -278,6 +279,29 @@ def test_the_mirrored_shape_gives_the_same_norms_and_the_gradient_in_place(monke
     assert not any(len(c) > 7 for c in triton_tune.candidates(*square))
 
 
+def test_while_a_cuda_graph_is_captured_the_kept_form_runs_and_nothing_is_measured(monkeypatch):
+    """A shape measured eagerly (the warm-up before a capture) runs its kept form while a graph is captured
+    (where measuring is left out: active() is false), not the fixed variant; a shape first seen while
+    capturing runs the fixed variant, measures nothing and keeps nothing."""
+    a, d = _inputs(3, 40, 32, 48)
+    monkeypatch.setattr(triton_tune, "REPEATS", 1)
+    want = _reference(a, d)
+    triton_tune.outer_norms(a, d, True)                   # measured
+    kept = triton_tune.chosen()
+    seen = _count_configs(monkeypatch)
+    monkeypatch.setattr(triton_tune, "active", lambda a: False)           # as while capturing
+    _close(triton_tune.outer_norms(a, d, True), want)
+    assert [triton_tune.variant_name(c) for c in seen] == list(kept.values())
+    seen.clear()
+    a2, d2 = _inputs(2, 9, 16, 24)
+    _close(triton_tune.outer_norms(a2, d2, True), _reference(a2, d2))
+    assert seen == [None] and triton_tune.chosen() == kept               # fixed variant, nothing measured
+    if not INTERPRET:                                     # the real rules on CUDA tensors
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert triton_tune.follows(a) and not triton_tune.active(a)
+
+
 def test_off_or_untunable_it_runs_the_fixed_variant(monkeypatch):
     a, d = _inputs(2, 9, 16, 24)
     seen = _count_configs(monkeypatch)
@@ -286,9 +310,9 @@ def test_off_or_untunable_it_runs_the_fixed_variant(monkeypatch):
     assert seen == [None] and triton_tune.tunings() == {}      # no config: FLAT and TMA decide
     monkeypatch.undo()
     # the real rule: CPU tensors are never tuned, nor is anything while torch.compile traces
-    assert not triton_tune.active(a.cpu())
+    assert not triton_tune.active(a.cpu()) and not triton_tune.follows(a.cpu())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not triton_tune.active(a)
+    assert not triton_tune.active(a) and not triton_tune.follows(a)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the default path takes the Triton kernel on CUDA only")
