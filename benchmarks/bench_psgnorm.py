@@ -26,7 +26,9 @@ fused layers' C++ operators called through torch.ops' boxed entry, not ``_C``'s 
 ``psgn-calibrated`` (each layer shape's form timed at its first backward and the fastest kept,
 :mod:`elasticlab.gns.calibrate`; the warm-up steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks
 only), ``plain-compiled`` and ``psgn-compiled`` (the model under ``torch.compile``, plainly and with the fused
-norms; not run by default: Inductor compiles each workload for minutes on the CPU), ``torch.func`` (vmap of
+norms; not run by default: Inductor compiles each workload for minutes on the CPU), ``plain-graphed`` and
+``psgn-graphed`` (the eager step, norms read included, captured in one CUDA graph and replayed: no host work
+a step; CUDA only, not run by default; ``psgn-graphed / plain-graphed`` printed), ``torch.func`` (vmap of
 grad, then the gradient as the sum of per-example ones; skipped when B ×
 #params × 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward)
 when Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go
@@ -280,6 +282,33 @@ _KERNEL_VARIANT = ("it changes the Triton kernel's variant, which serves bfloat1
 # The model under torch.compile (default Inductor backend), plainly and with elasticlab's fused norms, whose
 # layers then hand their norms out of the compiled backward as gradients (elasticlab.gns.sink).
 COMPILED = {"plain-compiled": "plain", "psgn-compiled": "psgn"}
+# The whole eager step (forward, backward, and the norms' read) captured in one CUDA graph and replayed: no
+# host work a step, so the ratio of the two is the device's alone.
+GRAPHED = {"plain-graphed": "plain", "psgn-graphed": "psgn"}
+
+
+def graphed(inner, device: torch.device):
+    """``inner``, a step over fixed input tensors, captured in a CUDA graph after three eager steps on a side
+    stream (kernel lookups, the Triton tuner's measuring, first-call allocations); each call replays it and
+    returns what the captured step returned, refilled by the replay (issue 14: a step with norms has no host
+    synchronisation, so it can be captured)."""
+    if device.type != "cuda":
+        raise Unavailable("CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            inner()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = inner()
+
+    def step():
+        graph.replay()
+        return out
+    step.close = getattr(inner, "close", lambda: None)
+    return step
 
 
 def compiled(model: nn.Module, backend: str = "inductor"):
@@ -338,6 +367,8 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32", run=None)
     run = model if run is None else run
     if method in COMPILED:
         return make_step(COMPILED[method], model, x, y, prec, run=compiled(model))
+    if method in GRAPHED:
+        return graphed(make_step(GRAPHED[method], model, x, y, prec, run=run), dev)
     if method == "plain":
         def step():
             model.zero_grad(set_to_none=True)
@@ -481,7 +512,7 @@ def check_methods(name: str, methods, device) -> tuple[dict, dict]:
     torch.set_default_dtype(torch.float64)             # for scratch tensors made without a dtype (Opacus)
     try:
         for m in methods:
-            if m in ("plain", "plain-compiled"):
+            if m in ("plain", "plain-compiled", "plain-graphed") or (m in GRAPHED and device.type != "cuda"):
                 continue
             step = None
             try:
@@ -711,6 +742,9 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict, first:
         if not SWITCHED[m][1](device.type, name, prec):
             entry["skipped"][m] = f"= psgn here ({SWITCHED[m][2]})"
             run.remove(m)
+    for m in [m for m in run if m in GRAPHED and device.type != "cuda"]:
+        entry["skipped"][m] = "CUDA graphs need a CUDA device"
+        run.remove(m)
     for m in [m for m in run if "tma" in m and not triton_tune.TMA]:
         entry["skipped"][m] = "TMA kept out (ELASTICLAB_TRITON_TMA=0)"
         run.remove(m)
@@ -741,6 +775,8 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict, first:
     entry["baseline_ms"] = base * 1e3
     entry["ms"] = {m: t * 1e3 for m, t in med.items()}
     entry["ratio"] = {m: t / base for m, t in med.items() if m != "plain"}
+    if "psgn-graphed" in med and "plain-graphed" in med:           # replays against replays
+        entry["graphed_ratio"] = med["psgn-graphed"] / med["plain-graphed"]
     if not args.no_memory:
         mem = {}
         for m in [m for m in run if m in med]:
@@ -778,6 +814,8 @@ def run_entry(name: str, prec: str, methods, device, args, checked: dict, first:
             if m in entry["errors"]:
                 line += f"  [{entry['errors'][m]}]"
         print(f"  {m:16s} {line}")
+    if "graphed_ratio" in entry:
+        print(f"  psgn-graphed / plain-graphed {entry['graphed_ratio']:.2f}x")
     for shape, times in entry["tuned_us"].items():
         print(f"  tuned {shape}: {_form_times(times)}")
     for layer, c in entry["calibrated_us"].items():

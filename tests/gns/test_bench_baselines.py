@@ -109,3 +109,49 @@ def test_compiled_methods_give_psgn_norms(bench, monkeypatch):
         step.close()
     torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
     assert bench.make_step("plain-compiled", model, x, y)() is None
+
+
+def test_graphed_methods_are_skipped_off_cuda_with_the_reason(bench, capsys):
+    """plain-graphed and psgn-graphed (the step captured in a CUDA graph) need a CUDA device: on the CPU each
+    is listed as skipped, with no check error and no timing, and make_step says why."""
+    import json
+
+    assert bench.main(["--workloads", "W1", "--methods", "plain,psgn,plain-graphed,psgn-graphed", "--quick",
+                       "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1][len("RESULT "):])["workloads"]["W1-fp32"]
+    for m in ("plain-graphed", "psgn-graphed"):
+        assert res["skipped"][m] == "CUDA graphs need a CUDA device"
+        assert m not in res["ms"] and m not in res["errors"] and m not in res["check_rel_err"]
+    assert "psgn" in res["ratio"] and "graphed_ratio" not in res
+    model, x, y = bench.workload("W1", check=True)
+    with pytest.raises(bench.Unavailable, match="CUDA graphs need a CUDA device"):
+        bench.make_step("psgn-graphed", model, x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_cuda_graphed_psgn_gives_the_eager_norms(bench, prec):
+    """psgn-graphed on CUDA (W2's block, shrunken): its replays return the eager step's norms, and the
+    replayed gradients are the eager ones; plain-graphed runs and gives none."""
+    dev = torch.device("cuda")
+    model, x, y = bench.workload("W2", check=True)
+    model, x, y = model.to(dev), x.to(dev), y.to(dev)
+    ref = bench.make_step("psgn", model, x, y, prec)
+    want = ref().clone()
+    grads = [p.grad.clone() for p in model.parameters()]
+    ref.close()
+    step = bench.make_step("psgn-graphed", model, x, y, prec)
+    try:
+        for _ in range(2):
+            got = step()
+        torch.cuda.synchronize()
+    finally:
+        step.close()
+    tol = dict(rtol=1e-4, atol=0) if prec == "fp32" else dict(rtol=2e-2, atol=0)
+    torch.testing.assert_close(got, want, **tol)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-3 if prec == "fp32" else 2e-2,
+                                   atol=1e-5 * float(g.abs().max()))
+    plain = bench.make_step("plain-graphed", model, x, y, prec)
+    assert plain() is None
