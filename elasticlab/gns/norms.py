@@ -32,7 +32,7 @@ from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.registry import covered_params, rule_for
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot
+from elasticlab.gns.slot import Slot, grad_sq_sums
 
 
 class PerSampleGradNorms:
@@ -345,32 +345,12 @@ class PerSampleGradNorms:
             return total * (f / self._scale.to(device=device, dtype=dtype) ** 2)
         return total * f if f != 1.0 else total
 
-    def _grad_sq_sums(self, lost) -> list[list[float]]:
-        """Per slot, Σ g² in float64 of each needed parameter's ``.grad`` (those with one, not left out):
-        all reduced on their devices, then read in one host transfer per device (not one per parameter)."""
-        sums: list[list[torch.Tensor]] = []
-        for s in self._slots:
-            row = []
-            for pname in s.need:
-                if lost and (id(s), pname) in lost:
-                    continue
-                p = getattr(s.module, pname)
-                if p is not None and p.grad is not None:
-                    row.append(p.grad.detach().double().pow(2).sum())
-            sums.append(row)
-        by_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for row in sums:
-            for t in row:
-                by_dev.setdefault(t.device, []).append(t)
-        read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
-        return [[next(read[t.device]) for t in row] for row in sums]
-
     def grad_sq_norm(self, batch_size: int | None = None) -> float:
         """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
         batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
         ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
         total = 0.0
-        for row in self._grad_sq_sums(self._check_coverage()):
+        for row in grad_sq_sums(self._slots, self._check_coverage()):
             for v in row:
                 total += v
         total /= self._grad_scale_sq()
@@ -392,7 +372,7 @@ class PerSampleGradNorms:
         if self.loss_reduction == "sum":
             div *= float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
         out = {}
-        for s, row in zip(self._slots, self._grad_sq_sums(self._check_coverage())):
+        for s, row in zip(self._slots, grad_sq_sums(self._slots, self._check_coverage())):
             tot = 0.0
             for v in row:
                 tot += v

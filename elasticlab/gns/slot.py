@@ -89,3 +89,39 @@ class Slot:
             return None
         self._sink_batch = batch
         return s[self.rows[0]:self.rows[1], :batch]
+
+
+
+def grad_sq_sums(slots: list[Slot], lost: set) -> list[list[float]]:
+    """Per slot, Σ g² in float64 of each needed parameter's ``.grad`` (those with one, not in ``lost``, the
+    (slot id, parameter) pairs left out): all reduced on their devices, then read in one host transfer per
+    device (not one per parameter). A nonzero gradient of a parameter whose module ran but recorded no norm
+    of it is an error: the norms would leave out part of the gradient, and the GNS would be biased."""
+    sums: list[list[torch.Tensor]] = []
+    unseen: list[tuple[int, int, str]] = []                # (slot, position in its row, parameter)
+    for i, s in enumerate(slots):
+        row = []
+        for pname in s.need:
+            if lost and (id(s), pname) in lost:
+                continue
+            p = getattr(s.module, pname)
+            if p is not None and p.grad is not None:
+                if s.calls and pname not in s.norms:
+                    unseen.append((i, len(row), pname))
+                row.append(p.grad.detach().double().pow(2).sum())
+        sums.append(row)
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for row in sums:
+        for t in row:
+            by_dev.setdefault(t.device, []).append(t)
+    read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
+    out = [[next(read[t.device]) for t in row] for row in sums]
+    missed = [(slots[i], pn) for i, j, pn in unseen if out[i][j] != 0.0]
+    if missed:
+        s0 = missed[0][0]
+        raise RuntimeError(
+            f"no per-example norm of {[s.full(pn) for s, pn in missed]} was recorded, though the gradient "
+            f"is nonzero: module {s0.name or '(root)'!r} ({type(s0.module).__name__}) ran, but its rule did "
+            "not see these parameters' per-example gradients, so the norms (and the GNS) would leave out "
+            "part of the gradient. Freeze them, or give the module a rule that covers them")
+    return out

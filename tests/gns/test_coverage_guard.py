@@ -159,3 +159,57 @@ def test_parameter_used_after_the_forward_is_caught():
         sq_loss(h, y).backward()
     with pytest.raises(RuntimeError, match=r"'unused' \(Linear\) never ran"):
         n.sq_norms()
+
+
+class Scale2(nn.Module):
+    """out = x · a · b, two parameters of one module."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.full((3,), 2.0))
+
+    def forward(self, x):
+        return x * self.a * self.b
+
+
+def test_a_rule_that_misses_a_parameter_it_covers_is_an_error_naming_it(monkeypatch):
+    """A module that ran, whose rule covers ``a`` and ``b`` but records only ``a``'s norms: the readers of
+    ‖ḡ‖² raise naming ``b`` (the norms would leave out part of the gradient, biasing the GNS), not once it
+    is frozen; a covered parameter whose gradient is zero (the module's output unused, gradients zeroed in
+    place) is no error."""
+    def norms_of_a_only(module, inputs, g, need):
+        return {"a": (inputs[0] * module.b * g).pow(2).sum(1)}
+    monkeypatch.setitem(RULES, Scale2, RULES.get(Scale2))
+    from elasticlab.gns import register_rule
+    register_rule(Scale2, norms_of_a_only, params=("a", "b"))
+    torch.manual_seed(0)
+    m = nn.Sequential(Scale2(), nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    with PerSampleGradNorms(m, fused=False) as n:
+        m(x).pow(2).sum().backward()
+        assert set(n.param_sq_norms()) == {"0.a", "1.weight", "1.bias"}
+        want = r"no per-example norm of \['0\.b'\] was recorded, though the gradient is nonzero: module '0' "
+        for read in (n.grad_sq_norm, n.layer_grad_sq_norms):
+            with pytest.raises(RuntimeError, match=want + r"\(Scale2\) ran"):
+                read()
+    m[0].b.requires_grad_(False)
+    m.zero_grad()
+    with PerSampleGradNorms(m, fused=False) as n:
+        m(x).pow(2).sum().backward()
+        assert n.grad_sq_norm() > 0
+    m[0].b.requires_grad_(True)
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s, self.head = Scale2(), nn.Linear(3, 2)
+
+        def forward(self, x):
+            self.s(x)                                        # runs, its output reaches no loss
+            return self.head(x)
+    u = Unused()
+    for p in u.parameters():
+        p.grad = torch.zeros_like(p)
+    with PerSampleGradNorms(u, fused=False) as n:
+        u(x).pow(2).sum().backward()
+        assert n.grad_sq_norm() > 0                          # s.a, s.b: zero gradients, no norms, no error
