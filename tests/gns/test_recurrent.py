@@ -137,10 +137,13 @@ def test_register_rule_takes_a_tuple_or_a_callable_for_params():
         RULES.pop(Two, None)
 
 
-def test_in_a_language_model_with_autocast():
-    """An embedding, a 2-layer LSTM and a head under bf16 autocast: norms in float32, near the fp32 ones."""
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_in_a_language_model_with_autocast(cell):
+    """An embedding, a 2-layer LSTM (GRU: its candidate gate's δh̃ = δi ⊙ r) and a head under bf16 autocast:
+    norms in float32, near the fp32 ones."""
     torch.manual_seed(0)
-    emb, lstm, head = nn.Embedding(30, 8), nn.LSTM(8, 16, num_layers=2, batch_first=True), nn.Linear(16, 30)
+    emb, lstm, head = nn.Embedding(30, 8), CELLS[cell](input_size=8, hidden_size=16, num_layers=2,
+                                                      batch_first=True), nn.Linear(16, 30)
     model = nn.ModuleDict({"emb": emb, "lstm": lstm, "head": head})
     idx = torch.randint(0, 30, (6, 10))
     norms = {}
