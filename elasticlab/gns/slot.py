@@ -91,7 +91,6 @@ class Slot:
         return s[self.rows[0]:self.rows[1], :batch]
 
 
-
 def grad_sq_sums(slots: list[Slot], lost: set) -> list[list[float]]:
     """Per slot, Σ g² in float64 of each needed parameter's ``.grad`` (those with one, not in ``lost``, the
     (slot id, parameter) pairs left out): all reduced on their devices, then read in one host transfer per
