@@ -32,7 +32,7 @@ from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.registry import covered_params, rule_for
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, grad_sq_sums
+from elasticlab.gns.slot import Slot, grad_sq_sums, unrecorded
 
 
 class PerSampleGradNorms:
@@ -345,12 +345,28 @@ class PerSampleGradNorms:
             return total * (f / self._scale.to(device=device, dtype=dtype) ** 2)
         return total * f if f != 1.0 else total
 
+    def _grad_sums(self) -> list[list[float]]:
+        """:func:`~elasticlab.gns.slot.grad_sq_sums` of the slots; a nonzero gradient of a parameter whose
+        module ran but recorded no norm of it raises (``strict``) or is left out of the sums too, with one
+        warning (the rule missed it: the norms have none)."""
+        sums, missed = grad_sq_sums(self._slots, self._check_coverage())
+        if missed:
+            why, names = unrecorded(missed), tuple(s.full(pn) for s, pn in missed)
+            if self.strict:
+                raise RuntimeError(f"{why}. Freeze them, give the module a rule that covers them, or pass "
+                                   "strict=False to leave them out")
+            if names not in self._warned:
+                self._warned.add(names)
+                warnings.warn(f"{why}; they are left out of grad_sq_norm as well", RuntimeWarning,
+                              stacklevel=3)
+        return sums
+
     def grad_sq_norm(self, batch_size: int | None = None) -> float:
         """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
         batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
         ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
         total = 0.0
-        for row in grad_sq_sums(self._slots, self._check_coverage()):
+        for row in self._grad_sums():
             for v in row:
                 total += v
         total /= self._grad_scale_sq()
@@ -372,7 +388,7 @@ class PerSampleGradNorms:
         if self.loss_reduction == "sum":
             div *= float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
         out = {}
-        for s, row in zip(self._slots, grad_sq_sums(self._slots, self._check_coverage())):
+        for s, row in zip(self._slots, self._grad_sums()):
             tot = 0.0
             for v in row:
                 tot += v

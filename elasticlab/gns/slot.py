@@ -91,11 +91,11 @@ class Slot:
         return s[self.rows[0]:self.rows[1], :batch]
 
 
-def grad_sq_sums(slots: list[Slot], lost: set) -> list[list[float]]:
-    """Per slot, Σ g² in float64 of each needed parameter's ``.grad`` (those with one, not in ``lost``, the
-    (slot id, parameter) pairs left out): all reduced on their devices, then read in one host transfer per
-    device (not one per parameter). A nonzero gradient of a parameter whose module ran but recorded no norm
-    of it is an error: the norms would leave out part of the gradient, and the GNS would be biased."""
+def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[tuple[Slot, str]]]:
+    """(per slot, Σ g² in float64 of each needed parameter's ``.grad``: those with one, not in ``lost``, the
+    (slot id, parameter) pairs left out; all reduced on their devices, then read in one host transfer per
+    device, not one per parameter), and the (slot, parameter) pairs whose gradient is nonzero though their
+    module ran and recorded no norm of them (their sums are given as 0: the norms leave them out too)."""
     sums: list[list[torch.Tensor]] = []
     unseen: list[tuple[int, int, str]] = []                # (slot, position in its row, parameter)
     for i, s in enumerate(slots):
@@ -115,12 +115,18 @@ def grad_sq_sums(slots: list[Slot], lost: set) -> list[list[float]]:
             by_dev.setdefault(t.device, []).append(t)
     read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
     out = [[next(read[t.device]) for t in row] for row in sums]
-    missed = [(slots[i], pn) for i, j, pn in unseen if out[i][j] != 0.0]
-    if missed:
-        s0 = missed[0][0]
-        raise RuntimeError(
-            f"no per-example norm of {[s.full(pn) for s, pn in missed]} was recorded, though the gradient "
+    missed = []
+    for i, j, pn in unseen:
+        if out[i][j] != 0.0:
+            missed.append((slots[i], pn))
+            out[i][j] = 0.0
+    return out, missed
+
+
+def unrecorded(missed: list[tuple[Slot, str]]) -> str:
+    """Why (slot, parameter) pairs with a nonzero gradient but no norm, whose module ran, are a problem."""
+    s0 = missed[0][0]
+    return (f"no per-example norm of {[s.full(pn) for s, pn in missed]} was recorded, though the gradient "
             f"is nonzero: module {s0.name or '(root)'!r} ({type(s0.module).__name__}) ran, but its rule did "
             "not see these parameters' per-example gradients, so the norms (and the GNS) would leave out "
-            "part of the gradient. Freeze them, or give the module a rule that covers them")
-    return out
+            "part of the gradient")

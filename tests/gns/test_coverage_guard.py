@@ -174,9 +174,9 @@ class Scale2(nn.Module):
 
 def test_a_rule_that_misses_a_parameter_it_covers_is_an_error_naming_it(monkeypatch):
     """A module that ran, whose rule covers ``a`` and ``b`` but records only ``a``'s norms: the readers of
-    ‖ḡ‖² raise naming ``b`` (the norms would leave out part of the gradient, biasing the GNS), not once it
-    is frozen; a covered parameter whose gradient is zero (the module's output unused, gradients zeroed in
-    place) is no error."""
+    ‖ḡ‖² raise naming ``b`` (the norms would leave out part of the gradient, biasing the GNS); with
+    strict=False they leave it out too, with a warning; frozen, no error; nor is a covered parameter whose
+    gradient is zero (the module's output unused, gradients zeroed in place)."""
     def norms_of_a_only(module, inputs, g, need):
         return {"a": (inputs[0] * module.b * g).pow(2).sum(1)}
     monkeypatch.setitem(RULES, Scale2, RULES.get(Scale2))
