@@ -156,14 +156,19 @@ class PerSampleGradNorms:
                f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "
                "module (e.g. F.linear(x, module.weight), or a parent that reads a child's weight), so no "
                "rule saw their per-example gradients")
+        self._refuse(names, why, "Call the module, register a rule for the parent that uses them, freeze "
+                     "them, or pass strict=False to leave them out (listed in left_out)",
+                     "the per-example norms and of grad_sq_norm (PerSampleGradNorms.left_out)")
+        return {(id(s), pn) for s, pn in lost}
+
+    def _refuse(self, names: tuple[str, ...], why: str, fix: str, left: str) -> None:
+        """Parameters the norms miss: a RuntimeError saying ``why`` and ``fix`` (``strict``), else one warning
+        per set of ``names`` that they are left out of ``left``."""
         if self.strict:
-            raise RuntimeError(f"{why}. Call the module, register a rule for the parent that uses them, "
-                               "freeze them, or pass strict=False to leave them out (listed in left_out)")
+            raise RuntimeError(f"{why}. {fix}")
         if names not in self._warned:
             self._warned.add(names)
-            warnings.warn(f"{why}; they are left out of the per-example norms and of grad_sq_norm "
-                          "(PerSampleGradNorms.left_out)", RuntimeWarning, stacklevel=3)
-        return {(id(s), pn) for s, pn in lost}
+            warnings.warn(f"{why}; they are left out of {left}", RuntimeWarning, stacklevel=4)
 
     def _current_scale(self) -> torch.Tensor | None:
         sc = self.grad_scaler
@@ -351,14 +356,9 @@ class PerSampleGradNorms:
         warning (the rule missed it: the norms have none)."""
         sums, missed = grad_sq_sums(self._slots, self._check_coverage())
         if missed:
-            why, names = unrecorded(missed), tuple(s.full(pn) for s, pn in missed)
-            if self.strict:
-                raise RuntimeError(f"{why}. Freeze them, give the module a rule that covers them, or pass "
-                                   "strict=False to leave them out")
-            if names not in self._warned:
-                self._warned.add(names)
-                warnings.warn(f"{why}; they are left out of grad_sq_norm as well", RuntimeWarning,
-                              stacklevel=3)
+            self._refuse(tuple(s.full(pn) for s, pn in missed), unrecorded(missed), "Freeze them, give the "
+                         "module a rule that covers them, or pass strict=False to leave them out",
+                         "grad_sq_norm as well")
         return sums
 
     def grad_sq_norm(self, batch_size: int | None = None) -> float:

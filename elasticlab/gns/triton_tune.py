@@ -77,8 +77,7 @@ _TIMES: dict[tuple, dict[str, float]] = {}        # key -> {form: seconds}
 def active(a: torch.Tensor) -> bool:
     """Whether a call on ``a`` may measure its shape's forms: :data:`ENABLED`, on CUDA, eager (a traced call
     or a captured CUDA graph would record the measuring)."""
-    return (ENABLED and a.is_cuda and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing())
+    return follows(a) and not torch.cuda.is_current_stream_capturing()
 
 
 def follows(a: torch.Tensor) -> bool:

@@ -155,8 +155,7 @@ def _direction(module, slot, x, state, layer: int, reverse: bool):
     carry = torch.stack(prev, 1)
     if is_gru:
         carry = torch.cat((carry, torch.stack(gates, 1)), 2)
-    acc = kernels.acc_dtype(gi.dtype)
-    carry = carry.to(acc) if carry.dtype != acc else carry
+    carry = carry.to(kernels.acc_dtype(gi.dtype))                  # the carrier's dtype (no copy if it is)
     if isinstance(state, tuple):
         out, h, c = _Close.apply(carrier, carry, out, *state)
         return out, (h, c)
