@@ -36,6 +36,7 @@ from torch import nn
 
 from elasticlab.checks import whole
 from elasticlab.gns import ddp as _ddp
+from elasticlab.gns import loss_scale
 from elasticlab.gns.capture import StepGradients, batch_of
 from elasticlab.gns.estimator import GNSEstimator, check_beta
 from elasticlab.gns.norms import PerSampleGradNorms
@@ -169,7 +170,7 @@ class GNSMonitor:
             self._replicas.reset()            # its hook adds up every synchronised backward, measured or not
         self._fixed_size = batch_size is not None
         self._given_sizes = [_check_size(batch_size)] if self._fixed_size else []
-        self._scale = self._current_scale()
+        self._scale = loss_scale.current(self.grad_scaler)
         self._grads.read_first = not self._use_psn()          # per-example: the norms read .grad then
         self._grads.start()
         if self._use_psn():
@@ -262,13 +263,6 @@ class GNSMonitor:
         self._open = False
 
     # ------------------------------------------------------------------------------------------ forms
-    def _current_scale(self) -> float | torch.Tensor | None:
-        sc = self.grad_scaler
-        if sc is None or not sc.is_enabled():
-            return None
-        t = getattr(sc, "_scale", None)       # a device tensor: read at end(), no host sync here
-        return float(sc.get_scale()) if t is None else t.detach().clone()
-
     def _scale_sq(self) -> float:
         return 1.0 if self._scale is None else float(self._scale) ** 2
 

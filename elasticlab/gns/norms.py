@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
+from elasticlab.gns import loss_scale
 from elasticlab.gns.block import NormBlock
+from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.registry import covered_params, rule_for
 from elasticlab.gns.sink import Sinks, tap
 from elasticlab.gns.slot import Slot, grad_sq_sums, unrecorded
@@ -94,6 +96,7 @@ class PerSampleGradNorms:
             s.index = i
         self._block = NormBlock(self._slots)               # the C++ backwards' rows: one reset, one read
         self._sinks = Sinks([s for s in self._slots if s.need])   # norms out of compiled backwards
+        self._audit = Audit()                              # layers broadcast over the batch (gns.broadcast)
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -111,17 +114,19 @@ class PerSampleGradNorms:
             self._bufs = [s.buf for s in self._slots if s.buf is not None and not s._in_block]
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
-        self._scale = self._current_scale()
+        self._scale = loss_scale.current(self.grad_scaler)
         self._sinks.ready(args, kwargs)                    # (and forgets the last step's gradient)
+        self._audit.begin(args, kwargs)
 
     def _drop_probes(self) -> None:
         for h in self._probes:
             h.remove()
         self._probes = []
 
-    def _end_forward(self, *_):
-        """After the model's forward: a one-shot probe on each needed parameter of a module that did not run,
-        noting (without a host sync) whether the backward writes its gradient."""
+    def _end_forward(self, module, args, output):
+        """After the model's forward: the broadcast audit (gns.broadcast); a one-shot probe on each needed
+        parameter of a module that did not run, noting (no host sync) whether the backward writes its grad."""
+        self._audit.end(output)
         for s in self._slots:
             if s.calls == 0:
                 for pname in s.need:
@@ -170,15 +175,6 @@ class PerSampleGradNorms:
             self._warned.add(names)
             warnings.warn(f"{why}; they are left out of {left}", RuntimeWarning, stacklevel=4)
 
-    def _current_scale(self) -> torch.Tensor | None:
-        sc = self.grad_scaler
-        if sc is None or not sc.is_enabled():
-            return None
-        t = getattr(sc, "_scale", None)                   # a device tensor: no host sync
-        if t is None:                                     # before the scaler's first use: its initial scale
-            return torch.tensor(float(sc.get_scale()), dtype=torch.float64)
-        return t.detach().clone()
-
     def _finish(self, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Tensor]:
         """Recorded norms → ‖∇θ ℓ_i‖²: times f = B² for a mean-reduced loss (1 for a summed one), divided by
         the squared loss scale. One ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per
@@ -203,11 +199,6 @@ class PerSampleGradNorms:
                 out[i] = r
         return out
 
-    def _grads_unscaled(self) -> bool:
-        """Whether the scaler has already unscaled the optimizer's gradients this step (``unscale_``)."""
-        states = getattr(self.grad_scaler, "_per_optimizer_states", {}) or {}
-        return any(getattr(st.get("stage"), "name", "") == "UNSCALED" for st in states.values())
-
     def _forward_hook(self, slot: Slot):
         def hook(module, inputs, output):
             slot.called()
@@ -215,6 +206,8 @@ class PerSampleGradNorms:
                 # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
                 if torch.compiler.is_compiling() and (t := tap(slot, module, inputs, output)) is not None:
                     return t
+                if not torch.compiler.is_compiling() and self._audit.notes is not None:
+                    self._audit.note(slot, inputs, output)
                 saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
 
                 def on_grad(g):
@@ -241,7 +234,7 @@ class PerSampleGradNorms:
                                  "form, which does not support this configuration")
             if fwd is not None:
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
-                s.module.forward = fwd
+                s.module.forward = self._audit.wrap(s, fwd)
             else:
                 self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
         self._active = True
@@ -378,7 +371,7 @@ class PerSampleGradNorms:
 
     def _grad_scale_sq(self) -> float:
         """The squared loss scale still in ``.grad`` (1 without a scaler, or after ``scaler.unscale_``)."""
-        if self._scale is None or self._grads_unscaled():
+        if self._scale is None or loss_scale.unscaled(self.grad_scaler):
             return 1.0
         return float(self._scale.double()) ** 2
 

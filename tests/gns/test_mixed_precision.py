@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import GNSEstimator, PerSampleGradNorms, kernels
+from elasticlab.gns import GNSEstimator, PerSampleGradNorms, broadcast, kernels
 
 
 def mlp_seq():
@@ -230,7 +230,14 @@ def test_positional_embedding_without_batch_dimension_says_how_to_fix():
             return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
 
     model = Pos()
-    with PerSampleGradNorms(model) as n:
-        model(torch.randint(0, 10, (3, 6))).sum().backward()
-        with pytest.raises(RuntimeError, match=r"\{'pos': 6\}.*expand its input over the batch"):
-            n.sq_norms()
+    with PerSampleGradNorms(model):                 # at the forward, by the broadcast audit
+        with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\).*expand its input"):
+            model(torch.randint(0, 10, (3, 6)))
+    broadcast.ENABLED = False                       # without it: when the norms are read
+    try:
+        with PerSampleGradNorms(model) as n:
+            model(torch.randint(0, 10, (3, 6))).sum().backward()
+            with pytest.raises(RuntimeError, match=r"\{'pos': 6\}.*expand its input over the batch"):
+                n.sq_norms()
+    finally:
+        broadcast.ENABLED = True

@@ -1,0 +1,164 @@
+"""The audit of layers whose output is broadcast over the batch, whose per-example norms cannot be taken.
+
+A covered layer called on an input without the batch dimension (a positional embedding on ``arange(T)``, a
+Linear on learned latents) and then broadcast over the batch receives its output's gradient summed over the
+batch: its rule would read the T rows as T examples. Where T differs from the batch, the readers' sizes
+disagree (an error); where T equals it, the norms come out wrong with no sign. So the first forward of each
+input signature is audited: each covered layer notes its output's autograd node, and after the model ran the
+graph is walked from the model's outputs. Each noted output is followed through the ops that keep its size
+(views, elementwise ops) to the first op that makes it larger; if that op's result has the batch as dim 0
+and the layer's output fills it by broadcasting (no such dimension, or a 1 there), the forward raises, naming
+the layer. Eager only (a compiled graph hides the layers' nodes); a layer whose output leaves the model
+before its broadcast is not seen. :data:`ENABLED` turns the audit off.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ENABLED = True
+MAX_SIGNATURES = 32      # input signatures audited at most (then none: variable shapes cost a walk each)
+MAX_HOPS = 8             # size-keeping ops followed from a layer's output
+
+
+def _tensors(obj, depth: int = 0):
+    """The tensors with an autograd node among a forward's outputs (two levels into tuples, lists and
+    dicts, e.g. a model output object)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.grad_fn is not None:
+            yield obj
+    elif depth < 2 and isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+
+
+def signature(args: tuple, kwargs: dict | None) -> tuple:
+    """The shapes of a forward's tensor arguments (positional, then by keyword)."""
+    pos = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+    kw = tuple((k, tuple(v.shape)) for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor))
+    return pos + kw
+
+
+def fills_batch(out: tuple, result: tuple, batch: int) -> bool:
+    """Whether ``result`` has ``batch`` as dim 0 and a tensor of shape ``out`` broadcasts to it with that
+    dimension made by the broadcast (missing from ``out``, or 1 there while the batch is larger)."""
+    if not result or result[0] != batch or len(out) > len(result):
+        return False
+    if any(a != b and a != 1 for a, b in zip(reversed(out), reversed(result))):
+        return False
+    return len(result) > len(out) or (out[0] == 1 and batch > 1)
+
+
+def _consumers(roots: list) -> tuple[dict[int, list], list]:
+    """{id of an autograd node: the nodes that take its output}, over the graph below ``roots``; and the
+    nodes walked (kept alive while ids are compared)."""
+    parents: dict[int, list] = {}
+    seen, alive, stack = set(), [], list(roots)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        alive.append(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(id(child), []).append(node)
+                stack.append(child)
+    return parents, alive
+
+
+def _broadcast_to(node, shape: tuple, parents: dict, batch: int) -> tuple | None:
+    """The shape an op gave ``node``'s output (of ``shape``) when broadcasting it over the batch, following
+    the ops that keep its size; None when none does."""
+    frontier = [(node, shape, 0)]
+    while frontier:
+        n, s, hops = frontier.pop()
+        for c in parents.get(id(n), ()):
+            meta = getattr(c, "_input_metadata", None)      # what the op hands back: its output's shape
+            if meta is None or len(meta) != 1:
+                continue
+            result = tuple(meta[0].shape)
+            if math.prod(result) == math.prod(s):
+                if hops < MAX_HOPS:
+                    frontier.append((c, result, hops + 1))
+            elif math.prod(result) > math.prod(s) and fills_batch(s, result, batch):
+                return result
+    return None
+
+
+class Audit:
+    """The audit of one :class:`~elasticlab.gns.PerSampleGradNorms`: ``notes`` is None outside an audited
+    forward (a layer checks it after `is_compiling`), else {id of a layer's output node: (slot, node, input
+    shape, output shape)}."""
+
+    def __init__(self):
+        self.seen: set[tuple] = set()
+        self.notes: dict | None = None
+        self.batch = 0
+
+    def begin(self, args: tuple, kwargs: dict | None) -> None:
+        """At the model's forward: audit it if its input signature is new (and gradients are on)."""
+        self.notes = None
+        if not ENABLED or len(self.seen) >= MAX_SIGNATURES or not torch.is_grad_enabled():
+            return
+        x = next((v for v in (*args, *(kwargs or {}).values())
+                  if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        sig = signature(args, kwargs)
+        if x is None or sig in self.seen:
+            return
+        self.seen.add(sig)
+        self.notes, self.batch = {}, x.shape[0]
+
+    def note(self, slot, inputs, output) -> None:
+        """A covered layer ran (eager): its output's node, with the shapes the error would name."""
+        out = next(_tensors(output), None)
+        if out is not None:
+            x = next((i for i in inputs if isinstance(i, torch.Tensor)), None)
+            shape_in = tuple(x.shape) if x is not None else ()
+            self.notes[id(out.grad_fn)] = (slot, out.grad_fn, shape_in, tuple(out.shape))
+
+    def wrap(self, slot, fwd):
+        """A fused forward ``fwd`` that notes its output on audited forwards (eager only; traced, it is
+        ``fwd``, with no guard on ``notes``). One argument passed as it is where ``fwd`` takes one."""
+        code = getattr(fwd, "__code__", None)
+        if code is not None and code.co_argcount == 1 and not code.co_flags & 0x0C:   # no *args, **kwargs
+            def forward(x):
+                out = fwd(x)
+                if not torch.compiler.is_compiling() and self.notes is not None:
+                    self.note(slot, (x,), out)
+                return out
+            return forward
+
+        def forward(*args, **kwargs):
+            out = fwd(*args, **kwargs)
+            if not torch.compiler.is_compiling() and self.notes is not None:
+                self.note(slot, args, out)
+            return out
+        return forward
+
+    def end(self, output) -> None:
+        """After the model's forward: ValueError naming the first layer whose output an op broadcast over
+        the batch."""
+        notes, self.notes = self.notes, None
+        if not notes:
+            return
+        roots = [t.grad_fn for t in _tensors(output)]
+        if not roots:
+            return
+        parents, _alive = _consumers(roots)
+        for slot, node, shape_in, shape in notes.values():
+            result = _broadcast_to(node, shape, parents, self.batch)
+            if result is not None:
+                raise ValueError(
+                    f"module {slot.name!r} ({type(slot.module).__name__}) ran on an input of shape "
+                    f"{shape_in} and its output, of shape {shape}, is broadcast over the batch of "
+                    f"{self.batch} (to {result}): it receives its gradient summed over the batch, from which "
+                    "no per-example norms can be taken (its rule would read its "
+                    f"{shape[0] if shape else 1} rows as examples). Give it the batch dimension: expand its "
+                    "input (for a positional embedding on arange(T): pos.unsqueeze(0).expand(B, -1); "
+                    "expanding its output does not help), or freeze its parameters "
+                    "(elasticlab.gns.broadcast.ENABLED = False turns this check off)")
