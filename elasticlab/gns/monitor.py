@@ -59,22 +59,6 @@ def _check_size(n) -> int:
     return whole("batch_size", n, 1, "an integer >= 1")
 
 
-def _shared_parameter(module: nn.Module) -> str | None:
-    """Why per-example norms would be wrong: a trainable parameter registered in two modules (tied weights,
-    as GPT-2's embedding and output layer) would have each module's per-example norm counted apart."""
-    owners: dict[int, str] = {}
-    for name, mod in module.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            full = f"{name}.{pname}" if name else pname
-            if id(p) in owners:
-                return (f"parameter {owners[id(p)]!r} is also {full!r} (tied weights): the per-example norm "
-                        "of their summed gradient is not the sum of the two modules' norms")
-            owners[id(p)] = full
-    return None
-
-
 class GNSMonitor:
     """Measures B_simple, ‖G‖² and tr Σ (McCandlish Eqs. 2.9, A.1) of ``model`` every ``every`` steps.
 
@@ -119,10 +103,8 @@ class GNSMonitor:
             except RuntimeError as e:
                 raise RuntimeError(f"GNSMonitor could not register its DDP communication hook ({e}); a DDP "
                                    "model takes one hook: remove yours, or use method='per_example'") from e
-        self._psn, self._psn_error = None, _shared_parameter(self.module)
-        if self._psn_error and method == "per_example":
-            raise ValueError(f"GNSMonitor: per-example norms are not available: {self._psn_error}")
-        if not self._psn_error and (method == "per_example" or (method == "auto" and self._replicas is None)):
+        self._psn, self._psn_error = None, None       # (why not: PerSampleGradNorms says, e.g. tied weights)
+        if method == "per_example" or (method == "auto" and self._replicas is None):
             try:
                 self._psn = PerSampleGradNorms(self.module, loss_reduction=loss_reduction,
                                                grad_scaler=grad_scaler)

@@ -18,8 +18,8 @@ be silently missing from the sum. After each forward of the model, the parameter
 did not run get a one-shot post-accumulate-grad hook; one that fires means the loss depended on a parameter
 whose per-example norm nobody recorded. Reading the results then raises (``strict``) naming the module, or
 leaves the parameter out of the norms *and* of :meth:`grad_sq_norm`, lists it in ``left_out`` and warns once.
-Modules that ran cost nothing. (Not detected: a parameter used both by its module's call and directly, as in
-tied weights.)
+Modules that ran cost nothing. Tied weights (one parameter in two covered modules) are refused like an
+uncovered parameter; not detected: a parameter used both by its module's call and directly (F.linear(x, w)).
 """
 from __future__ import annotations
 
@@ -34,17 +34,17 @@ from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.registry import covered_params, rule_for
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, grad_sq_sums, unrecorded
+from elasticlab.gns.slot import Slot, grad_sq_sums, tied, tied_message, unrecorded
 
 
 class PerSampleGradNorms:
     """Context manager measuring per-example squared gradient norms of ``model``.
 
-    ``strict``: a trainable parameter no rule covers is a ValueError naming its module; with
-    ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters are always skipped. A
-    covered parameter that the loss depended on although its module never ran (see the module docstring)
-    makes the readers raise a RuntimeError naming the module (``strict``), or is left out and listed in
-    ``left_out`` with a warning.
+    ``strict``: a trainable parameter no rule covers, or one two covered modules share (tied weights), is a
+    ValueError naming it; with ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters
+    are always skipped. A covered parameter that the loss depended on although its module never ran (see
+    the module docstring) makes the readers raise a RuntimeError naming the module (``strict``), or is left
+    out and listed in ``left_out`` with a warning.
     ``grad_scaler``: the ``torch.amp.GradScaler`` whose scaled loss is backpropagated (its scale is read,
     without a host sync, at each forward and divided out of the results).
     """
@@ -86,6 +86,14 @@ class PerSampleGradNorms:
                 self.skipped.extend(full)
             if covered:
                 self._slots.append(Slot(self, name, mod, rule, covered))
+        for pairs in tied(self._slots):                   # one parameter, two modules: a norm of their sum
+            names = [s.full(pn) for s, pn in pairs]
+            if strict:
+                raise ValueError(tied_message(names))
+            self.skipped.extend(names)
+            for s, pn in pairs:
+                s.need = tuple(p for p in s.need if p != pn)
+        self._slots = [s for s in self._slots if s.need or s.rule.calls_children]
         self._handles: list = []
         self._probes: list = []                           # this step's one-shot hooks on unrun modules
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read

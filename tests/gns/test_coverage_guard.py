@@ -213,3 +213,41 @@ def test_a_rule_that_misses_a_parameter_it_covers_is_an_error_naming_it(monkeypa
     with PerSampleGradNorms(u, fused=False) as n:
         u(x).pow(2).sum().backward()
         assert n.grad_sq_norm() > 0                          # s.a, s.b: zero gradients, no norms, no error
+
+
+class TiedLM(nn.Module):
+    """GPT-2's tying: the token embedding's table is the output layer's weight (one Parameter, two modules)"""
+
+    def __init__(self, V=11, E=4):
+        super().__init__()
+        self.tok, self.mix, self.head = nn.Embedding(V, E), nn.Linear(E, E), nn.Linear(E, V)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mix(self.tok(idx))))
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tied_weights_are_refused_or_left_out(fused):
+    """The norm of the tied table's per-example gradient (embedding part + output part) is not the sum of
+    the two modules' norms, which is what the rules would give: strict raises naming both; strict=False
+    leaves the table out of the norms and of grad_sq_norm, and the rest is exact."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    idx, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    with pytest.raises(ValueError, match=r"parameter 'tok\.weight' is also 'head\.weight' \(tied weights"):
+        PerSampleGradNorms(model, loss_reduction="sum", fused=fused)
+    ref = func_param_sq_norms(model, lm_loss, idx, y)
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused, strict=False) as n:
+        assert n.skipped == ["tok.weight", "head.weight"]
+        lm_loss(model(idx), y).backward()
+        got = n.param_sq_norms()
+        assert set(got) == {"mix.weight", "mix.bias", "head.bias"}
+        for k, v in got.items():
+            torch.testing.assert_close(v, ref[k], rtol=1e-9, atol=1e-12)
+        untied = sum(float(p.grad.pow(2).sum()) for k, p in model.named_parameters() if k != "tok.weight")
+        assert n.grad_sq_norm() == pytest.approx(untied / 4 ** 2, rel=1e-12)
