@@ -7,9 +7,11 @@ disagree (an error); where T equals it, the norms come out wrong with no sign. S
 input signature is audited: each covered layer notes its output's autograd node, and after the model ran the
 graph is walked from the model's outputs. Each noted output is followed through the ops that keep its size
 (views, elementwise ops) to the first op that makes it larger; if that op's result has the batch as dim 0
-and the layer's output fills it by broadcasting (no such dimension, or a 1 there), the forward raises, naming
-the layer. Eager only (a compiled graph hides the layers' nodes); a layer whose output leaves the model
-before its broadcast is not seen. :data:`ENABLED` turns the audit off.
+and the layer's output fills it by broadcasting (no such dimension, or a 1 there), the readers of the norms
+raise a RuntimeError naming the layer, at that step and every later one of the same signature. The forward
+itself runs on: a GNSMonitor with several backwards a step needs no per-example norms. Eager only (a compiled
+graph hides the layers' nodes); a layer whose output leaves the model before its broadcast is not seen.
+:data:`ENABLED` turns the audit off.
 """
 from __future__ import annotations
 
@@ -91,27 +93,32 @@ def _broadcast_to(node, shape: tuple, parents: dict, batch: int) -> tuple | None
 
 
 class Audit:
-    """The audit of one :class:`~elasticlab.gns.PerSampleGradNorms`: ``notes`` is None outside an audited
-    forward (a layer checks it after `is_compiling`), else {id of a layer's output node: (slot, node, input
-    shape, output shape)}."""
+    """The audit of one :class:`~elasticlab.gns.PerSampleGradNorms`. ``notes`` is None outside an audited
+    forward (a layer checks it after ``is_compiling``), else {id of a layer's output node: (slot, node, input
+    shape, output shape)}; ``error`` is this step's verdict (a RuntimeError naming the layer, which the
+    readers raise, or None), kept per input signature in ``found``."""
 
     def __init__(self):
-        self.seen: set[tuple] = set()
+        self.found: dict[tuple, RuntimeError | None] = {}
         self.notes: dict | None = None
-        self.batch = 0
+        self.error: RuntimeError | None = None
+        self.batch, self.sig = 0, None
 
     def begin(self, args: tuple, kwargs: dict | None) -> None:
-        """At the model's forward: audit it if its input signature is new (and gradients are on)."""
-        self.notes = None
-        if not ENABLED or len(self.seen) >= MAX_SIGNATURES or not torch.is_grad_enabled():
+        """At the model's forward: this signature's verdict, or an audit if it is new (and gradients are
+        on, and fewer than :data:`MAX_SIGNATURES` were audited)."""
+        self.notes = self.error = None
+        if not ENABLED or not torch.is_grad_enabled():
             return
         x = next((v for v in (*args, *(kwargs or {}).values())
                   if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-        sig = signature(args, kwargs)
-        if x is None or sig in self.seen:
+        if x is None:
             return
-        self.seen.add(sig)
-        self.notes, self.batch = {}, x.shape[0]
+        sig = signature(args, kwargs)
+        if sig in self.found:
+            self.error = self.found[sig]
+        elif len(self.found) < MAX_SIGNATURES:
+            self.notes, self.batch, self.sig = {}, x.shape[0], sig
 
     def note(self, slot, inputs, output) -> None:
         """A covered layer ran (eager): its output's node, with the shapes the error would name."""
@@ -141,24 +148,27 @@ class Audit:
         return forward
 
     def end(self, output) -> None:
-        """After the model's forward: ValueError naming the first layer whose output an op broadcast over
-        the batch."""
+        """After an audited forward: its verdict, for this step and the signature's later ones."""
         notes, self.notes = self.notes, None
-        if not notes:
-            return
-        roots = [t.grad_fn for t in _tensors(output)]
-        if not roots:
-            return
-        parents, _alive = _consumers(roots)
-        for slot, node, shape_in, shape in notes.values():
-            result = _broadcast_to(node, shape, parents, self.batch)
-            if result is not None:
-                raise ValueError(
-                    f"module {slot.name!r} ({type(slot.module).__name__}) ran on an input of shape "
-                    f"{shape_in} and its output, of shape {shape}, is broadcast over the batch of "
-                    f"{self.batch} (to {result}): it receives its gradient summed over the batch, from which "
-                    "no per-example norms can be taken (its rule would read its "
-                    f"{shape[0] if shape else 1} rows as examples). Give it the batch dimension: expand its "
-                    "input (for a positional embedding on arange(T): pos.unsqueeze(0).expand(B, -1); "
-                    "expanding its output does not help), or freeze its parameters "
-                    "(elasticlab.gns.broadcast.ENABLED = False turns this check off)")
+        if notes is not None:
+            self.found[self.sig] = self.error = _verdict(notes, output, self.batch)
+
+
+def _verdict(notes: dict, output, batch: int) -> RuntimeError | None:
+    """A RuntimeError naming the first noted layer whose output an op broadcast over the batch, or None."""
+    roots = [t.grad_fn for t in _tensors(output)]
+    if not notes or not roots:
+        return None
+    parents, _alive = _consumers(roots)
+    for slot, node, shape_in, shape in notes.values():
+        result = _broadcast_to(node, shape, parents, batch)
+        if result is not None:
+            return RuntimeError(
+                f"module {slot.name!r} ({type(slot.module).__name__}) ran on an input of shape {shape_in} "
+                f"and its output, of shape {shape}, is broadcast over the batch of {batch} (to {result}): it "
+                "receives its gradient summed over the batch, from which no per-example norms can be taken "
+                f"(its rule would read its {shape[0] if shape else 1} rows as examples). Give it the batch "
+                "dimension: expand its input (for a positional embedding on arange(T): "
+                "pos.unsqueeze(0).expand(B, -1); expanding its output does not help), or freeze its "
+                "parameters (elasticlab.gns.broadcast.ENABLED = False turns this check off)")
+    return None

@@ -7,19 +7,17 @@ App. A.1 needs only their norms). ``fused=True`` lets the layers whose rule has 
 LayerNorm, …; :mod:`elasticlab.gns.layers`) form their parameter gradients and norms in one backward; other
 layers, and all with ``fused=False``, use hooks.
 
-Mixed precision: under ``torch.autocast`` (bfloat16 or float16) the norms are accumulated and returned in
-float32. With a ``torch.amp.GradScaler`` passed as ``grad_scaler``, the loss scale is divided out of the
-norms and of :meth:`grad_sq_norm`; a step whose float16 gradients overflowed gives non-finite norms, which
-:class:`~elasticlab.gns.GNSEstimator` skips and counts.
-
+Mixed precision: under ``torch.autocast`` the norms are accumulated and returned in float32; a
+``grad_scaler``'s loss scale is divided out (overflowed float16 steps: non-finite norms, skipped and counted).
 Coverage guard: the norms come from the modules' calls, so a covered parameter used without calling its
 module (``F.linear(x, self.lin.weight)``; an unregistered container that uses a child's weight directly) would
 be silently missing from the sum. After each forward of the model, the parameters of the covered modules that
 did not run get a one-shot post-accumulate-grad hook; one that fires means the loss depended on a parameter
 whose per-example norm nobody recorded. Reading the results then raises (``strict``) naming the module, or
 leaves the parameter out of the norms *and* of :meth:`grad_sq_norm`, lists it in ``left_out`` and warns once.
-Modules that ran cost nothing. Tied weights (one parameter in two covered modules) are refused like an
-uncovered parameter; not detected: a parameter used both by its module's call and directly (F.linear(x, w)).
+Modules that ran cost nothing. Tied weights: an embedding's table that is a Linear's weight (GPT-2) gets the
+norm of its summed gradient (:mod:`~elasticlab.gns.tied`); another parameter two covered modules share is
+refused like an uncovered one. Not detected: a parameter used by its module and directly (F.linear(x, w)).
 """
 from __future__ import annotations
 
@@ -34,15 +32,17 @@ from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.registry import covered_params, rule_for
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, grad_sq_sums, tied, tied_message, unrecorded
+from elasticlab.gns.slot import Slot, grad_sq_sums, unrecorded
+from elasticlab.gns.tied import untie
 
 
 class PerSampleGradNorms:
     """Context manager measuring per-example squared gradient norms of ``model``.
 
-    ``strict``: a trainable parameter no rule covers, or one two covered modules share (tied weights), is a
-    ValueError naming it; with ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters
-    are always skipped. A covered parameter that the loss depended on although its module never ran (see
+    ``strict``: a trainable parameter no rule covers, or one two covered modules share other than an
+    embedding tied to a Linear (:mod:`~elasticlab.gns.tied`), is a ValueError naming it; with
+    ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters are always skipped. A
+    covered parameter that the loss depended on although its module never ran (see
     the module docstring) makes the readers raise a RuntimeError naming the module (``strict``), or is left
     out and listed in ``left_out`` with a warning.
     ``grad_scaler``: the ``torch.amp.GradScaler`` whose scaled loss is backpropagated (its scale is read,
@@ -86,14 +86,9 @@ class PerSampleGradNorms:
                 self.skipped.extend(full)
             if covered:
                 self._slots.append(Slot(self, name, mod, rule, covered))
-        for pairs in tied(self._slots):                   # one parameter, two modules: a norm of their sum
-            names = [s.full(pn) for s, pn in pairs]
-            if strict:
-                raise ValueError(tied_message(names))
-            self.skipped.extend(names)
-            for s, pn in pairs:
-                s.need = tuple(p for p in s.need if p != pn)
-        self._slots = [s for s in self._slots if s.need or s.rule.calls_children]
+        self._ties = untie(self._slots, strict, self.skipped)     # one parameter, two modules (gns.tied)
+        heads = {id(t.head) for t in self._ties}
+        self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in heads]
         self._handles: list = []
         self._probes: list = []                           # this step's one-shot hooks on unrun modules
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
@@ -135,6 +130,8 @@ class PerSampleGradNorms:
         """After the model's forward: the broadcast audit (gns.broadcast); a one-shot probe on each needed
         parameter of a module that did not run, noting (no host sync) whether the backward writes its grad."""
         self._audit.end(output)
+        for t in self._ties:
+            t.check()
         for s in self._slots:
             if s.calls == 0:
                 for pname in s.need:
@@ -159,7 +156,10 @@ class PerSampleGradNorms:
         return [s.full(pn) for s, pn in self._left_out()]
 
     def _check_coverage(self) -> set[tuple[int, str]]:
-        """Raises (strict) or warns once about :attr:`left_out`; returns {(slot id, param)} to leave out."""
+        """The broadcast audit's error; raises (strict) or warns once about :attr:`left_out`; returns {(slot
+        id, param)} to leave out."""
+        if self._audit.error is not None:
+            raise self._audit.error
         lost = self._left_out()
         if not lost:
             return set()
@@ -245,6 +245,8 @@ class PerSampleGradNorms:
                 s.module.forward = self._audit.wrap(s, fwd)
             else:
                 self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
+        for t in self._ties:                              # the embedding's indices, for the output layer
+            self._handles.append(t.emb.module.register_forward_pre_hook(t.pre_hook))
         self._active = True
         self._begin_step()
         return self

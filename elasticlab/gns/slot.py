@@ -131,19 +131,3 @@ def unrecorded(missed: list[tuple[Slot, str]]) -> str:
             "not see these parameters' per-example gradients, so the norms (and the GNS) would leave out "
             "part of the gradient")
 
-
-def tied(slots: list[Slot]) -> list[list[tuple[Slot, str]]]:
-    """The covered parameters that several slots need (tied weights, as GPT-2's token embedding and output
-    layer): for each, its (slot, name) pairs."""
-    owners: dict[int, list[tuple[Slot, str]]] = {}
-    for s in slots:
-        for pn in s.need:
-            owners.setdefault(id(getattr(s.module, pn)), []).append((s, pn))
-    return [pairs for pairs in owners.values() if len(pairs) > 1]
-
-
-def tied_message(names: list[str]) -> str:
-    return (f"parameter {names[0]!r} is also {', '.join(map(repr, names[1:]))} (tied weights, as GPT-2's "
-            "embedding and output layer): its per-example gradient is the sum of the modules' parts, whose "
-            "norm is not the sum of their norms; untie or freeze it, or pass strict=False to leave it out "
-            "(listed in skipped)")

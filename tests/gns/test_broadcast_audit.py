@@ -1,14 +1,15 @@
 """The broadcast audit (elasticlab.gns.broadcast): a covered layer whose output is broadcast over the batch
 (a positional embedding on arange(T)) gets only the batch-summed gradient. With T equal to the batch its
-norms were silently wrong; now the first forward of each input signature raises, naming the layer, for the
-hook rules and the fused forwards. Layers whose outputs are used per example pass, with exact norms
-(torch.func, float64)."""
+norms were silently wrong; now the first forward of each input signature is audited (hook rules and fused
+forwards) and the readers raise a RuntimeError naming the layer (the forward runs on, so that a GNSMonitor
+with several backwards a step, which needs no per-example norms, is not stopped). Layers
+whose outputs are used per example pass, with exact norms (torch.func, float64)."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms, broadcast
+from elasticlab.gns import GNSMonitor, PerSampleGradNorms, broadcast
 from elasticlab.gns.reference import example_param_sq_norms, func_param_sq_norms
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
@@ -67,7 +68,7 @@ def data():
 @pytest.mark.parametrize("B", [8, 3])
 def test_broadcast_positional_embedding_raises_naming_it(data, form, B, fused):
     idx, y = data(B, 8)
-    with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\).*broadcast over the batch of "
+    with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\).*broadcast over the batch of "
                                          rf"{B}.*pos\.unsqueeze\(0\)\.expand\(B, -1\)"):
         step(GPTish(8, form).double(), idx, y, ce, fused)
 
@@ -98,7 +99,7 @@ def test_fused_linear_on_batch_less_latents_raises(fused):
     torch.manual_seed(0)
     model = Latents(N=4).double()
     x, y = torch.randn(4, 4, 5, dtype=torch.float64), torch.randn(4, 4, 2, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"module 'proj' \(Linear\) ran on an input of shape \(4, 5\)"):
+    with pytest.raises(RuntimeError, match=r"module 'proj' \(Linear\) ran on an input of shape \(4, 5\)"):
         step(model, x, y, lambda o, t: (o - t).pow(2).sum(), fused)
 
 
@@ -162,3 +163,20 @@ def test_fills_batch():
     assert not broadcast.fills_batch((8, 1, 4), (8, 5, 4), 8)   # the batch kept, another dim broadcast
     assert not broadcast.fills_batch((8, 4), (8, 12), 8)        # not a broadcast (a Linear's wider output)
     assert not broadcast.fills_batch((1, 4), (1, 4), 1)
+
+
+def test_every_step_of_a_signature_raises_and_micro_batch_monitoring_runs_on(data):
+    model = GPTish(8, "arange")
+    with PerSampleGradNorms(model) as psn:
+        for _ in range(2):                                  # audited once, the verdict kept for its shape
+            idx, y = data(8, 8)
+            ce(model(idx), y).backward()
+            with pytest.raises(RuntimeError, match="module 'pos'"):
+                psn.sq_norms()
+    monitor = GNSMonitor(model, accumulation="sum")
+    for _ in range(2):
+        with monitor.step():
+            for _ in range(2):                              # two micro-batches: no per-example norms needed
+                idx, y = data(8, 8)
+                ce(model(idx), y).backward()
+    assert [h["method"] for h in monitor.history] == ["micro_batch"] * 2

@@ -215,16 +215,20 @@ def test_a_rule_that_misses_a_parameter_it_covers_is_an_error_naming_it(monkeypa
         assert n.grad_sq_norm() > 0                          # s.a, s.b: zero gradients, no norms, no error
 
 
-class TiedLM(nn.Module):
-    """GPT-2's tying: the token embedding's table is the output layer's weight (one Parameter, two modules)"""
 
-    def __init__(self, V=11, E=4):
+class TiedLM(nn.Module):
+    """GPT-2's tying: the token embedding's table is the output layer's weight (one Parameter, two modules);
+    ``pool``: the head on the mean over positions (2-D inputs)."""
+
+    def __init__(self, V=11, E=4, bias=True, padding_idx=None, pool=False):
         super().__init__()
-        self.tok, self.mix, self.head = nn.Embedding(V, E), nn.Linear(E, E), nn.Linear(E, V)
+        self.tok, self.mix = nn.Embedding(V, E, padding_idx=padding_idx), nn.Linear(E, E)
+        self.head, self.pool = nn.Linear(E, V, bias=bias), pool
         self.head.weight = self.tok.weight
 
     def forward(self, idx):
-        return self.head(torch.tanh(self.mix(self.tok(idx))))
+        h = torch.tanh(self.mix(self.tok(idx)))
+        return self.head(h.mean(1) if self.pool else h)
 
 
 def lm_loss(out, y):
@@ -232,22 +236,85 @@ def lm_loss(out, y):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_tied_weights_are_refused_or_left_out(fused):
-    """The norm of the tied table's per-example gradient (embedding part + output part) is not the sum of
-    the two modules' norms, which is what the rules would give: strict raises naming both; strict=False
-    leaves the table out of the norms and of grad_sq_norm, and the rest is exact."""
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"padding_idx": 0}, {"pool": True}])
+def test_tied_embedding_and_output_layer_give_exact_norms(kw, fused):
+    """The table's per-example gradient is the embedding's part plus the output layer's: its norm has their
+    cross term (gns.tied), which the two rules alone would miss (before: their norms summed, silently)."""
     torch.manual_seed(0)
-    model = TiedLM().double()
-    idx, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
-    with pytest.raises(ValueError, match=r"parameter 'tok\.weight' is also 'head\.weight' \(tied weights"):
-        PerSampleGradNorms(model, loss_reduction="sum", fused=fused)
+    model = TiedLM(**kw).double()
+    idx = torch.randint(0, 11, (4, 5))
+    idx[0, :2] = 0
+    y = torch.randint(0, 11, (4,) if kw.get("pool") else (4, 5))
     ref = func_param_sq_norms(model, lm_loss, idx, y)
-    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused, strict=False) as n:
-        assert n.skipped == ["tok.weight", "head.weight"]
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused) as n:
         lm_loss(model(idx), y).backward()
+        got, layers = n.param_sq_norms(), n.layer_sq_norms()
+        assert set(got) == set(ref)                       # the table once, under the embedding's name
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(layers["tok"], ref["tok.weight"], rtol=1e-9, atol=1e-12)
+        assert ("head" in layers) == (kw.get("bias", True))           # the output layer: its bias alone
+        total = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
+        assert n.grad_sq_norm() == pytest.approx(total / 4 ** 2, rel=1e-12)
+
+
+def test_other_shared_parameters_are_refused_or_left_out():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    model.double()
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' is also '2\.weight' \(tied weights\)"):
+        PerSampleGradNorms(model)
+    ref = func_param_sq_norms(model, sq_loss, x, y)
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as n:
+        assert n.skipped == ["0.weight", "2.weight"]
+        sq_loss(model(x), y).backward()
         got = n.param_sq_norms()
-        assert set(got) == {"mix.weight", "mix.bias", "head.bias"}
-        for k, v in got.items():
-            torch.testing.assert_close(v, ref[k], rtol=1e-9, atol=1e-12)
-        untied = sum(float(p.grad.pow(2).sum()) for k, p in model.named_parameters() if k != "tok.weight")
-        assert n.grad_sq_norm() == pytest.approx(untied / 4 ** 2, rel=1e-12)
+    assert set(got) == {"0.bias", "2.bias"}
+    for k in got:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+
+
+def test_tied_weights_under_compile_are_an_error():
+    model = TiedLM()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model):
+        with pytest.raises(RuntimeError, match=r"tied weights \('tok\.weight' is 'head\.weight'\).*eagerly"):
+            run(torch.randint(0, 11, (4, 5)))
+
+
+def test_tied_output_layer_alone_when_the_embedding_does_not_run():
+    """Embeddings passed in (the table used by the output layer only): its norm is the output layer's."""
+    class FromEmbeds(TiedLM):
+        def forward(self, x):
+            return self.head(torch.tanh(self.mix(x)))
+
+    torch.manual_seed(0)
+    model = FromEmbeds().double()
+    x, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randint(0, 11, (4, 5))
+    ref = func_param_sq_norms(model, lm_loss, x, y)
+    for _ in range(2):                                    # (no state left from the step before)
+        with PerSampleGradNorms(model, loss_reduction="sum") as n:
+            model.zero_grad()
+            lm_loss(model(x), y).backward()
+            got = n.param_sq_norms()
+        assert set(got) == set(ref)
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+
+
+def test_tied_norms_under_bf16_autocast_are_close_to_fp32():
+    torch.manual_seed(0)
+    model = TiedLM(V=50, E=16)
+    idx, y = torch.randint(0, 50, (8, 12)), torch.randint(0, 50, (8, 12))
+    out = {}
+    for on in (False, True):
+        with PerSampleGradNorms(model, loss_reduction="sum") as n:
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                logits = model(idx)
+            lm_loss(logits.float(), y).backward()
+            out[on] = n.param_sq_norms()["tok.weight"]
+    assert out[True].dtype == torch.float32
+    assert float(((out[True] - out[False]).abs() / out[False]).median()) < 0.02

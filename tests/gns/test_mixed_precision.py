@@ -230,10 +230,11 @@ def test_positional_embedding_without_batch_dimension_says_how_to_fix():
             return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
 
     model = Pos()
-    with PerSampleGradNorms(model):                 # at the forward, by the broadcast audit
-        with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\).*expand its input"):
-            model(torch.randint(0, 10, (3, 6)))
-    broadcast.ENABLED = False                       # without it: when the norms are read
+    with PerSampleGradNorms(model) as n:            # the broadcast audit's verdict
+        model(torch.randint(0, 10, (3, 6))).sum().backward()
+        with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\).*expand its input"):
+            n.sq_norms()
+    broadcast.ENABLED = False                       # without it: the sizes disagree
     try:
         with PerSampleGradNorms(model) as n:
             model(torch.randint(0, 10, (3, 6))).sum().backward()

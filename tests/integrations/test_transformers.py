@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from elasticlab.gns import GNSEstimator, PerSampleGradNorms  # noqa: E402
+from elasticlab.gns.reference import example_param_sq_norms  # noqa: E402
 from elasticlab.integrations.transformers import GradientNoiseScaleCallback  # noqa: E402
 
 T, V, B = 12, 40, 4
@@ -89,10 +90,21 @@ def test_tiny_gpt2_gradient_accumulation_and_tied_weights(tmp_path):
         ref.update_two_batch(small, sum(float(t.double().pow(2).sum()) for t in mean), B, 2 * B)
     assert [h["method"] for h in cb.history] == ["micro_batch"] * 2
     assert abs(cb.history[-1]["b_simple"] - ref.b_simple) <= 1e-4 * abs(ref.b_simple), (cb.history, ref)
-    # tied weights: one backward per step would need per-example norms, which tying makes wrong
+    # one backward per step: per-example norms, the tied table's with the cross term of its two uses
     one = GradientNoiseScaleCallback()
-    with pytest.raises(RuntimeError, match="tied weights"):
-        train(tmp_path, one, 1, model=tiny_gpt2(tied=True))
+    train(tmp_path, one, 1, model=tiny_gpt2(tied=True))
+    assert [h["method"] for h in one.history] == ["per_example"]
+
+
+def test_tiny_gpt2_tied_per_example_norms_match_one_backward_per_example():
+    model = tiny_gpt2(tied=True).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    with PerSampleGradNorms(model) as norms:
+        loss_of(model, ids).backward()
+        got = norms.sq_norms()
+    ref = example_param_sq_norms(model, (loss_of(model, ids[i:i + 1]) for i in range(B)))
+    torch.testing.assert_close(got, sum(ref.values()), rtol=1e-8, atol=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
