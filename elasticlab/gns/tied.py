@@ -57,6 +57,10 @@ class Tie:
         if self.emb.calls == 0:            # the embedding did not run (e.g. embeddings passed in): G_h alone
             self.emb.record({"weight": self.head_sq}, d.shape[0])
             return out
+        if "weight" in self.emb.norms:     # the embedding's backward already ran: its norm misses G_h
+            raise RuntimeError(f"tied weights ({self.emb.full('weight')!r} is {self.head.full('weight')!r}): "
+                               "the output layer's backward ran after the embedding's, so the table's norm "
+                               "cannot take both parts; the output layer must use the embedding's output")
         acc = kernels.acc_dtype(d.dtype)
         B = d.shape[0]
         d3, idx = d.reshape(B, -1, d.shape[-1]), self.idx.reshape(B, -1).long()

@@ -318,3 +318,20 @@ def test_tied_norms_under_bf16_autocast_are_close_to_fp32():
             out[on] = n.param_sq_norms()["tok.weight"]
     assert out[True].dtype == torch.float32
     assert float(((out[True] - out[False]).abs() / out[False]).median()) < 0.02
+
+
+
+def test_tied_output_layer_after_the_embedding_in_the_backward_is_an_error():
+    """The output layer on an input that does not come from the embedding, and run before it: autograd runs
+    the later node first, the embedding's, when the table's norm could no longer take the output layer's part
+    (before: the norm of the embedding's part alone, silently)."""
+    class Apart(TiedLM):
+        def forward(self, idx):
+            h = self.head(torch.tanh(self.mix(torch.ones(*idx.shape, 4))))
+            return h.sum(-1) + self.tok(idx).sum(-1)
+
+    model = Apart()
+    with PerSampleGradNorms(model, loss_reduction="sum"):
+        out = model(torch.randint(0, 11, (4, 5)))
+        with pytest.raises(RuntimeError, match=r"output layer's backward ran after the embedding's"):
+            out.sum().backward()
