@@ -42,9 +42,9 @@ class PerSampleGradNorms:
     ``strict``: a trainable parameter no rule covers, or one two covered modules share other than an
     embedding tied to a Linear (:mod:`~elasticlab.gns.tied`), is a ValueError naming it; with
     ``strict=False`` it is left out and listed in ``skipped``. Frozen parameters are always skipped. A
-    covered parameter that the loss depended on although its module never ran (see
-    the module docstring) makes the readers raise a RuntimeError naming the module (``strict``), or is left
-    out and listed in ``left_out`` with a warning.
+    covered parameter that the loss depended on although its module never ran (see the module docstring)
+    makes the readers raise a RuntimeError naming the module (``strict``), or is left out and listed in
+    ``left_out`` with a warning.
     ``grad_scaler``: the ``torch.amp.GradScaler`` whose scaled loss is backpropagated (its scale is read,
     without a host sync, at each forward and divided out of the results).
     """
@@ -156,8 +156,8 @@ class PerSampleGradNorms:
         return [s.full(pn) for s, pn in self._left_out()]
 
     def _check_coverage(self) -> set[tuple[int, str]]:
-        """The broadcast audit's error; raises (strict) or warns once about :attr:`left_out`; returns {(slot
-        id, param)} to leave out."""
+        """Raises the broadcast audit's error, if any; raises (strict) or warns once about :attr:`left_out`;
+        returns {(slot id, param)} to leave out."""
         if self._audit.error is not None:
             raise self._audit.error
         lost = self._left_out()

@@ -130,4 +130,3 @@ def unrecorded(missed: list[tuple[Slot, str]]) -> str:
             f"is nonzero: module {s0.name or '(root)'!r} ({type(s0.module).__name__}) ran, but its rule did "
             "not see these parameters' per-example gradients, so the norms (and the GNS) would leave out "
             "part of the gradient")
-

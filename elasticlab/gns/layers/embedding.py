@@ -6,7 +6,7 @@ buffer of fixed size (one row per position), so nothing waits on the host.
 An embedding called on an index without the batch dimension (a positional embedding on ``arange(T)``,
 broadcast over the batch) receives the batch-summed gradient, from which per-example norms cannot be
 recovered: expand the index over the batch instead (``pos.unsqueeze(0).expand(B, -1)``); the broadcast
-audit (:mod:`elasticlab.gns.broadcast`) raises at the forward when it sees one.
+audit (:mod:`elasticlab.gns.broadcast`) makes the readers of the norms raise when it sees one.
 """
 from __future__ import annotations
 
