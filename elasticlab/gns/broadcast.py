@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from elasticlab.gns.capture import batched_input
+
 ENABLED = True
 MAX_SIGNATURES = 32      # input signatures audited at most (then none: variable shapes cost a walk each)
 MAX_HOPS = 8             # size-keeping ops followed from a layer's output
@@ -39,10 +41,15 @@ def _tensors(obj, depth: int = 0):
 
 
 def signature(args: tuple, kwargs: dict | None) -> tuple:
-    """The shapes of a forward's tensor arguments (positional, then by keyword)."""
-    pos = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-    kw = tuple((k, tuple(v.shape)) for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor))
-    return pos + kw
+    """The shapes of a forward's tensor arguments, positional then by keyword, one level into lists, tuples
+    and dicts (where :func:`~elasticlab.gns.capture.batched_input` looks for the batch)."""
+    def shapes(vals, depth):
+        for k, v in vals:
+            if isinstance(v, torch.Tensor):
+                yield k, tuple(v.shape)
+            elif depth < 1 and isinstance(v, (list, tuple, dict)):
+                yield k, tuple(shapes(v.items() if isinstance(v, dict) else enumerate(v), depth + 1))
+    return tuple(shapes((*enumerate(args), *(kwargs or {}).items()), 0))
 
 
 def fills_batch(out: tuple, result: tuple, batch: int) -> bool:
@@ -110,8 +117,7 @@ class Audit:
         self.notes = self.error = None
         if not ENABLED or not torch.is_grad_enabled():
             return
-        x = next((v for v in (*args, *(kwargs or {}).values())
-                  if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        x = batched_input(args, kwargs)
         if x is None:
             return
         sig = signature(args, kwargs)

@@ -7,7 +7,7 @@ nothing unless a second one follows: its parameters' ``.grad`` still hold h_1 al
 backward's hooks fire. The first hook of each backward (a new graph task) queues an engine callback that
 reads ‖.grad‖ per parameter at the end of that backward, after the callbacks queued during it (DDP's, which
 write the averaged gradients), so clipping or ``unscale_`` before the optimizer step does not change it.
-:func:`batch_of` reads a micro-batch's size from a forward's arguments.
+:func:`batched_input` finds the tensor that carries a forward's batch, :func:`batch_of` its size.
 """
 from __future__ import annotations
 
@@ -17,21 +17,24 @@ import torch
 from torch.autograd import Variable
 
 
-def batch_of(obj, depth: int = 0) -> int | None:
-    """dim 0 of the first tensor in a forward's arguments (one level into lists, tuples and dicts)."""
-    if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0]) if obj.dim() >= 1 else None
-    if depth < 2 and isinstance(obj, (list, tuple)):
-        vals = obj
-    elif depth < 2 and isinstance(obj, dict):
-        vals = list(obj.values())
-    else:
-        return None
-    for v in vals:
-        b = batch_of(v, depth + 1)
-        if b is not None:
-            return b
+def batched_input(args: tuple, kwargs: dict | None = None, depth: int = 0) -> torch.Tensor | None:
+    """The first tensor with a dimension among a forward's arguments, positional then by keyword (one level
+    into lists, tuples and dicts): the one whose dim 0 is the batch."""
+    for v in (*args, *(kwargs or {}).values()):
+        if isinstance(v, torch.Tensor):
+            if v.dim() >= 1:
+                return v
+        elif depth < 1 and isinstance(v, (list, tuple, dict)):
+            t = batched_input(tuple(v.values()) if isinstance(v, dict) else tuple(v), None, depth + 1)
+            if t is not None:
+                return t
     return None
+
+
+def batch_of(args: tuple, kwargs: dict | None = None) -> int | None:
+    """The batch size of a forward's arguments: dim 0 of :func:`batched_input`."""
+    x = batched_input(args, kwargs)
+    return None if x is None else int(x.shape[0])
 
 
 

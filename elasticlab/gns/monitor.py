@@ -173,7 +173,7 @@ class GNSMonitor:
 
     def _on_forward(self, module, args, kwargs):
         if self._open and self._measuring and torch.is_grad_enabled():
-            b = batch_of(args) or batch_of(kwargs)
+            b = batch_of(args, kwargs)
             if b is not None:
                 self._fwd_sizes.append(b)
 

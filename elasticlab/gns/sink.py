@@ -19,6 +19,7 @@ import functools
 import torch
 
 from elasticlab.gns import kernels
+from elasticlab.gns.capture import batched_input
 
 
 def sink_for(slot, x: torch.Tensor) -> torch.Tensor | None:
@@ -96,8 +97,7 @@ class Sinks:
 
     def ready(self, args: tuple, kwargs: dict | None) -> None:
         self.last = None
-        x = next((v for v in (*args, *(kwargs or {}).values())
-                  if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        x = batched_input(args, kwargs)
         if x is not None and (x.shape[0] > self.capacity or x.device != self.device):
             self._make(x.shape[0])
             self.capacity, self.device = x.shape[0], x.device

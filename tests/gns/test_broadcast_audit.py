@@ -180,3 +180,26 @@ def test_every_step_of_a_signature_raises_and_micro_batch_monitoring_runs_on(dat
                 idx, y = data(8, 8)
                 ce(model(idx), y).backward()
     assert [h["method"] for h in monitor.history] == ["micro_batch"] * 2
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_input_in_a_dict_is_audited(fused):
+    """The batch found one level into the model's arguments (a dict, as data loaders give): the forward is
+    audited, where before only top-level tensors were looked at and B = T passed silently."""
+    torch.manual_seed(7)
+    inner = GPTish(T=4, pos_form="arange")
+
+    class DictIn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch):
+            return self.inner(batch["idx"])
+
+    model = DictIn()
+    idx = torch.randint(0, V, (4, 4))
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused) as psn:
+        ce(model({"idx": idx}), idx).backward()
+        with pytest.raises(RuntimeError, match="'inner.pos'"):
+            psn.sq_norms()
