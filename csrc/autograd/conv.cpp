@@ -45,8 +45,10 @@ struct ConvNorms : public torch::autograd::Function<ConvNorms> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+    // unpacked before the guard: an unpack hook may run the forward again (non-reentrant activation
+    // checkpointing recomputes it there), which needs autograd to save its tensors
     auto saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView guard;
     const at::Tensor &x = saved[0], &w = saved[1];
     const at::Tensor norms = ctx->saved_data["norms"].toTensor();
     const auto stride = ctx->saved_data["stride"].toIntVector();

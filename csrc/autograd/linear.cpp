@@ -35,9 +35,11 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // unpacked before the guard: an unpack hook may run the forward again (non-reentrant activation
+    // checkpointing recomputes it there), which needs autograd to save its tensors
+    auto saved = ctx->get_saved_variables();
     at::AutoDispatchBelowADInplaceOrView guard;  // nothing here is differentiated again
     ScratchScope scratch(ctx->saved_data["scratch"].toInt());
-    auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1];
     const at::Tensor norms = ctx->saved_data["norms"].toTensor();
     const int64_t form = ctx->saved_data["form"].toInt();

@@ -30,8 +30,10 @@ struct LayerNormNorms : public torch::autograd::Function<LayerNormNorms> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+    // unpacked before the guard: an unpack hook may run the forward again (non-reentrant activation
+    // checkpointing recomputes it there), which needs autograd to save its tensors
     auto saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView guard;
     const at::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
     const at::Tensor norms = ctx->saved_data["norms"].toTensor();
     const auto shape = ctx->saved_data["shape"].toIntVector();
@@ -94,8 +96,10 @@ struct GroupNormNorms : public torch::autograd::Function<GroupNormNorms> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+    // unpacked before the guard: an unpack hook may run the forward again (non-reentrant activation
+    // checkpointing recomputes it there), which needs autograd to save its tensors
     auto saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView guard;
     const at::Tensor &x = saved[0], &w = saved[1];
     at::Tensor mean = saved[2], rstd = saved[3];
     const at::Tensor norms = ctx->saved_data["norms"].toTensor();

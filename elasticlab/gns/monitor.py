@@ -40,6 +40,7 @@ from elasticlab.gns import loss_scale
 from elasticlab.gns.capture import StepGradients, batch_of
 from elasticlab.gns.estimator import GNSEstimator, check_beta
 from elasticlab.gns.norms import PerSampleGradNorms
+from elasticlab.gns.slot import recomputing
 
 METHODS = ("auto", "per_example", "micro_batch", "replica")
 
@@ -172,7 +173,7 @@ class GNSMonitor:
             self._psn._begin_step()
 
     def _on_forward(self, module, args, kwargs):
-        if self._open and self._measuring and torch.is_grad_enabled():
+        if self._open and self._measuring and torch.is_grad_enabled() and not recomputing():
             b = batch_of(args, kwargs)
             if b is not None:
                 self._fwd_sizes.append(b)

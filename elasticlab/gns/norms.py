@@ -18,21 +18,25 @@ leaves the parameter out of the norms *and* of :meth:`grad_sq_norm`, lists it in
 Modules that ran cost nothing. Tied weights: an embedding's table that is a Linear's weight (GPT-2) gets the
 norm of its summed gradient (:mod:`~elasticlab.gns.tied`); another parameter two covered modules share is
 refused like an uncovered one. Not detected: a parameter used by its module and directly (F.linear(x, w)).
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not): a layer recomputed in the backward
+is one call; the fused forms' saved tensors are recomputed, a hook rule keeps its layer's inputs.
 """
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns import loss_scale
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
-from elasticlab.gns.registry import covered_params, rule_for
+from elasticlab.gns.registry import covered_params, rule_for, uncovered
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, grad_sq_sums, unrecorded
+from elasticlab.gns.slot import Slot, grad_sq_sums, recomputing, unrecorded
 from elasticlab.gns.tied import untie
 
 
@@ -79,10 +83,7 @@ class PerSampleGradNorms:
             if missing:
                 full = [f"{name}.{pn}" if name else pn for pn in missing]
                 if strict:
-                    raise ValueError(
-                        f"no per-example gradient-norm rule for module {name or '(root)'!r} of type "
-                        f"{type(mod).__name__} (parameters {full}); register one with "
-                        "elasticlab.gns.register_rule, freeze them, or pass strict=False to leave them out")
+                    raise ValueError(uncovered(name, mod, full))
                 self.skipped.extend(full)
             if covered:
                 self._slots.append(Slot(self, name, mod, rule, covered))
@@ -104,7 +105,10 @@ class PerSampleGradNorms:
 
     # ------------------------------------------------------------------------------------------ hooks
     def _begin_step(self, module=None, args=(), kwargs=None):
-        """At each forward of the model; run eagerly (``__enter__``)."""
+        """At each forward of the model, run eagerly (``__enter__``); not at its recomputation in a backward
+        (activation checkpointing of the whole model)."""
+        if module is not None and recomputing():
+            return
         self._layer_cache = None
         for s in self._slots:
             s.calls, s.norms, s.on_block, s._sink_batch = 0, {}, False, 0
@@ -128,7 +132,10 @@ class PerSampleGradNorms:
 
     def _end_forward(self, module, args, output):
         """After the model's forward: the broadcast audit (gns.broadcast); a one-shot probe on each needed
-        parameter of a module that did not run, noting (no host sync) whether the backward writes its grad."""
+        parameter of a module that did not run, noting (no host sync) whether the backward writes its grad.
+        Not after a recomputation in a backward."""
+        if recomputing():
+            return
         self._audit.end(output)
         for t in self._ties:
             t.check()
@@ -137,13 +144,8 @@ class PerSampleGradNorms:
                 for pname in s.need:
                     p = getattr(s.module, pname, None)
                     if isinstance(p, torch.Tensor) and p.requires_grad:
-                        self._probes.append(p.register_post_accumulate_grad_hook(self._probe(s, pname)))
-
-    @staticmethod
-    def _probe(slot: Slot, pname: str):
-        def hook(_):
-            slot.touched.add(pname)
-        return hook
+                        self._probes.append(p.register_post_accumulate_grad_hook(
+                            lambda _, s=s, pname=pname: s.touched.add(pname)))
 
     def _left_out(self) -> list[tuple[Slot, str]]:
         """(slot, parameter) pairs the loss depended on in the last step with no norm of them recorded."""
@@ -209,8 +211,7 @@ class PerSampleGradNorms:
 
     def _forward_hook(self, slot: Slot):
         def hook(module, inputs, output):
-            slot.called()
-            if isinstance(output, torch.Tensor) and output.requires_grad:
+            if slot.called() and isinstance(output, torch.Tensor) and output.requires_grad:
                 # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
                 if torch.compiler.is_compiling() and (t := tap(slot, module, inputs, output)) is not None:
                     return t
@@ -235,7 +236,8 @@ class PerSampleGradNorms:
         self._handles.append(self.model.register_forward_hook(eager(self._end_forward)))
         for s in self._slots:
             fused_only = s.rule.norms is None
-            fwd = s.rule.fused(s.module, s) if ((self.fused or fused_only) and s.rule.fused) else None
+            fwd = (s.rule.fused(s.module, s) if (self.fused or fused_only) and s.rule.fused
+                   and not parametrize.is_parametrized(s.module) else None)   # reads its own _parameters
             if fwd is None and fused_only:
                 self.__exit__()
                 raise ValueError(f"module {s.name!r} ({type(s.module).__name__}): its rule has only a fused "
@@ -306,10 +308,7 @@ class PerSampleGradNorms:
                                "context")
         sizes = {k: v.shape[0] for k, v in layers.items()}
         if len(set(sizes.values())) != 1:
-            counts: dict[int, int] = {}
-            for b in sizes.values():
-                counts[b] = counts.get(b, 0) + 1
-            batch = max(counts, key=counts.get)
+            batch = Counter(sizes.values()).most_common(1)[0][0]
             odd = {k: b for k, b in sizes.items() if b != batch}
             raise RuntimeError(
                 f"layers disagree on the batch size: most say {batch}, but {odd}. Each layer's input needs "

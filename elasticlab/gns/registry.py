@@ -8,11 +8,11 @@ the layer's inputs and the gradient of its output, for the direct parameters nam
 them for one module instance (the recurrent layers', which depend on ``num_layers``), read through
 :func:`covered_params`. Its optional ``fused(module, slot)`` returns a replacement forward whose backward
 forms the parameter gradients and the norms in one pass, or None when that configuration is not supported.
-Its optional ``check(module)`` runs at every forward and raises a ValueError when per-example gradients are
-not defined in the module's current state (BatchNorm in training mode). ``calls_children``: the fused
-forward calls child modules whose parameters the module's own forward uses directly
-(``nn.MultiheadAttention``'s ``out_proj``), so it is installed whenever any parameter below the module
-trains, even with none of its own trainable.
+Its optional ``check(module)`` runs at every call with gradients on and raises a ValueError when
+per-example gradients are not defined in the module's current state (BatchNorm in training mode).
+``calls_children``: the fused forward calls child modules whose parameters the module's own forward uses
+directly (``nn.MultiheadAttention``'s ``out_proj``), so it is installed whenever any parameter below the
+module trains, even with none of its own trainable.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,17 @@ def covered_params(rule: Rule, module: nn.Module) -> tuple[str, ...]:
     """The names of ``module``'s direct parameters that ``rule`` covers (its ``params``, called on the module
     when it is a callable)."""
     return tuple(rule.params(module)) if callable(rule.params) else rule.params
+
+
+def uncovered(name: str, module: nn.Module, params: list[str]) -> str:
+    """Why ``module``'s trainable ``params`` (full names) have no per-example norms, and the ways out."""
+    owner = name.rsplit(".parametrizations.", 1)
+    if isinstance(module, parametrize.ParametrizationList) and len(owner) == 2:
+        what = (f"{params} are the originals of a parametrization of {owner[0] or '(root)'!r}'s "
+                f"{owner[1]!r} (weight_norm, spectral_norm, torch.nn.utils.parametrize): a layer's rule sees "
+                "the per-example gradients of the tensor they make, not theirs, and no rule maps them back")
+    else:
+        what = (f"no per-example gradient-norm rule for module {name or '(root)'!r} of type "
+                f"{type(module).__name__} (parameters {params})")
+    return (f"{what}; register one with elasticlab.gns.register_rule, freeze them, or pass strict=False to "
+            "leave them out")

@@ -9,6 +9,11 @@ from torch import nn
 from elasticlab.gns.block import ROWS
 
 
+def recomputing() -> bool:
+    """Whether a forward runs inside a backward (activation checkpointing's recomputation; eager only)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Slot:
     """What one module recorded in the current step."""
 
@@ -29,7 +34,17 @@ class Slot:
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
 
-    def called(self) -> None:
+    def called(self) -> bool:
+        """Counts a call of the module in this step's forward; returns whether it is one whose gradient the
+        backward will bring. Not counted: a call with gradients off (no gradient comes of it: an evaluation
+        under ``no_grad``, or the first pass of reentrant activation checkpointing, which recomputes it in the
+        backward, counted there), and a call during a backward once the module has run in this step (the
+        recomputation of non-reentrant activation checkpointing, whose outputs are not backpropagated: the
+        first call's graph is, with the saved tensors recomputed). A second counted call is an error."""
+        if not torch.is_grad_enabled():
+            return False
+        if self.calls and not torch.compiler.is_compiling() and recomputing():
+            return False
         if self.rule.check is not None:
             self.rule.check(self.module)
         self.calls += 1
@@ -38,6 +53,7 @@ class Slot:
                 f"module {self.name!r} ({type(self.module).__name__}) ran {self.calls} times in one forward: "
                 "per-example norms of shared weights need the sum of the per-call gradients, which is not "
                 "supported; call the model once per backward")
+        return True
 
     def record(self, norms: dict, batch: int) -> None:
         """Keeps the norms as the backward made them (no launch here: the B² of a mean-reduced loss and the

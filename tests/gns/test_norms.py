@@ -227,6 +227,26 @@ def test_shared_module_called_twice_is_an_error():
             Twice()(torch.randn(2, 3))
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_parametrized_weight_is_named_and_left_out_on_request(fused):
+    """weight_norm's originals (g, v) get no per-example norms (the Linear's rule sees the gradient of the
+    weight they make): strict names the parametrization; strict=False leaves them out and keeps the bias's
+    norms exact, fused too (before: a KeyError from the fused forward)."""
+    torch.manual_seed(0)
+    lin = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3).double())
+    model = nn.Sequential(lin)
+    with pytest.raises(ValueError, match=r"originals of a parametrization of '0'.s 'weight' \(weight_norm"):
+        PerSampleGradNorms(model, fused=fused)
+    x = torch.randn(5, 2, 4, dtype=torch.float64)
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False, fused=fused) as psn:
+        model(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    assert sorted(psn.skipped) == [f"0.parametrizations.weight.original{i}" for i in (0, 1)]
+    ref = [torch.autograd.grad(model(x[i:i + 1]).pow(2).sum(), lin.bias)[0].pow(2).sum() for i in range(5)]
+    assert list(got) == ["0.bias"]
+    torch.testing.assert_close(got["0.bias"], torch.stack(ref), rtol=1e-10, atol=0)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="'avg'"):
         PerSampleGradNorms(nn.Linear(2, 2), loss_reduction="avg")

@@ -107,6 +107,22 @@ def test_tiny_gpt2_tied_per_example_norms_match_one_backward_per_example():
     torch.testing.assert_close(got, sum(ref.values()), rtol=1e-8, atol=0)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_tiny_gpt2_gradient_checkpointing_per_example_norms(tied, reentrant):
+    """``gradient_checkpointing_enable()``: each block runs again in the backward (HF's checkpoint, reentrant
+    or not); the norms are those of one backward per example without it (before: "ran 2 times")."""
+    model = tiny_gpt2(tied=tied).double()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    ref = example_param_sq_norms(model, (loss_of(model, ids[i:i + 1]) for i in range(B)))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    with PerSampleGradNorms(model) as norms:
+        loss_of(model, ids).backward()
+        got = norms.sq_norms()
+    torch.testing.assert_close(got, sum(ref.values()), rtol=1e-8, atol=0)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"every": 0}, "every must be an integer >= 1, got 0"),
     ({"beta": -0.1}, r"beta must be in \[0, 1\), got -0.1"),
