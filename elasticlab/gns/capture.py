@@ -38,6 +38,17 @@ def batch_of(args: tuple, kwargs: dict | None = None) -> int | None:
 
 
 
+def frozen(module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of ``module``'s parameters that do not train now."""
+    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+
+
+def now_training(params: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+    """The names of ``params`` (from :func:`frozen`) that train now: unfrozen since (gradual unfreezing),
+    which what was set up with the trainable ones leaves out."""
+    return tuple(n for n, p in params if p.requires_grad)
+
+
 class StepGradients:
     """Per-backward gradient norms of ``params`` between :meth:`start` and :meth:`stop`.
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from torch import nn
 from elasticlab.checks import whole
 from elasticlab.gns import ddp as _ddp
 from elasticlab.gns import loss_scale
-from elasticlab.gns.capture import StepGradients, batch_of
+from elasticlab.gns.capture import StepGradients, batch_of, frozen, now_training
 from elasticlab.gns.estimator import GNSEstimator, check_beta
 from elasticlab.gns.norms import PerSampleGradNorms
 from elasticlab.gns.slot import recomputing
@@ -104,27 +105,34 @@ class GNSMonitor:
             except RuntimeError as e:
                 raise RuntimeError(f"GNSMonitor could not register its DDP communication hook ({e}); a DDP "
                                    "model takes one hook: remove yours, or use method='per_example'") from e
-        self._psn, self._psn_error = None, None       # (why not: PerSampleGradNorms says, e.g. tied weights)
-        if method == "per_example" or (method == "auto" and self._replicas is None):
-            try:
-                self._psn = PerSampleGradNorms(self.module, loss_reduction=loss_reduction,
-                                               grad_scaler=grad_scaler)
-            except ValueError as e:
-                if method == "per_example":
-                    raise
-                self._psn_error = str(e)
+        self._loss_reduction = loss_reduction
         self._accumulating = False            # auto: a step had several backwards, per-example norms unused
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("GNSMonitor: the model has no trainable parameters")
-        self._params = [p for _, p in named]
-        self._grads = StepGradients(self._params, self._after_backward)
-        self._layer_of = [n.rpartition(".")[0] for n, _ in named]
+        self._track()
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         self._open = self._measuring = self._fixed_size = False
         self._reset_step()
 
     # ------------------------------------------------------------------------------------------ steps
+    def _track(self) -> None:
+        """Follow the parameters that train now: their per-example norms (:class:`PerSampleGradNorms`) and
+        each backward's gradient norms (:class:`~elasticlab.gns.capture.StepGradients`)."""
+        self._psn, self._psn_error = None, None       # (why not: PerSampleGradNorms says, e.g. tied weights)
+        if self.method == "per_example" or (self.method == "auto" and self._replicas is None):
+            try:
+                self._psn = PerSampleGradNorms(self.module, loss_reduction=self._loss_reduction,
+                                               grad_scaler=self.grad_scaler)
+            except ValueError as e:
+                if self.method == "per_example":
+                    raise
+                self._psn_error = str(e)
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("GNSMonitor: the model has no trainable parameters")
+        self._params = [p for _, p in named]
+        self._frozen = frozen(self.module)    # unfrozen later: tracked again at begin()
+        self._grads = StepGradients(self._params, self._after_backward)
+        self._layer_of = [n.rpartition(".")[0] for n, _ in named]
+
     def _reset_step(self) -> None:
         self._psn_snap = None
         self._fwd_sizes: list[int] = []
@@ -144,6 +152,14 @@ class GNSMonitor:
         micro-batch, when the model's forward does not show it (dim 0 of its first tensor argument)."""
         if self._open:
             raise RuntimeError("GNSMonitor.begin() called twice without end(): one step at a time")
+        late = now_training(self._frozen)
+        if late:                              # gradual unfreezing: a new parameter set, a new estimate
+            warnings.warn(f"GNSMonitor: {list(late)} train now; measured from this step on, with the "
+                          "estimate restarted (the GNS of another parameter set)", RuntimeWarning,
+                          stacklevel=2)
+            self._track()
+            self.estimator = GNSEstimator(beta=self.estimator.beta,
+                                          init_batch_size=self.estimator.init_batch_size)
         self.steps += 1
         self._open, self._measuring = True, self.is_measured(self.steps)
         if not self._measuring:

@@ -34,9 +34,11 @@ from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules
 from elasticlab.gns import loss_scale
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
+from elasticlab.gns.capture import frozen, now_training
+from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.registry import covered_params, rule_for, uncovered
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, grad_sq_sums, recomputing, unrecorded
+from elasticlab.gns.slot import Slot, finish, grad_sq_sums, recomputing, unrecorded
 from elasticlab.gns.tied import untie
 
 
@@ -88,6 +90,7 @@ class PerSampleGradNorms:
             if covered:
                 self._slots.append(Slot(self, name, mod, rule, covered))
         self._ties = untie(self._slots, strict, self.skipped)     # one parameter, two modules (gns.tied)
+        self._frozen = frozen(model)                       # checked at each read (now_training)
         heads = {id(t.head) for t in self._ties}
         self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in heads]
         self._handles: list = []
@@ -101,6 +104,7 @@ class PerSampleGradNorms:
         self._block = NormBlock(self._slots)               # the C++ backwards' rows: one reset, one read
         self._sinks = Sinks([s for s in self._slots if s.need])   # norms out of compiled backwards
         self._audit = Audit()                              # layers broadcast over the batch (gns.broadcast)
+        self._forwards = Forwards()                        # several forwards, one backward (gns.forwards)
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -124,6 +128,7 @@ class PerSampleGradNorms:
         self._scale = loss_scale.current(self.grad_scaler)
         self._sinks.ready(args, kwargs)                    # (and forgets the last step's gradient)
         self._audit.begin(args, kwargs)
+        self._forwards.begin()
 
     def _drop_probes(self) -> None:
         for h in self._probes:
@@ -137,6 +142,7 @@ class PerSampleGradNorms:
         if recomputing():
             return
         self._audit.end(output)
+        self._forwards.end(output)
         for t in self._ties:
             t.check()
         for s in self._slots:
@@ -158,10 +164,17 @@ class PerSampleGradNorms:
         return [s.full(pn) for s, pn in self._left_out()]
 
     def _check_coverage(self) -> set[tuple[int, str]]:
-        """Raises the broadcast audit's error, if any; raises (strict) or warns once about :attr:`left_out`;
-        returns {(slot id, param)} to leave out."""
-        if self._audit.error is not None:
-            raise self._audit.error
+        """Raises the broadcast audit's error or that of several forwards, if any; raises (strict) or warns
+        once about :attr:`left_out`; returns {(slot id, param)} to leave out."""
+        for err in (self._audit.error, self._forwards.error):
+            if err is not None:
+                raise err
+        late = now_training(self._frozen)
+        if late:
+            self._refuse(late, f"{list(late)} were frozen when PerSampleGradNorms was made and train now, so "
+                         "no rule records their per-example norms", "Make PerSampleGradNorms (or GNSMonitor) "
+                         "again after changing which parameters train", "the per-example norms and of "
+                         "grad_sq_norm (they were never covered)")
         lost = self._left_out()
         if not lost:
             return set()
@@ -184,30 +197,6 @@ class PerSampleGradNorms:
         if names not in self._warned:
             self._warned.add(names)
             warnings.warn(f"{why}; they are left out of {left}", RuntimeWarning, stacklevel=4)
-
-    def _finish(self, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Tensor]:
-        """Recorded norms → ‖∇θ ℓ_i‖²: times f = B² for a mean-reduced loss (1 for a summed one), divided by
-        the squared loss scale. One ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per
-        layer; each element gets the same multiply as ``v * f`` (``v * (f / scale²)``) would give it. Every
-        result is a new tensor (f = 1 too): recorded norms may be views of buffers reused next step."""
-        out: list[torch.Tensor | None] = list(vals)
-        groups: dict[tuple, list[int]] = {}
-        for i, (v, s) in enumerate(zip(vals, slots)):
-            groups.setdefault((s.factor(), v.dtype, v.device), []).append(i)
-        for (f, dtype, device), idx in groups.items():
-            if self._scale is not None:
-                fac = f / self._scale.to(device=device, dtype=dtype) ** 2
-            elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
-                # a 0-dim tensor of the norms' dtype: the multiply a Python float gets, without wrapping
-                # and converting the number again for every tensor
-                fac = self._factors.get((f, dtype))
-                if fac is None:
-                    fac = self._factors[(f, dtype)] = torch.tensor(f, dtype=dtype)
-            else:
-                fac = f
-            for i, r in zip(idx, torch._foreach_mul([vals[i] for i in idx], fac)):
-                out[i] = r
-        return out
 
     def _forward_hook(self, slot: Slot):
         def hook(module, inputs, output):
@@ -274,7 +263,7 @@ class PerSampleGradNorms:
                 names.append(s.full(pname))
                 vals.append(v)
                 slots.append(s)
-        return dict(zip(names, self._finish(vals, slots)))
+        return dict(zip(names, finish(self, vals, slots)))
 
     def layer_sq_norms(self) -> dict[str, torch.Tensor]:
         """{module name: (B,)}: per-example squared norms of each module's own trainable parameters."""
@@ -291,7 +280,7 @@ class PerSampleGradNorms:
                 for i, r in zip(idx, torch._foreach_add([totals[i] for i in idx], [per[i][k] for i in idx])):
                     totals[i] = r
                 k += 1
-            self._layer_cache = dict(zip((s.name for s in slots), self._finish(totals, slots)))
+            self._layer_cache = dict(zip((s.name for s in slots), finish(self, totals, slots)))
         return dict(self._layer_cache)
 
     def sq_norms(self) -> torch.Tensor:

@@ -107,6 +107,32 @@ class Slot:
         return s[self.rows[0]:self.rows[1], :batch]
 
 
+def finish(owner, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Tensor]:
+    """Recorded norms of ``slots`` of a :class:`~elasticlab.gns.PerSampleGradNorms` ``owner`` → ‖∇θ ℓ_i‖²:
+    times f = B² for a mean-reduced loss (1 for a summed one), divided by the squared loss scale. One
+    ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per layer; each element gets the same
+    multiply as ``v * f`` (``v * (f / scale²)``) would give it. Every result is a new tensor (f = 1 too):
+    recorded norms may be views of buffers reused next step."""
+    out: list[torch.Tensor | None] = list(vals)
+    groups: dict[tuple, list[int]] = {}
+    for i, (v, s) in enumerate(zip(vals, slots)):
+        groups.setdefault((s.factor(), v.dtype, v.device), []).append(i)
+    for (f, dtype, device), idx in groups.items():
+        if owner._scale is not None:
+            fac = f / owner._scale.to(device=device, dtype=dtype) ** 2
+        elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
+            # a 0-dim tensor of the norms' dtype: the multiply a Python float gets, without wrapping
+            # and converting the number again for every tensor
+            fac = owner._factors.get((f, dtype))
+            if fac is None:
+                fac = owner._factors[(f, dtype)] = torch.tensor(f, dtype=dtype)
+        else:
+            fac = f
+        for i, r in zip(idx, torch._foreach_mul([vals[i] for i in idx], fac)):
+            out[i] = r
+    return out
+
+
 def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[tuple[Slot, str]]]:
     """(per slot, Σ g² in float64 of each needed parameter's ``.grad``: those with one, not in ``lost``, the
     (slot id, parameter) pairs left out; all reduced on their devices, then read in one host transfer per

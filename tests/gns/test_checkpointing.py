@@ -171,3 +171,21 @@ def test_compiled_model_with_a_checkpointed_block_matches_eager():
             compiled(x).pow(2).sum().backward()
             got = psn.sq_norms()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_checkpointed_norms_under_autocast_equal_the_plain_models(device, mode, autocast):
+    """bf16 autocast, and on CUDA the kernels (cuBLAS; Triton for 16-bit sequence layers): the recomputation
+    runs in the forward's autocast state, so the norms are the unchecked model's, in float32."""
+    torch.manual_seed(0)
+    plain = Net().to(device)
+    ckpt = Net(mode).to(device)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(B, 64, 4, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        _, want, _ = norms_of(plain, x, fused=True)
+        _, got, _ = norms_of(ckpt, x, fused=True)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5 if not autocast else 1e-2, atol=0)

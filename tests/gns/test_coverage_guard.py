@@ -335,3 +335,65 @@ def test_tied_output_layer_after_the_embedding_in_the_backward_is_an_error():
         out = model(torch.randint(0, 11, (4, 5)))
         with pytest.raises(RuntimeError, match=r"output layer's backward ran after the embedding's"):
             out.sum().backward()
+
+
+def _gradual():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model[0].requires_grad_(False)                           # the first stage of gradual unfreezing
+    return model
+
+
+def test_parameter_unfrozen_after_construction_is_refused_or_left_out():
+    """Parameters frozen when PerSampleGradNorms was made and trained later (gradual unfreezing) have no
+    slot: their norms were silently missing. Now the readers raise naming them (strict), or warn and leave
+    them out of the norms and of grad_sq_norm alike."""
+    model = _gradual()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        sq_loss(model(x), y).backward()
+        psn.sq_norms()                                       # frozen still: fine
+        model[0].requires_grad_(True)
+        model.zero_grad()
+        sq_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias'\] were frozen when PerSampleGrad"):
+            psn.sq_norms()
+    model = _gradual()
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
+        model[0].requires_grad_(True)
+        sq_loss(model(x), y).backward()
+        with pytest.warns(RuntimeWarning, match="were frozen when PerSampleGradNorms was made"):
+            got = psn.sq_norms()
+        g2 = psn.grad_sq_norm()
+    ref = func_param_sq_norms(model, sq_loss, x, y)
+    torch.testing.assert_close(got, ref["2.weight"] + ref["2.bias"], rtol=1e-10, atol=0)
+    want = sum(float(model[2].get_parameter(n).grad.pow(2).sum()) for n in ("weight", "bias")) / 36
+    assert abs(g2 - want) < 1e-12 * want
+
+
+def test_monitor_follows_gradual_unfreezing_with_a_new_estimate():
+    """GNSMonitor made with the first layer frozen (its per-example norms and gradients set up for the rest):
+    when the layer trains, the next step warns, follows the new parameter set and restarts the estimate
+    (EMAs of another parameter set's noise do not mix), with the per-example norms now over all layers."""
+    from elasticlab.gns import GNSEstimator, GNSMonitor
+    model = _gradual()
+    mon = GNSMonitor(model, beta=0.5)
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64))
+            for _ in range(3)]
+    for x, y in data[:2]:
+        with mon.step():
+            F.mse_loss(model(x), y).backward()
+        model.zero_grad()
+    assert mon.estimator.num_updates == 2 and set(mon.layer_b_simple()) == {"2"}
+    model[0].requires_grad_(True)
+    x, y = data[2]
+    with pytest.warns(RuntimeWarning, match=r"\['0.weight', '0.bias'\] train now.*estimate restarted"):
+        with mon.step():
+            F.mse_loss(model(x), y).backward()
+    assert mon.estimator.num_updates == 1 and set(mon.layer_b_simple()) == {"0", "2"}
+    ref = GNSEstimator(beta=0.5)                 # the same step folded by hand, over every parameter
+    sq = func_sq_norms(model, lambda o, t: F.mse_loss(o, t, reduction="sum") / 3, x, y)
+    g2 = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
+    ref.update(sq, g2)
+    for a, b in ((mon.grad_sq, ref.grad_sq), (mon.trace_cov, ref.trace_cov)):
+        assert abs(a - b) < 1e-8 * abs(b), (a, b)
