@@ -59,13 +59,26 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
     return rule
 
 
+FALLBACK: list[tuple[Rule, Callable[[nn.Module], bool]]] = []   # (rule, applies(module)), in order
+
+
+def register_fallback(rule: Rule, applies: Callable[[nn.Module], bool]) -> Rule:
+    """A rule for modules of no registered type (or a subclass with a forward of its own) for which
+    ``applies(module)`` holds (:mod:`elasticlab.gns.layers.generic`: leaf modules, by torch.func)."""
+    FALLBACK.append((rule, applies))
+    return rule
+
+
 def rule_for(module: nn.Module) -> Rule | None:
-    """The rule of the nearest registered base class whose ``forward`` the module still uses."""
+    """The rule of the nearest registered base class whose ``forward`` the module still uses, else the
+    first fallback that applies to it."""
     for cls in type(module).__mro__:
         rule = RULES.get(cls)
         if rule is not None:
-            return rule if type(module).forward is cls.forward else None
-    return None
+            if type(module).forward is cls.forward:
+                return rule
+            break
+    return next((rule for rule, applies in FALLBACK if applies(module)), None)
 
 
 def covered_params(rule: Rule, module: nn.Module) -> tuple[str, ...]:

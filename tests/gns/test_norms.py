@@ -183,14 +183,16 @@ def test_frozen_parameters_are_skipped():
 
 
 class Scale(nn.Module):
-    """A module with a parameter and no rule."""
+    """A module with a parameter and no rule: not a leaf (a child of its own), so the generic rule, which
+    serves leaf modules, does not apply either."""
 
     def __init__(self, n):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(n))
+        self.act = nn.Tanh()
 
     def forward(self, x):
-        return x * self.weight
+        return self.act(x) * self.weight
 
 
 def test_unsupported_module_strict_error_names_it_and_nonstrict_reports():
@@ -204,12 +206,14 @@ def test_unsupported_module_strict_error_names_it_and_nonstrict_reports():
     assert set(n.layer_sq_norms()) == {"0", "2"}
 
 
-def test_subclass_with_own_forward_has_no_rule():
+def test_subclass_with_own_forward_gets_the_generic_rule_not_its_base_classes():
     class Odd(nn.Linear):
         def forward(self, x):
             return super().forward(x) * 2
-    with pytest.raises(ValueError, match="Odd"):
-        PerSampleGradNorms(nn.Sequential(Odd(2, 2)))
+    from elasticlab.gns import rule_for
+    from elasticlab.gns.layers import generic
+    assert rule_for(Odd(2, 2)).norms is generic.generic_norms
+    assert rule_for(nn.Linear(2, 2)).norms is not generic.generic_norms
 
 
 def test_shared_module_called_twice_is_an_error():

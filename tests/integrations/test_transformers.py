@@ -123,6 +123,26 @@ def test_tiny_gpt2_gradient_checkpointing_per_example_norms(tied, reentrant):
     torch.testing.assert_close(got, sum(ref.values()), rtol=1e-8, atol=0)
 
 
+def test_tiny_llama_per_example_norms_with_its_own_rmsnorm():
+    """LLaMA's LlamaRMSNorm is its own class (no registered rule): the generic rule (torch.func) covers it,
+    and the model's norms match one backward per example (before: "no per-example gradient-norm rule")."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+
+    def loss(i):
+        return model(input_ids=i, labels=i).loss
+    ref = example_param_sq_norms(model, (loss(ids[i:i + 1]) for i in range(B)))
+    with PerSampleGradNorms(model) as norms:
+        loss(ids).backward()
+        got = norms.param_sq_norms()
+    assert "model.norm.weight" in got and "model.layers.0.input_layernorm.weight" in got
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-8, atol=1e-20, msg=k)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"every": 0}, "every must be an integer >= 1, got 0"),
     ({"beta": -0.1}, r"beta must be in \[0, 1\), got -0.1"),

@@ -1,0 +1,100 @@
+"""The fallback rule: any leaf module (no children) with no rule of its own, such as the RMSNorm classes of
+Hugging Face's LLaMA, Mistral, Qwen and Gemma, T5's LayerNorm or a LayerScale. Its per-example gradients are
+formed by ``torch.func``: ``vmap`` over the examples of the ``vjp`` of the module's own forward at the
+example's input and output gradient, ∇θ ℓ_b = J_θ f(θ, x_b)ᵀ δ_b, and their squared norms summed in the
+wider dtype. Exact, with the memory of B per-example gradients of the module's own parameters (chunked to
+:data:`CHUNK_BYTES`); meant for small layers, which the registered rules do not cover.
+
+Valid only for a module that treats each example alone and deterministically. Before the first backward of
+each input shape, the module's output on the batch is compared with its output on each example alone
+(``vmap``, which also refuses random operations inside the forward): a module that mixes examples (batch
+statistics) or draws random numbers is an error naming it, with the ways out.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+
+from elasticlab.gns import kernels
+from elasticlab.gns.registry import Rule, register_fallback
+
+ENABLED = True                   # off: modules of no registered type are uncovered again (strict: an error)
+CHUNK_BYTES = 256 << 20          # per-example gradients held at once, at most (one example whatever its size)
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # module -> input signatures verified
+
+
+def applies(module: nn.Module) -> bool:
+    """With :data:`ENABLED`, leaf modules: a forward that calls no child module (whose own rule would run
+    inside it again)."""
+    return ENABLED and next(module.children(), None) is None
+
+
+def own_params(module: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, _ in module.named_parameters(recurse=False))
+
+
+def _per_example_forward(module: nn.Module, dims: tuple):
+    forward = type(module).forward
+
+    def one(params, *args):
+        args = tuple(a.unsqueeze(0) if d == 0 else a for a, d in zip(args, dims))
+        return functional_call(module, params, args, strict=False, tie_weights=False)
+    return forward, one
+
+
+def _verify(module: nn.Module, inputs: tuple, dims: tuple, one) -> None:
+    """Its output on the batch against its output on each example alone, once per input signature."""
+    sig = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in inputs)
+    seen = _checked.setdefault(module, set())
+    if sig in seen:
+        return
+    why = None
+    with torch.no_grad():
+        full = type(module).forward(module, *inputs)
+        try:
+            each = vmap(lambda *a: one({}, *a).squeeze(0), in_dims=dims)(*inputs)
+        except RuntimeError as e:                            # random operations, data-dependent control flow
+            why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
+        else:
+            tol = dict(rtol=3e-2, atol=1e-3) if full.dtype in (torch.bfloat16, torch.float16) else \
+                dict(rtol=1e-3, atol=1e-5)
+            scale = float(full.abs().max()) if full.numel() else 0.0
+            if each.shape != full.shape or not torch.allclose(each, full, rtol=tol["rtol"],
+                                                              atol=tol["atol"] * max(scale, 1.0)):
+                why = "its output for an example depends on the other examples of the batch"
+    if why is not None:
+        raise RuntimeError(
+            f"{type(module).__name__} has no per-example gradient-norm rule, and the generic one "
+            f"(torch.func) does not apply: {why}. Register a rule with elasticlab.gns.register_rule, freeze "
+            "its parameters, or set elasticlab.gns.layers.generic.ENABLED = False before making "
+            "PerSampleGradNorms (then strict=False leaves them out)")
+    seen.add(sig)
+
+
+def generic_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dict:
+    """Hook rule: ‖∇θ ℓ_b‖² per example of each needed parameter, from the vjp of the module's forward on
+    example b (vmap over the batch, in chunks of at most :data:`CHUNK_BYTES` of per-example gradients)."""
+    B = d.shape[0]
+    dims = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
+                 for a in inputs)
+    _, one = _per_example_forward(module, dims)
+    _verify(module, inputs, dims, one)
+    params = {n: module.get_parameter(n).detach() for n in need}
+    numel = sum(p.numel() * max(p.element_size(), 4) for p in params.values())
+    chunk = max(1, min(B, CHUNK_BYTES // max(numel, 1)))
+
+    def grads(*a):
+        *args, g = a
+        _, pull = vjp(lambda p: one(p, *args), params)
+        return pull(g.unsqueeze(0))[0]
+
+    with torch.enable_grad():
+        per = vmap(grads, in_dims=dims + (0,), chunk_size=chunk)(*inputs, d)
+    return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
+
+
+register_fallback(Rule(norms=generic_norms, params=own_params), applies)

@@ -1,0 +1,166 @@
+"""The fallback rule for leaf modules of no registered type (elasticlab.gns.layers.generic): per-example
+gradients by torch.func, against torch.func over the whole model in float64 (hypothesis shapes), fused
+neighbours and hooks; modules that mix examples or draw random numbers refused by name; chunked; bf16
+autocast; torch.compile."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms, rule_for
+from elasticlab.gns.layers import generic
+from elasticlab.gns.reference import func_param_sq_norms
+
+SETTINGS = settings(max_examples=10, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+class HFStyleRMSNorm(nn.Module):
+    """As Hugging Face's LlamaRMSNorm: its own class, not nn.RMSNorm, so no registered rule."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+        self.eps = eps
+
+    def forward(self, x):
+        v = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(v + self.eps))
+
+
+class ScaleShift(nn.Module):
+    """Two parameters of a leaf module (a LayerScale with a shift), one broadcast from (1, D)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(d))
+        self.beta = nn.Parameter(torch.randn(1, d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.gamma + self.beta)
+
+
+class DoubleLinear(nn.Linear):
+    """A subclass of a registered type with a forward of its own: the registered rule does not apply."""
+
+    def forward(self, x):
+        return 2 * super().forward(x) + self.weight.sum()
+
+
+class MixesExamples(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return (x - x.mean(0)) * self.weight
+
+
+class Noisy(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return F.dropout(x, 0.5) * self.weight
+
+
+def model_with(layer, d_in=3, d=6):
+    return nn.Sequential(nn.Linear(d_in, d), layer, nn.Linear(d, 2)).double()
+
+
+def check_exact(model, x, fused):
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused) as psn:
+        model(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    ref = func_param_sq_norms(model, lambda o, y: o.pow(2).sum(), x, torch.zeros(x.shape[0]))
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-14, msg=k)
+
+
+@SETTINGS
+@given(B=st.integers(1, 6), T=st.integers(1, 5), d=st.integers(1, 7), fused=st.booleans(),
+       layer=st.sampled_from(["rms", "scaleshift", "double"]))
+def test_generic_rule_matches_torch_func(B, T, d, fused, layer):
+    torch.manual_seed(B * 100 + T * 10 + d)
+    mod = {"rms": lambda: HFStyleRMSNorm(d), "scaleshift": lambda: ScaleShift(d),
+           "double": lambda: DoubleLinear(d, d)}[layer]()
+    assert rule_for(mod).norms is generic.generic_norms
+    check_exact(model_with(mod, d=d), torch.randn(B, T, 3, dtype=torch.float64), fused)
+
+
+def test_generic_rule_on_2d_inputs_and_in_chunks(monkeypatch):
+    torch.manual_seed(1)
+    model = model_with(ScaleShift(6))
+    x = torch.randn(7, 3, dtype=torch.float64)
+    check_exact(model, x, True)
+    monkeypatch.setattr(generic, "CHUNK_BYTES", 1)        # one example at a time: same norms
+    check_exact(model, x, True)
+
+
+@pytest.mark.parametrize("layer, why", [(MixesExamples, "depends on the other examples"),
+                                        (Noisy, "does not run on one example at a time")])
+def test_modules_the_generic_rule_cannot_serve_are_named(layer, why):
+    model = model_with(layer(6))
+    with PerSampleGradNorms(model) as psn:
+        with pytest.raises(RuntimeError, match=f"{layer.__name__} has no per-example gradient-norm .*{why}"):
+            model(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+    del psn
+
+
+def test_switched_off_the_module_is_uncovered_again(monkeypatch):
+    monkeypatch.setattr(generic, "ENABLED", False)
+    model = model_with(MixesExamples(6))
+    with pytest.raises(ValueError, match=r"no per-example gradient-norm rule for module '1' of type Mix"):
+        PerSampleGradNorms(model)
+    assert PerSampleGradNorms(model, strict=False).skipped == ["1.weight"]
+
+
+def test_non_leaf_module_with_its_own_parameter_is_still_refused():
+    """A module with children and a parameter of its own: the generic rule would run the children's rules
+    again inside it, so it does not apply."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.g = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.lin(x) * self.g
+
+    with pytest.raises(ValueError, match=r"module '0' of type Gate \(parameters \['0.g'\]\)"):
+        PerSampleGradNorms(nn.Sequential(Gate()))
+
+
+def test_bf16_autocast_norms_near_fp32():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(16, 32), HFStyleRMSNorm(32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 10, 16)
+    out = {}
+    for ac in (False, True):
+        with PerSampleGradNorms(model) as psn, torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            out[ac] = psn.param_sq_norms()["1.weight"]
+    assert out[True].dtype == torch.float32
+    rel = ((out[True] - out[False]).abs() / out[False]).median()
+    assert rel < 0.02, rel
+
+
+def test_compiled_model_with_a_generic_layer_matches_eager():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 6), HFStyleRMSNorm(6), nn.Linear(6, 2))
+    x = torch.randn(5, 4, 3)
+    with PerSampleGradNorms(model) as psn:
+        model(x).pow(2).mean().backward()
+        want = psn.sq_norms()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as psn:
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x).pow(2).mean().backward()
+            torch.testing.assert_close(psn.sq_norms(), want, rtol=1e-5, atol=0)
