@@ -37,7 +37,6 @@ def batch_of(args: tuple, kwargs: dict | None = None) -> int | None:
     return None if x is None else int(x.shape[0])
 
 
-
 def frozen(module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) of ``module``'s parameters that do not train now."""
     return [(n, p) for n, p in module.named_parameters() if not p.requires_grad]

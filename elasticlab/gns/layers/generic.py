@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from elasticlab.gns import kernels
+from elasticlab.gns.broadcast import signature
 from elasticlab.gns.registry import Rule, register_fallback
 
 ENABLED = True                   # off: modules of no registered type are uncovered again (strict: an error)
@@ -38,17 +39,17 @@ def own_params(module: nn.Module) -> tuple[str, ...]:
 
 
 def _per_example_forward(module: nn.Module, dims: tuple):
-    forward = type(module).forward
-
+    """``one(params, *args)``: the module's forward on one example (batched args given a batch of 1), with
+    ``params`` in place of its own."""
     def one(params, *args):
         args = tuple(a.unsqueeze(0) if d == 0 else a for a, d in zip(args, dims))
         return functional_call(module, params, args, strict=False, tie_weights=False)
-    return forward, one
+    return one
 
 
 def _verify(module: nn.Module, inputs: tuple, dims: tuple, one) -> None:
     """Its output on the batch against its output on each example alone, once per input signature."""
-    sig = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in inputs)
+    sig = signature(inputs, None)
     seen = _checked.setdefault(module, set())
     if sig in seen:
         return
@@ -60,11 +61,9 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one) -> None:
         except RuntimeError as e:                            # random operations, data-dependent control flow
             why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
         else:
-            tol = dict(rtol=3e-2, atol=1e-3) if full.dtype in (torch.bfloat16, torch.float16) else \
-                dict(rtol=1e-3, atol=1e-5)
-            scale = float(full.abs().max()) if full.numel() else 0.0
-            if each.shape != full.shape or not torch.allclose(each, full, rtol=tol["rtol"],
-                                                              atol=tol["atol"] * max(scale, 1.0)):
+            rtol, atol = (3e-2, 1e-3) if full.dtype in (torch.bfloat16, torch.float16) else (1e-3, 1e-5)
+            atol *= max(float(full.abs().max()) if full.numel() else 0.0, 1.0)
+            if each.shape != full.shape or not torch.allclose(each, full, rtol=rtol, atol=atol):
                 why = "its output for an example depends on the other examples of the batch"
     if why is not None:
         raise RuntimeError(
@@ -81,7 +80,7 @@ def generic_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> di
     B = d.shape[0]
     dims = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
                  for a in inputs)
-    _, one = _per_example_forward(module, dims)
+    one = _per_example_forward(module, dims)
     _verify(module, inputs, dims, one)
     params = {n: module.get_parameter(n).detach() for n in need}
     numel = sum(p.numel() * max(p.element_size(), 4) for p in params.values())
