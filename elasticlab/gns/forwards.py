@@ -34,6 +34,7 @@ class Forwards:
                 f"the backward went through the outputs of an earlier forward of the model ({self.count - n} "
                 "before the last) as well: several forwards feeding one backward (two views of a siamese or "
                 "contrastive model, micro-batches summed into one loss) make each layer's per-example "
-                "gradient the sum over its calls, which the per-example rules do not form. Run one forward "
-                "per backward; where the examples of the forwards are distinct, concatenate their inputs "
-                "into one batch")
+                "gradient the sum over its calls, which is formed only within one forward of the model. "
+                "Call the shared modules twice inside one forward (a wrapper whose forward takes both views; "
+                "elasticlab.gns.repeated); where the examples of the forwards are distinct, concatenate "
+                "their inputs into one batch")

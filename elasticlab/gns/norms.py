@@ -19,7 +19,8 @@ Modules that ran cost nothing. Tied weights: an embedding's table that is a Line
 norm of its summed gradient (:mod:`~elasticlab.gns.tied`); another parameter two covered modules share is
 refused like an uncovered one. Not detected: a parameter used by its module and directly (F.linear(x, w)).
 Activation checkpointing (``torch.utils.checkpoint``, reentrant or not): a layer recomputed in the backward
-is one call; the fused forms' saved tensors are recomputed, a hook rule keeps its layer's inputs.
+is one call; the fused forms' saved tensors are recomputed, a hook rule keeps its layer's inputs. A module
+called several times in one forward gets the norm of its gradient summed over the calls (gns.repeated).
 """
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
-from elasticlab.gns import loss_scale
+from elasticlab.gns import loss_scale, repeated
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.capture import frozen, now_training
 from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.registry import covered_params, rule_for, uncovered
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, finish, grad_sq_sums, recomputing, unrecorded
+from elasticlab.gns.slot import Slot, finish, grad_sq_sums, layer_totals, recomputing, unrecorded
 from elasticlab.gns.tied import untie
 
 
@@ -105,6 +106,8 @@ class PerSampleGradNorms:
         self._sinks = Sinks([s for s in self._slots if s.need])   # norms out of compiled backwards
         self._audit = Audit()                              # layers broadcast over the batch (gns.broadcast)
         self._forwards = Forwards()                        # several forwards, one backward (gns.forwards)
+        self._repeated = False                             # some module ran twice in a step (gns.repeated)
+        self._unfuse: set[int] = set()                     # fused slots found repeated: hooks next step
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -114,10 +117,14 @@ class PerSampleGradNorms:
         if module is not None and recomputing():
             return
         self._layer_cache = None
+        if self._unfuse:
+            repeated.to_hooks(self)
         for s in self._slots:
-            s.calls, s.norms, s.on_block, s._sink_batch = 0, {}, False, 0
+            s.calls, s.fwd_calls, s.norms, s.on_block, s._sink_batch = 0, 0, {}, False, 0
             if s.touched:
                 s.touched = set()
+            if s.pending or s.spoiled:
+                s.pending, s.spoiled = [], None
         if self._probes:
             self._drop_probes()
         self._block.begin()
@@ -146,6 +153,7 @@ class PerSampleGradNorms:
         for t in self._ties:
             t.check()
         for s in self._slots:
+            s.fwd_calls = s.calls
             if s.calls == 0:
                 for pname in s.need:
                     p = getattr(s.module, pname, None)
@@ -165,7 +173,10 @@ class PerSampleGradNorms:
 
     def _check_coverage(self) -> set[tuple[int, str]]:
         """Raises the broadcast audit's error or that of several forwards, if any; raises (strict) or warns
-        once about :attr:`left_out`; returns {(slot id, param)} to leave out."""
+        once about :attr:`left_out`; returns {(slot id, param)} to leave out. First, the norms of the modules
+        that ran several times (gns.repeated)."""
+        if self._repeated:
+            repeated.settle(self._slots)
         for err in (self._audit.error, self._forwards.error):
             if err is not None:
                 raise err
@@ -211,6 +222,9 @@ class PerSampleGradNorms:
                 def on_grad(g):
                     if not inputs or not isinstance(saved[0], torch.Tensor):
                         raise ValueError(f"module {slot.name!r}: expected a tensor input")
+                    if slot.shared:                     # formed with its other calls when read
+                        slot.pending.append((saved, g.detach()))
+                        return
                     norms = slot.rule.norms(module, saved, g.detach(), slot.need)
                     slot.record(norms, saved[0].shape[0])
                 output.register_hook(on_grad)
@@ -225,17 +239,20 @@ class PerSampleGradNorms:
         self._handles.append(self.model.register_forward_hook(eager(self._end_forward)))
         for s in self._slots:
             fused_only = s.rule.norms is None
-            fwd = (s.rule.fused(s.module, s) if (self.fused or fused_only) and s.rule.fused
-                   and not parametrize.is_parametrized(s.module) else None)   # reads its own _parameters
+            fwd = (s.rule.fused(s.module, s) if (self.fused or fused_only) and s.rule.fused and not (
+                   s.shared and not fused_only)          # (repeated: hooks) reads its own _parameters:
+                   and not parametrize.is_parametrized(s.module) else None)
             if fwd is None and fused_only:
                 self.__exit__()
                 raise ValueError(f"module {s.name!r} ({type(s.module).__name__}): its rule has only a fused "
                                  "form, which does not support this configuration")
+            s.fused = fwd is not None
             if fwd is not None:
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
                 s.module.forward = self._audit.wrap(s, fwd)
             else:
                 self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
+        self._unfuse.clear()                              # (the slots found repeated took hooks above)
         for t in self._ties:                              # the embedding's indices, for the output layer
             self._handles.append(t.emb.module.register_forward_pre_hook(t.pre_hook))
         self._active = True
@@ -270,17 +287,7 @@ class PerSampleGradNorms:
         self._check_coverage()
         if self._layer_cache is None:
             slots = [s for s in self._slots if s.norms]
-            per = [list(s.norms.values()) for s in slots]
-            totals = [v[0] for v in per]
-            k = 1
-            while True:           # Σ of each layer's parameters, in order: one _foreach_add per position
-                idx = [i for i, v in enumerate(per) if len(v) > k]
-                if not idx:
-                    break
-                for i, r in zip(idx, torch._foreach_add([totals[i] for i in idx], [per[i][k] for i in idx])):
-                    totals[i] = r
-                k += 1
-            self._layer_cache = dict(zip((s.name for s in slots), finish(self, totals, slots)))
+            self._layer_cache = dict(zip((s.name for s in slots), finish(self, layer_totals(slots), slots)))
         return dict(self._layer_cache)
 
     def sq_norms(self) -> torch.Tensor:

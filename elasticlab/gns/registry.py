@@ -10,9 +10,11 @@ them for one module instance (the recurrent layers', which depend on ``num_layer
 forms the parameter gradients and the norms in one pass, or None when that configuration is not supported.
 Its optional ``check(module)`` runs at every call with gradients on and raises a ValueError when
 per-example gradients are not defined in the module's current state (BatchNorm in training mode).
-``calls_children``: the fused forward calls child modules whose parameters the module's own forward uses
-directly (``nn.MultiheadAttention``'s ``out_proj``), so it is installed whenever any parameter below the
-module trains, even with none of its own trainable.
+Its optional ``summed(module, calls, need)`` gives the norms of the gradient summed over several calls of one
+module in a forward, ``calls`` a list of (inputs, output gradient) (:mod:`elasticlab.gns.repeated`; without it
+a hook rule's calls are summed by torch.func). ``calls_children``: the fused forward calls child modules whose
+parameters the module's own forward uses directly (``nn.MultiheadAttention``'s ``out_proj``), so it is
+installed whenever any parameter below the module trains, even with none of its own trainable.
 """
 from __future__ import annotations
 
@@ -30,13 +32,14 @@ class Rule:
     fused: Callable | None = None
     check: Callable | None = None
     calls_children: bool = False
+    summed: Callable | None = None
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias"), fused=None,
-                  check=None, calls_children: bool = False) -> Rule:
+                  check=None, calls_children: bool = False, summed=None) -> Rule:
     """Register (or replace) the rule for ``module_type``; returns it."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise ValueError(f"register_rule: expected an nn.Module subclass, got {module_type!r}")
@@ -53,8 +56,11 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
             raise ValueError(f"register_rule: {module_type.__name__}: params must be a tuple of parameter "
                              f"names or a callable params(module) giving them, got {params!r}")
         params = names
+    if summed is not None and not callable(summed):
+        raise ValueError(f"register_rule: {module_type.__name__}: summed must be callable or None, got "
+                         f"{summed!r}")
     rule = Rule(norms=norms, params=params, fused=fused, check=check,
-                calls_children=bool(calls_children))
+                calls_children=bool(calls_children), summed=summed)
     RULES[module_type] = rule
     return rule
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elasticlab.gns import repeated
 from elasticlab.gns.block import ROWS
 
 
@@ -30,6 +31,15 @@ class Slot:
         self._sink_batch = 0        # the batch its rows hold this step (set by a traced forward), or 0
         self.on_block = False       # this step's norms are the rows of the owner's shared block, unaltered
         self._in_block = False
+        self.fused = False          # its forward is its rule's fused form (set by the owner)
+        self.tied = False           # one of a tied pair (gns.tied)
+        self.fwd_calls = 0          # calls counted in this step's forward (set after it, for recomputation)
+        self.shared = False         # seen called more than once in a step: the calls are kept (gns.repeated)
+        self.pending: list[tuple[tuple, torch.Tensor]] = []   # (inputs, output gradient) of this step's calls
+        self.spoiled: str | None = None     # why this step's norms cannot be formed (NaN), or None
+        self.warned = False
+        self.traced = False         # its first call of the step ran under torch.compile
+        self.refused = False        # repeated under torch.compile once: an error from then on
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
@@ -38,21 +48,21 @@ class Slot:
         """Counts a call of the module in this step's forward; returns whether it is one whose gradient the
         backward will bring. Not counted: a call with gradients off (no gradient comes of it: an evaluation
         under ``no_grad``, or the first pass of reentrant activation checkpointing, which recomputes it in the
-        backward, counted there), and a call during a backward once the module has run in this step (the
-        recomputation of non-reentrant activation checkpointing, whose outputs are not backpropagated: the
-        first call's graph is, with the saved tensors recomputed). A second counted call is an error."""
+        backward, counted there), and a call during a backward of a module that ran in this step's forward
+        (the recomputation of non-reentrant activation checkpointing, whose outputs are not backpropagated:
+        the first call's graph is, with the saved tensors recomputed). A second counted call makes the
+        module repeated (:func:`elasticlab.gns.repeated.again`)."""
         if not torch.is_grad_enabled():
             return False
-        if self.calls and not torch.compiler.is_compiling() and recomputing():
+        if self.fwd_calls and not torch.compiler.is_compiling() and recomputing():
             return False
         if self.rule.check is not None:
             self.rule.check(self.module)
         self.calls += 1
         if self.calls > 1:
-            raise RuntimeError(
-                f"module {self.name!r} ({type(self.module).__name__}) ran {self.calls} times in one forward: "
-                "per-example norms of shared weights need the sum of the per-call gradients, which is not "
-                "supported; call the model once per backward")
+            repeated.again(self)
+        else:
+            self.traced = torch.compiler.is_compiling()
         return True
 
     def record(self, norms: dict, batch: int) -> None:
@@ -131,6 +141,21 @@ def finish(owner, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Ten
         for i, r in zip(idx, torch._foreach_mul([vals[i] for i in idx], fac)):
             out[i] = r
     return out
+
+
+def layer_totals(slots: list[Slot]) -> list[torch.Tensor]:
+    """Per slot, the sum of its recorded norms (its parameters', in order): one ``_foreach_add`` per position
+    across the slots instead of an add per layer."""
+    per = [list(s.norms.values()) for s in slots]
+    totals = [v[0] for v in per]
+    k = 1
+    while True:
+        idx = [i for i, v in enumerate(per) if len(v) > k]
+        if not idx:
+            return totals
+        for i, r in zip(idx, torch._foreach_add([totals[i] for i in idx], [per[i][k] for i in idx])):
+            totals[i] = r
+        k += 1
 
 
 def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[tuple[Slot, str]]]:

@@ -31,6 +31,7 @@ class Tie:
 
     def __init__(self, emb, head):
         self.emb, self.head = emb, head
+        emb.tied = head.tied = True
         self.idx = self.gathered = self.a = self.head_sq = None
         self.traced = False
         head.need = tuple(p for p in head.need if p != "weight")      # the table's norm is the embedding's

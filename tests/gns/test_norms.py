@@ -216,21 +216,6 @@ def test_subclass_with_own_forward_gets_the_generic_rule_not_its_base_classes():
     assert rule_for(nn.Linear(2, 2)).norms is not generic.generic_norms
 
 
-def test_shared_module_called_twice_is_an_error():
-    lin = nn.Linear(3, 3)
-
-    class Twice(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = lin
-
-        def forward(self, x):
-            return self.lin(self.lin(x))
-    for fused in (True, False):
-        with PerSampleGradNorms(Twice(), fused=fused), pytest.raises(RuntimeError, match="'lin'.*2 times"):
-            Twice()(torch.randn(2, 3))
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_parametrized_weight_is_named_and_left_out_on_request(fused):
     """weight_norm's originals (g, v) get no per-example norms (the Linear's rule sees the gradient of the

@@ -10,6 +10,8 @@
 - :mod:`.embedding_bag`: ``nn.EmbeddingBag`` (each bag an example; sum, mean and max modes).
 - :mod:`.attention`: ``nn.MultiheadAttention`` (its bare in-projection and its ``out_proj``).
 - :mod:`.recurrent`: ``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU`` (a loop over time exposing the pre-activations).
+- :mod:`.cells`: ``nn.RNNCell`` / ``nn.LSTMCell`` / ``nn.GRUCell`` (their two affine maps; a cell called at
+  each step of a loop is summed over the steps, :mod:`elasticlab.gns.repeated`).
 - :mod:`.generic`: the fallback for leaf modules of no registered type (HF's RMSNorm classes): per-example
   gradients by torch.func, for layers that treat each example alone (checked once per input shape).
 Importing this package registers them all.
@@ -18,6 +20,7 @@ from elasticlab.gns.layers import (  # noqa: F401  (each module registers its ru
     attention,
     batchnorm,
     bilinear,
+    cells,
     conv,
     conv_nd,
     embedding,

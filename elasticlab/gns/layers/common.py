@@ -8,6 +8,8 @@ float32 norms for half-precision inputs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -57,6 +59,25 @@ def wider(*ts: torch.Tensor) -> torch.dtype:
     for t in ts[1:]:
         out = torch.promote_types(out, t.dtype)
     return out
+
+
+def normalized_dims(module: nn.Module) -> int:
+    """The trailing feature dimensions of a normalisation layer (its ``normalized_shape``)."""
+    return len(module.normalized_shape)
+
+
+def along_positions(norms: Callable, n_in: Callable[[nn.Module], int], n_out: Callable[[nn.Module], int]):
+    """The ``summed`` form (:mod:`elasticlab.gns.repeated`) of a hook rule ``norms`` whose per-example
+    gradient is a sum over positions: the calls' inputs (B, …, *F_in) and output gradients (B, …, *F_out),
+    with n_in(module) and n_out(module) trailing feature dimensions, concatenated along the positions into
+    one call. Exact by linearity: Σ_k Σ_t of the calls' terms is the one call's Σ_t."""
+    def summed(module: nn.Module, calls, need) -> dict:
+        B, fi, fo = calls[0][1].shape[0], n_in(module), n_out(module)
+        xs = [x[0].reshape(B, -1, *x[0].shape[x[0].dim() - fi:]) for x, _ in calls]
+        ds = [d.reshape(B, -1, *d.shape[d.dim() - fo:]) for _, d in calls]
+        # (torch.cat promotes mixed dtypes: calls inside and outside an autocast region)
+        return norms(module, (torch.cat(xs, 1), *calls[0][0][1:]), torch.cat(ds, 1), need)
+    return summed
 
 
 def affine_norms(gw: torch.Tensor, gb: torch.Tensor, need) -> dict:

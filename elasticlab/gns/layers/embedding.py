@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import batched
+from elasticlab.gns.layers.common import along_positions, batched
 from elasticlab.gns.registry import register_rule
 
 
@@ -54,4 +54,5 @@ def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict
     return {"weight": per}
 
 
-register_rule(nn.Embedding, embedding_norms, params=("weight",))
+register_rule(nn.Embedding, embedding_norms, params=("weight",),
+              summed=along_positions(embedding_norms, lambda m: 0, lambda m: 1))

@@ -47,7 +47,7 @@ def _per_example_forward(module: nn.Module, dims: tuple):
     return one
 
 
-def _verify(module: nn.Module, inputs: tuple, dims: tuple, one) -> None:
+def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None = None) -> None:
     """Its output on the batch against its output on each example alone, once per input signature."""
     sig = signature(inputs, None)
     seen = _checked.setdefault(module, set())
@@ -66,33 +66,51 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one) -> None:
             if each.shape != full.shape or not torch.allclose(each, full, rtol=rtol, atol=atol):
                 why = "its output for an example depends on the other examples of the batch"
     if why is not None:
+        what = what or (f"{type(module).__name__} has no per-example gradient-norm rule, and the generic one "
+                        "(torch.func) does not apply:")
         raise RuntimeError(
-            f"{type(module).__name__} has no per-example gradient-norm rule, and the generic one "
-            f"(torch.func) does not apply: {why}. Register a rule with elasticlab.gns.register_rule, freeze "
-            "its parameters, or set elasticlab.gns.layers.generic.ENABLED = False before making "
-            "PerSampleGradNorms (then strict=False leaves them out)")
+            f"{what} {why}. Register a rule with elasticlab.gns.register_rule, freeze its parameters, or set "
+            "elasticlab.gns.layers.generic.ENABLED = False before making PerSampleGradNorms (then "
+            "strict=False leaves them out)")
     seen.add(sig)
 
 
 def generic_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dict:
     """Hook rule: ‖∇θ ℓ_b‖² per example of each needed parameter, from the vjp of the module's forward on
     example b (vmap over the batch, in chunks of at most :data:`CHUNK_BYTES` of per-example gradients)."""
-    B = d.shape[0]
-    dims = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
-                 for a in inputs)
-    one = _per_example_forward(module, dims)
-    _verify(module, inputs, dims, one)
+    return summed_norms(module, [(inputs, d)], need)
+
+
+def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) -> dict:
+    """‖Σ_k ∇θ ℓ_{b,k}‖² per example over the module's calls ``calls`` [(inputs, output gradient)] of one
+    forward (one call: :func:`generic_norms`; several: :mod:`elasticlab.gns.repeated`): each call's vjp on
+    example b, summed, then the norm; vmap over the batch in chunks. ``what`` heads a verification error."""
+    B = calls[0][1].shape[0]
+    flat, dims, ones = [], [], []
+    for inputs, d in calls:
+        dk = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
+                   for a in inputs)
+        one = _per_example_forward(module, dk)
+        _verify(module, inputs, dk, one, what)
+        ones.append((one, len(inputs)))
+        flat += [*inputs, d]
+        dims += [*dk, 0]
     params = {n: module.get_parameter(n).detach() for n in need}
     numel = sum(p.numel() * max(p.element_size(), 4) for p in params.values())
     chunk = max(1, min(B, CHUNK_BYTES // max(numel, 1)))
 
     def grads(*a):
-        *args, g = a
-        _, pull = vjp(lambda p: one(p, *args), params)
-        return pull(g.unsqueeze(0))[0]
+        total, i = None, 0
+        for one, n in ones:
+            args, g = a[i:i + n], a[i + n]
+            i += n + 1
+            _, pull = vjp(lambda p: one(p, *args), params)          # noqa: B023  (called at once)
+            gk = pull(g.unsqueeze(0))[0]
+            total = gk if total is None else {k: total[k] + gk[k] for k in total}
+        return total
 
     with torch.enable_grad():
-        per = vmap(grads, in_dims=dims + (0,), chunk_size=chunk)(*inputs, d)
+        per = vmap(grads, in_dims=tuple(dims), chunk_size=chunk)(*flat)
     return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
 
 

@@ -16,7 +16,15 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
+from elasticlab.gns.layers.common import (
+    affine_norms,
+    along_positions,
+    batched,
+    cast,
+    norm_layer_buffer,
+    normalized_dims,
+    wider,
+)
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
@@ -94,4 +102,5 @@ def layernorm_forward(module: nn.LayerNorm, slot):
     return forward
 
 
-register_rule(nn.LayerNorm, layernorm_norms, fused=layernorm_forward)
+register_rule(nn.LayerNorm, layernorm_norms, fused=layernorm_forward,
+              summed=along_positions(layernorm_norms, normalized_dims, normalized_dims))

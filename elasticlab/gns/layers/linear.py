@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab import _ext
 from elasticlab.gns import calibrate, form_choice, kernels, triton_outer, triton_tune
-from elasticlab.gns.layers.common import autocast_dtype, batched, cast
+from elasticlab.gns.layers.common import along_positions, autocast_dtype, batched, cast
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
@@ -221,4 +221,5 @@ def linear_forward(module: nn.Linear, slot):
     return forward
 
 
-register_rule(nn.Linear, linear_norms, fused=linear_forward)
+register_rule(nn.Linear, linear_norms, fused=linear_forward,
+              summed=along_positions(linear_norms, lambda m: 1, lambda m: 1))

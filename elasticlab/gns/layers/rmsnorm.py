@@ -15,7 +15,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import batched, cast, wider
+from elasticlab.gns.layers.common import along_positions, batched, cast, normalized_dims, wider
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
@@ -99,4 +99,5 @@ def rmsnorm_forward(module: nn.RMSNorm, slot):
     return forward
 
 
-register_rule(nn.RMSNorm, rmsnorm_norms, params=("weight",), fused=rmsnorm_forward)
+register_rule(nn.RMSNorm, rmsnorm_norms, params=("weight",), fused=rmsnorm_forward,
+              summed=along_positions(rmsnorm_norms, normalized_dims, normalized_dims))

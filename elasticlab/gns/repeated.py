@@ -1,0 +1,119 @@
+"""A module called several times in one forward of the model: a layer applied at each step of a hand-written
+recurrent loop (an ``nn.Linear`` over time), one block shared across depth (ALBERT, Lan et al. 2020;
+universal transformers), one encoder applied to both views inside a siamese model's forward.
+
+Its parameters' per-example gradient is the sum over its K calls, G_b = Σ_k G_{b,k}, whose squared norm has
+cross terms between the calls, ‖G_b‖² = Σ_{k,l} ⟨G_{b,k}, G_{b,l}⟩, so per-call norms cannot be added up.
+Once a module is seen called twice in a step (it is then *repeated* for good), its hook rule keeps each call's
+inputs and output gradient until the norms are read (:func:`settle`), then forms them together:
+
+- a rule with a ``summed`` form (:mod:`elasticlab.gns.registry`) takes all calls at once. For the layers
+  whose per-example gradient is a sum over positions (Linear, Embedding, LayerNorm, RMSNorm) that is one
+  call on the calls concatenated along the positions, exact by linearity: [δ_1; δ_2]ᵀ[a_1; a_2] = Σ_k δ_kᵀa_k.
+  The recurrent cells' fused backward keeps its calls itself (:mod:`elasticlab.gns.layers.cells`);
+- any other hook rule (Conv, GroupNorm, the generic rule): each call's per-example vjp by torch.func, summed
+  per example before the norm (:func:`elasticlab.gns.layers.generic.summed_norms`; B per-example gradients
+  of the module's parameters, chunked).
+
+A fused layer's backward takes one call at a time, so a fused module found repeated moves to hooks at the
+next step (:func:`to_hooks`). The step where that was found gives NaN for it, which the estimators skip and
+count, and warns once; so does a step where one call's gradient was consumed alone before the next call ran
+(reentrant activation checkpointing around each call: later steps keep every call). Calls whose outputs the
+loss does not reach add nothing, as their gradient is zero. Refused (an error naming the module): a repeated
+module under ``torch.compile``, one whose rule has only a fused form and no summed one (nn.LSTM,
+nn.MultiheadAttention, nn.EmbeddingBag), one in a tied pair, and calls on batches of different sizes.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+_COMPILED = ("the per-example norms of a module called several times are formed eagerly, from every call's "
+             "gradient; run the model eagerly")
+
+
+def again(slot) -> None:
+    """At a module's second (or later) counted call in a step: marks it repeated, or raises where that is
+    not supported; a call already taken alone (a fused form, or a gradient consumed) spoils the step."""
+    what = (f"module {slot.name or '(root)'!r} ({type(slot.module).__name__}) ran {slot.calls} times in one "
+            "forward")
+    # traced: its first call was (Dynamo runs eagerly the frame whose trace raised); sticky once refused
+    if slot.traced or torch.compiler.is_compiling() or slot.refused:
+        slot.refused = True
+        raise RuntimeError(f"{what} under torch.compile: {_COMPILED}")
+    if slot.rule.norms is None and slot.rule.summed is None:
+        raise RuntimeError(f"{what}: its rule has only a fused form, which takes one call at a time, so the "
+                           "norm of the gradient summed over the calls cannot be formed; call it once per "
+                           "forward, or freeze it")
+    if slot.tied:
+        raise RuntimeError(f"{what}, and its weight is tied to another module's: that pair's rule takes one "
+                           "call of each; call it once per forward, or untie the weights")
+    slot.owner._repeated = True
+    slot.shared = True
+    if slot.fused and slot.rule.norms is not None:     # (a fused-only rule's summed form keeps its calls)
+        slot.spoiled = "its fused backward takes one call at a time; it runs on hooks from the next step"
+        slot.owner._unfuse.add(slot.index)
+    elif slot.norms:
+        slot.spoiled = ("an earlier call's gradient was taken alone before this call ran (reentrant "
+                        "activation checkpointing around each call); later steps keep every call's gradient")
+
+
+def settle(slots) -> None:
+    """Before the norms are read: each repeated module's norms from all its calls of the step, or NaN for
+    a spoiled step (with one warning per module)."""
+    for s in slots:
+        if s.spoiled:
+            _spoil(s)
+        elif s.pending:
+            calls, s.pending = s.pending, []
+            sizes = [(d if isinstance(d, torch.Tensor) else d[0]).shape[0] for _, d in calls]
+            if len(set(sizes)) != 1:
+                raise RuntimeError(f"module {s.name or '(root)'!r} ({type(s.module).__name__}) ran on "
+                                   f"batches of sizes {sizes} in one forward: per-example norms of a "
+                                   "repeated module need every call to see the same examples along dim 0")
+            if s.rule.summed is not None:
+                norms = s.rule.summed(s.module, calls, s.need)
+            else:
+                from elasticlab.gns.layers.generic import summed_norms
+                norms = summed_norms(s.module, calls, s.need, what=(
+                    f"module {s.name!r} ran {len(calls)} times in one forward and its rule has no summed "
+                    "form, so torch.func sums the calls' per-example gradients, but"))
+            s.record(norms, sizes[0])
+
+
+def _spoil(s) -> None:
+    if s.fused and s.buf is not None:                 # the rows its calls' backwards overwrote in turn
+        s.buf.fill_(float("nan"))
+    else:
+        d = s.pending[0][1] if s.pending else None
+        batch = s.batch or (d.shape[0] if d is not None else 0)
+        device = d.device if d is not None else next(s.module.parameters()).device
+        s.record({p: torch.full((batch,), float("nan"), device=device) for p in s.need}, batch)
+    s.pending = []
+    if not s.warned:
+        s.warned = True
+        warnings.warn(f"module {s.name or '(root)'!r} ({type(s.module).__name__}) ran {s.calls} times in one "
+                      "forward: its per-example norms are those of the gradient summed over its calls. This "
+                      f"step's are NaN for it (the estimators skip and count such steps): {s.spoiled}",
+                      RuntimeWarning, stacklevel=4)
+
+
+def to_hooks(owner) -> None:
+    """At a step's start: the fused modules found repeated get their own forward back, and a hook rule."""
+    for i in sorted(owner._unfuse):
+        s = owner._slots[i]
+        for j, (mod, old) in enumerate(owner._patched):
+            if mod is s.module:
+                if old is None:
+                    del mod.forward
+                else:
+                    mod.forward = old
+                del owner._patched[j]
+                break
+        owner._handles.append(s.module.register_forward_hook(owner._forward_hook(s)))
+        s.fused, s.buf, s._buf_key, s._views, s._in_block = False, None, None, {}, False
+        owner._block.users.discard(i)
+        owner._block._mask, owner._block._weights = None, {}
+    owner._unfuse.clear()
+    owner._bufs = None

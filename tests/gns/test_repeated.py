@@ -1,0 +1,393 @@
+"""A module called several times in one forward (gns.repeated): a layer in a hand-written recurrent loop, one
+block shared across depth, one encoder on two views. The per-example gradient is the sum over the calls, so
+its norm has cross terms; before, the second call was an error ("ran 2 times in one forward"). Each test
+compares with torch.func's per-example gradients of the whole model (float64), or of the same model run in
+float32 by the C++ functions."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from elasticlab.gns import GNSMonitor, PerSampleGradNorms
+from elasticlab.gns.reference import func_param_sq_norms, loop_param_sq_norms
+
+B = 6
+
+
+class Loop(nn.Module):
+    """h_t = tanh(W_x x_t + W_h h_{t-1}): two Linears called at every step."""
+
+    def __init__(self, ckpt=None):
+        super().__init__()
+        self.ckpt = ckpt
+        self.inp, self.rec, self.out = nn.Linear(5, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 3)
+
+    def cell(self, x, h):
+        return torch.tanh(self.inp(x) + self.rec(h))
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):
+            if self.ckpt is None:
+                h = self.cell(x[:, t], h)
+            else:
+                h = checkpoint(self.cell, x[:, t], h, use_reentrant=self.ckpt == "reentrant")
+        return self.out(h)
+
+
+class Siamese(nn.Module):
+    """One encoder (Conv2d, GroupNorm, BatchNorm in eval mode, Linear) on an image and its mirror."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn, self.bn = nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.BatchNorm2d(4).eval()
+        self.lin = nn.Linear(64, 6)
+
+    def enc(self, x):
+        return self.lin(F.relu(self.bn(self.gn(self.conv(x)))).flatten(1))
+
+    def forward(self, x):
+        return (self.enc(x) * self.enc(x.flip(-1)))[:, :3]
+
+
+class Shared(nn.Module):
+    """ALBERT-like: an embedding on two index streams, one (LayerNorm, RMSNorm, Linear) block three times."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln, self.rms = nn.Embedding(11, 8, padding_idx=0), nn.LayerNorm(8), nn.RMSNorm(8)
+        self.ff, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, idx):
+        h = self.emb(idx) + self.emb((idx + 1) % 11)          # (index 0 pads: no row is all 0)
+        for _ in range(3):
+            h = h + self.ff(self.rms(self.ln(h)))
+        return self.head(h).mean(1)
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def steps(model, x, y, fused, n=2, **kw):
+    """Per-parameter norms and the warnings of ``n`` steps of the same batch."""
+    out = []
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused, **kw) as psn:
+        for _ in range(n):
+            model.zero_grad()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                loss_fn(model(x), y).backward()
+                got = psn.param_sq_norms()
+            out.append((got, [str(m.message) for m in w]))
+    return out
+
+
+def assert_matches(got, ref, rtol):
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert ref[k].min() > 0, k
+        torch.testing.assert_close(got[k].double(), ref[k].double(), rtol=rtol, atol=0, msg=k)
+
+
+CASES = {
+    "loop": (Loop, lambda: torch.randn(B, 4, 5)),
+    "siamese": (Siamese, lambda: torch.randn(B, 2, 6, 6)),
+    "shared-block": (Shared, lambda: torch.randint(0, 11, (B, 5))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hooks_sum_the_calls_from_the_first_step(case):
+    torch.manual_seed(0)
+    make, data = CASES[case]
+    model = make().double()
+    x, y = data(), torch.randint(0, 3, (B,))
+    x = x.double() if x.is_floating_point() else x
+    ref = func_param_sq_norms(model, loss_fn, x, y)
+    for got, warned in steps(model, x, y, fused=False):
+        assert warned == []
+        assert_matches(got, ref, 1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_module_found_repeated_moves_to_hooks(case, dtype):
+    """The step that finds a fused module repeated is NaN for it, with one warning naming it; from the next
+    step its norms are exact, in float32 (the C++ functions until the switch) as in float64."""
+    torch.manual_seed(0)
+    make, data = CASES[case]
+    model = make().double()
+    x, y = data(), torch.randint(0, 3, (B,))
+    x = x.double() if x.is_floating_point() else x
+    ref = func_param_sq_norms(model, loss_fn, x, y)
+    model = model.to(dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    (first, warned), (second, again), (third, _) = steps(model, x, y, fused=True, n=3)
+    fused_repeated = {"loop": {"inp", "rec"}, "siamese": {"conv", "gn", "lin"},
+                      "shared-block": {"ln", "rms", "ff"}}
+    nan = {k.rsplit(".", 1)[0] for k, v in first.items() if torch.isnan(v).any()}
+    assert nan == fused_repeated[case]
+    assert all(torch.isnan(first[k]).all() for k in first if k.rsplit(".", 1)[0] in nan)
+    assert len(warned) == len(nan) and all("times in one forward" in m and "NaN" in m for m in warned)
+    assert again == []
+    for got in (second, third):
+        assert_matches(got, ref, 1e-9 if dtype == torch.float64 else 2e-4)
+
+
+def test_sq_norms_of_the_spoiled_step_are_nan_and_the_monitor_skips_it():
+    torch.manual_seed(1)
+    model = Loop()
+    mon = GNSMonitor(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            with mon.step():
+                loss_fn(model(torch.randn(16, 4, 5)), torch.randint(0, 3, (16,))).div(16).backward()
+            opt.step()
+            opt.zero_grad()
+    assert mon.skipped == 1
+    assert len(mon.history) == 4 and mon.history[0]["skipped"]
+    assert not any(h["skipped"] for h in mon.history[1:])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_non_reentrant_checkpoint_around_each_call(fused):
+    """Non-reentrant: the forward counts every call; the recomputations in the backward are not calls."""
+    torch.manual_seed(2)
+    model = Loop("non-reentrant").double()
+    x, y = torch.randn(B, 4, 5, dtype=torch.float64), torch.randint(0, 3, (B,))
+    plain = Loop().double()
+    plain.load_state_dict(model.state_dict())
+    ref = func_param_sq_norms(plain, loss_fn, x, y)
+    results = steps(model, x, y, fused=fused)
+    assert_matches(results[-1][0], ref, 1e-9)
+    if not fused:
+        assert_matches(results[0][0], ref, 1e-9)
+
+
+def test_reentrant_checkpoint_around_each_call():
+    """Reentrant: the calls are counted one segment at a time in the backward, so the first call's gradient
+    was taken alone before the module was seen repeated: NaN with a warning once, exact after."""
+    torch.manual_seed(3)
+    model = Loop("reentrant").double()
+    plain = Loop().double()
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(B, 4, 5, dtype=torch.float64, requires_grad=True), torch.randint(0, 3, (B,))
+    ref = func_param_sq_norms(plain, loss_fn, x.detach(), y)
+    (first, warned), (second, again) = steps(model, x, y, fused=False)
+    assert torch.isnan(first["inp.weight"]).all() and torch.isnan(first["rec.weight"]).all()
+    assert any("reentrant" in m for m in warned) and again == []
+    assert_matches(second, ref, 1e-9)
+
+
+def test_a_call_the_loss_does_not_reach_adds_nothing():
+    torch.manual_seed(4)
+    lin = nn.Linear(4, 4).double()
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            self.seen = self.lin(x.flip(0))               # gradients on, never backpropagated
+            return self.lin(x)
+
+    x = torch.randn(B, 4, dtype=torch.float64)
+    model = Probe()
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=False) as psn:
+        model(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    want = func_param_sq_norms(lin, lambda o, t: o.pow(2).sum(), x, torch.zeros(B))
+    torch.testing.assert_close(got["lin.weight"], want["weight"], rtol=1e-10, atol=0)
+
+
+def test_calls_on_different_batches_are_an_error():
+    lin = nn.Linear(4, 4)
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x).sum() + self.lin(x[:2]).sum()
+
+    model = Odd()
+    with PerSampleGradNorms(model, fused=False) as psn:
+        model(torch.randn(B, 4)).backward()
+        with pytest.raises(RuntimeError, match=r"'lin' \(Linear\) ran on batches of sizes \[2, 6\]|\[6, 2\]"):
+            psn.sq_norms()
+
+
+def test_fused_only_and_tied_modules_called_twice_are_refused():
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    class TwiceAttn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(self.mha(x, x, x)[0], x, x)[0]
+
+    model = TwiceAttn()
+    with PerSampleGradNorms(model):
+        with pytest.raises(RuntimeError, match=r"'mha' \(MultiheadAttention\) ran 2 times.*only a fused"):
+            model(torch.randn(B, 3, 8))
+
+    class TiedTwice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(self.emb(idx) + self.emb(idx.flip(1)))
+
+    model = TiedTwice()
+    with PerSampleGradNorms(model):
+        with pytest.raises(RuntimeError, match="'emb' \\(Embedding\\) ran 2 times.*tied"):
+            model(torch.randint(0, 10, (B, 4)))
+
+
+def test_generic_rule_module_called_twice():
+    """A leaf module of no registered type (LayerScale) in a loop: its calls summed by torch.func."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.gamma
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.head = Scale(), nn.Linear(8, 3).double()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.scale(torch.tanh(self.scale(x)))))
+
+    torch.manual_seed(5)
+    model = Net()
+    x, y = torch.randn(B, 8, dtype=torch.float64), torch.randint(0, 3, (B,))
+    ref = func_param_sq_norms(model, loss_fn, x, y)
+    for fused in (False, True):
+        for got, warned in steps(model, x, y, fused=fused):
+            assert warned == []
+            assert_matches(got, ref, 1e-9)
+
+
+class Decoder(nn.Module):
+    """A hand-written loop over a recurrent cell, the hidden state starting at zero (hx=None)."""
+
+    def __init__(self, kind, bias=True):
+        super().__init__()
+        self.cell, self.head = getattr(nn, kind)(5, 7, bias=bias), nn.Linear(7, 3)
+
+    def forward(self, x):
+        hx = None
+        for t in range(x.shape[1]):
+            hx = self.cell(x[:, t], hx)
+        return self.head(hx[0] if isinstance(hx, tuple) else hx)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("kind", ["RNNCell", "LSTMCell", "GRUCell"])
+def test_cells_in_a_loop_match_one_backward_per_example(kind, T, bias):
+    """Exact from the first step: the cells' fused backward keeps each call (no NaN step, no warning). With
+    T = 1 the hidden state is 0, so W_hh's norms are 0, as they should be."""
+    torch.manual_seed(6)
+    model = Decoder(kind, bias).double()
+    x, y = torch.randn(B, T, 5, dtype=torch.float64), torch.randint(0, 3, (B,))
+    ref = loop_param_sq_norms(model, loss_fn, x, y)
+    for got, warned in steps(model, x, y, fused=False):
+        assert warned == [] and got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-300, msg=k)
+        assert (got["cell.weight_hh"] == 0).all() == (T == 1)
+
+
+@pytest.mark.parametrize("kind", ["RNNCell", "LSTMCell", "GRUCell"])
+def test_cells_forward_and_gradients_are_the_modules_own(kind):
+    torch.manual_seed(7)
+    model = Decoder(kind)
+    x = torch.randn(B, 3, 5)
+    want = model(x)
+    want.sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        got = model(x)
+        got.sum().backward()
+        assert torch.isfinite(psn.sq_norms()).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_cells_under_bf16_autocast():
+    torch.manual_seed(8)
+    model = Decoder("LSTMCell")
+    x, y = torch.randn(32, 5, 5), torch.randint(0, 3, (32,))
+    (want, _), = steps(model, x, y, fused=True, n=1)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss_fn(out.float(), y).backward()
+        got = psn.param_sq_norms()
+    for k in want:
+        assert got[k].dtype == torch.float32
+        assert ((got[k] - want[k]).abs() / want[k]).median() < 0.02, k
+
+
+def test_cell_needs_a_batch_dimension():
+    model = nn.LSTMCell(5, 7)
+    with PerSampleGradNorms(model):
+        with pytest.raises(ValueError, match="LSTMCell got an input of shape \\(5,\\)"):
+            model(torch.randn(5))
+
+
+def test_monitor_on_a_cell_loop_skips_no_step():
+    torch.manual_seed(9)
+    model = Decoder("GRUCell")
+    mon = GNSMonitor(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        with mon.step():
+            loss_fn(model(torch.randn(16, 4, 5)), torch.randint(0, 3, (16,))).div(16).backward()
+        opt.step()
+        opt.zero_grad()
+    assert mon.skipped == 0 and len(mon.history) == 3
+    assert all(h["method"] == "per_example" for h in mon.history)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_repeated_module_under_compile_is_an_error(fused):
+    """Under torch.compile a repeated module is refused (Dynamo runs eagerly the frame whose trace raised,
+    so the error is also raised there, and at every later step), never a silently wrong sum."""
+    torch._dynamo.reset()
+    lin = nn.Linear(4, 4)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(x)))
+
+    model = Twice()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, fused=fused):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"'lin' \(Linear\) ran 2 times in one forward under"):
+                compiled(torch.randn(3, 4)).sum().backward()
