@@ -37,9 +37,8 @@ from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.capture import frozen, now_training
 from elasticlab.gns.forwards import Forwards
-from elasticlab.gns.registry import covered_params, rule_for, uncovered
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, finish, grad_sq_sums, layer_totals, recomputing, unrecorded
+from elasticlab.gns.slot import Slot, finish, grad_sq_sums, layer_totals, recomputing, slots_of, unrecorded
 from elasticlab.gns.tied import untie
 
 
@@ -68,28 +67,8 @@ class PerSampleGradNorms:
         self.grad_scaler = grad_scaler
         self._scale: torch.Tensor | None = None           # the loss scale of the current step
         self.skipped: list[str] = []
-        self._slots: list[Slot] = []
         self._warned: set[tuple[str, ...]] = set()
-        for name, mod in model.named_modules():
-            direct = [pn for pn, p in mod.named_parameters(recurse=False) if p.requires_grad]
-            rule = rule_for(mod)
-            if not direct:
-                # A rule whose forward calls the children the original forward bypasses (MHA's out_proj)
-                # is installed, with nothing of its own to record, when one of their parameters trains.
-                if rule is not None and rule.calls_children and any(
-                        p.requires_grad for p in mod.parameters()):
-                    self._slots.append(Slot(self, name, mod, rule, ()))
-                continue
-            names = () if rule is None else covered_params(rule, mod)
-            covered = tuple(pn for pn in direct if pn in names)
-            missing = [pn for pn in direct if pn not in covered]
-            if missing:
-                full = [f"{name}.{pn}" if name else pn for pn in missing]
-                if strict:
-                    raise ValueError(uncovered(name, mod, full))
-                self.skipped.extend(full)
-            if covered:
-                self._slots.append(Slot(self, name, mod, rule, covered))
+        self._slots: list[Slot] = slots_of(self, model, strict, self.skipped)
         self._ties = untie(self._slots, strict, self.skipped)     # one parameter, two modules (gns.tied)
         self._frozen = frozen(model)                       # checked at each read (now_training)
         heads = {id(t.head) for t in self._ties}

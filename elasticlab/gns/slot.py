@@ -8,6 +8,7 @@ from torch import nn
 
 from elasticlab.gns import repeated
 from elasticlab.gns.block import ROWS
+from elasticlab.gns.registry import covered_params, rule_for, uncovered
 
 
 def recomputing() -> bool:
@@ -115,6 +116,38 @@ class Slot:
             return None
         self._sink_batch = batch
         return s[self.rows[0]:self.rows[1], :batch]
+
+
+def slots_of(owner, model: nn.Module, strict: bool, skipped: list[str]) -> list[Slot]:
+    """A :class:`Slot` per module of ``model`` with trainable direct parameters its rule covers (and per
+    module whose rule ``calls_children``, when a parameter below it trains). A trainable direct parameter no
+    rule covers is a ValueError (``strict``) or listed in ``skipped``, unless it is also a covered
+    parameter of another module: an alias, such as the bias of Hugging Face's BERT and ALBERT masked-LM
+    heads, which is their decoder Linear's bias (``self.decoder.bias = self.bias``), counted there once."""
+    found = []
+    for name, mod in model.named_modules():
+        direct = [pn for pn, p in mod.named_parameters(recurse=False) if p.requires_grad]
+        rule = rule_for(mod)
+        names = () if rule is None else covered_params(rule, mod)
+        found.append((name, mod, rule, direct, tuple(pn for pn in direct if pn in names)))
+    owned = {id(getattr(mod, pn)) for _, mod, _, _, covered in found for pn in covered}
+    slots = []
+    for name, mod, rule, direct, covered in found:
+        if not direct:
+            # A rule whose forward calls the children the original forward bypasses (MHA's out_proj) is
+            # installed, with nothing of its own to record, when one of their parameters trains.
+            if rule is not None and rule.calls_children and any(p.requires_grad for p in mod.parameters()):
+                slots.append(Slot(owner, name, mod, rule, ()))
+            continue
+        missing = [pn for pn in direct if pn not in covered and id(getattr(mod, pn)) not in owned]
+        if missing:
+            full = [f"{name}.{pn}" if name else pn for pn in missing]
+            if strict:
+                raise ValueError(uncovered(name, mod, full))
+            skipped.extend(full)
+        if covered:
+            slots.append(Slot(owner, name, mod, rule, covered))
+    return slots
 
 
 def finish(owner, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Tensor]:

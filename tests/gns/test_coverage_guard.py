@@ -397,3 +397,27 @@ def test_monitor_follows_gradual_unfreezing_with_a_new_estimate():
     ref.update(sq, g2)
     for a, b in ((mon.grad_sq, ref.grad_sq), (mon.trace_cov, ref.trace_cov)):
         assert abs(a - b) < 1e-8 * abs(b), (a, b)
+
+
+def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered():
+    """``self.bias = self.decoder.bias`` (Hugging Face's masked-LM heads): the parent's direct parameter is
+    the Linear's, covered there and counted once; a parameter of the parent's own is still refused."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = nn.Linear(4, 3).double()
+            self.bias = self.decoder.bias
+
+        def forward(self, x):
+            return self.decoder(x)
+
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(5, 4, dtype=torch.float64)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        model(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    assert sorted(got) == ["decoder.bias", "decoder.weight"] and psn.skipped == []
+    torch.testing.assert_close(got["decoder.bias"], (2 * model(x)).pow(2).sum(1).detach(), rtol=1e-10, atol=0)
+    model.scale = nn.Parameter(torch.ones(()))
+    with pytest.raises(ValueError, match=r"module '\(root\)' of type Head \(parameters \['scale'\]\)"):
+        PerSampleGradNorms(model)

@@ -1,6 +1,7 @@
 """The Hugging Face Trainer callback on a tiny GPT-2 (built from a config, nothing downloaded) against
 GNSEstimator fed the same batches by hand: per-example (GPT-2's Conv1D rule), gradient accumulation."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -151,3 +152,63 @@ def test_tiny_llama_per_example_norms_with_its_own_rmsnorm():
 def test_callback_settings_are_checked_when_it_is_made(kwargs, message):
     with pytest.raises(ValueError, match=message):          # not when the Trainer starts training
         GradientNoiseScaleCallback(**kwargs)
+
+
+def _masked_lm_norms_match(model, fused, steps):
+    """sq_norms at each of ``steps`` steps (the same batch) against one backward per example, position ids
+    expanded over the batch; the per-step results (None where the step was NaN) and the warnings."""
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))
+
+    def loss(i):
+        return model(input_ids=i, labels=i, position_ids=torch.arange(T).expand(i.shape[0], -1)).loss
+    want = sum(example_param_sq_norms(model, (loss(ids[i:i + 1]) for i in range(B))).values())
+    out = []
+    with PerSampleGradNorms(model, fused=fused) as norms:
+        for _ in range(steps):
+            model.zero_grad()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                loss(ids).backward()
+                got = norms.sq_norms()
+            if torch.isnan(got).all():
+                out.append((None, w))
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-8, atol=0)
+                out.append((got, w))
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tiny_albert_shared_layer_per_example_norms(fused):
+    """ALBERT (Lan et al. 2020) runs one layer at every depth: each of its modules is called
+    num_hidden_layers times in a forward, so their per-example gradients are sums over the calls
+    (gns.repeated; before: "ran 3 times in one forward"). Its masked-LM head's bias is its decoder's
+    (an alias, counted once), and the decoder is tied to the word embeddings. Hooks: exact from the first
+    step; fused: the first step is NaN with a warning per fused module of the shared layer, then exact."""
+    torch.manual_seed(0)
+    cfg = transformers.AlbertConfig(vocab_size=V, embedding_size=8, hidden_size=16, num_hidden_layers=3,
+                                    num_attention_heads=2, intermediate_size=32, max_position_embeddings=T,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.AlbertForMaskedLM(cfg).double()
+    assert model.predictions.bias is model.predictions.decoder.bias
+    (first, warned), (second, again) = _masked_lm_norms_match(model, fused, 2)
+    assert second is not None and not again
+    if fused:
+        assert first is None and len(warned) >= 6
+        assert all("ran 3 times in one forward" in str(m.message) for m in warned)
+    else:
+        assert first is not None and not warned
+
+
+def test_tiny_bert_masked_lm_with_its_aliased_bias():
+    """BERT's prediction head holds the decoder's bias as a parameter of its own (the same tensor): it is
+    the decoder Linear's, not an uncovered parameter (before: "no per-example gradient-norm rule for module
+    'cls.predictions'")."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=T, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(cfg).double()
+    assert model.cls.predictions.bias is model.cls.predictions.decoder.bias
+    ((got, warned),) = _masked_lm_norms_match(model, True, 1)
+    assert got is not None and not warned
