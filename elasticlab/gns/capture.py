@@ -37,6 +37,29 @@ def batch_of(args: tuple, kwargs: dict | None = None) -> int | None:
     return None if x is None else int(x.shape[0])
 
 
+def kept(inputs: tuple):
+    """``get()`` giving back a hooked layer's call inputs in its backward: detached, or, where saved-tensor
+    hooks are active (non-reentrant activation checkpointing, ``save_on_cpu``), packed by those hooks, so
+    that they are dropped and recomputed (or offloaded) like the layer's own saved tensors instead of held.
+    The recomputation's call then packs the same tensors (:func:`pack_again`), as checkpointing requires."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
+        return lambda: saved
+    pack, unpack = hooks
+    packed = tuple((True, pack(i.detach())) if isinstance(i, torch.Tensor) else (False, i) for i in inputs)
+    return lambda: tuple(unpack(v) if t else v for t, v in packed)
+
+
+def pack_again(inputs: tuple) -> None:
+    """In a recomputation (non-reentrant checkpointing), the packs :func:`kept` made in the forward."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None:
+        for i in inputs:
+            if isinstance(i, torch.Tensor):
+                hooks[0](i.detach())
+
+
 def frozen(module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) of ``module``'s parameters that do not train now."""
     return [(n, p) for n, p in module.named_parameters() if not p.requires_grad]

@@ -19,7 +19,8 @@ Modules that ran cost nothing. Tied weights: an embedding's table that is a Line
 norm of its summed gradient (:mod:`~elasticlab.gns.tied`); another parameter two covered modules share is
 refused like an uncovered one. Not detected: a parameter used by its module and directly (F.linear(x, w)).
 Activation checkpointing (``torch.utils.checkpoint``, reentrant or not): a layer recomputed in the backward
-is one call; the fused forms' saved tensors are recomputed, a hook rule keeps its layer's inputs. A module
+is one call; the fused forms' saved tensors are recomputed, and so are a hook rule's layer inputs (packed by
+the active saved-tensor hooks, ``capture.kept``; ``save_on_cpu`` offloads them too). A module
 called several times in one forward gets the norm of its gradient summed over the calls (gns.repeated).
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules
 from elasticlab.gns import loss_scale, repeated
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
-from elasticlab.gns.capture import frozen, now_training
+from elasticlab.gns.capture import frozen, kept, now_training, pack_again
 from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.sink import Sinks, tap
 from elasticlab.gns.slot import Slot, finish, grad_sq_sums, layer_totals, recomputing, slots_of, unrecorded
@@ -190,23 +191,31 @@ class PerSampleGradNorms:
 
     def _forward_hook(self, slot: Slot):
         def hook(module, inputs, output):
-            if slot.called() and isinstance(output, torch.Tensor) and output.requires_grad:
-                # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
-                if torch.compiler.is_compiling() and (t := tap(slot, module, inputs, output)) is not None:
-                    return t
-                if not torch.compiler.is_compiling() and self._audit.notes is not None:
-                    self._audit.note(slot, inputs, output)
-                saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
+            counted = slot.called()
+            if not (isinstance(output, torch.Tensor) and output.requires_grad):
+                return
+            compiling = torch.compiler.is_compiling()
+            if not counted:                   # a recomputation packs what its forward did (capture.kept)
+                if not compiling and recomputing():
+                    pack_again(inputs)
+                return
+            # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
+            if compiling and (t := tap(slot, module, inputs, output)) is not None:
+                return t
+            if not compiling and self._audit.notes is not None:
+                self._audit.note(slot, inputs, output)
+            if not inputs or not isinstance(inputs[0], torch.Tensor):
+                raise ValueError(f"module {slot.name!r}: expected a tensor input")
+            get = kept(inputs)
 
-                def on_grad(g):
-                    if not inputs or not isinstance(saved[0], torch.Tensor):
-                        raise ValueError(f"module {slot.name!r}: expected a tensor input")
-                    if slot.shared:                     # formed with its other calls when read
-                        slot.pending.append((saved, g.detach()))
-                        return
-                    norms = slot.rule.norms(module, saved, g.detach(), slot.need)
-                    slot.record(norms, saved[0].shape[0])
-                output.register_hook(on_grad)
+            def on_grad(g):
+                saved = get()
+                if slot.shared:                     # formed with its other calls when read
+                    slot.pending.append((saved, g.detach()))
+                    return
+                norms = slot.rule.norms(module, saved, g.detach(), slot.need)
+                slot.record(norms, saved[0].shape[0])
+            output.register_hook(on_grad)
         return hook
 
     def __enter__(self) -> PerSampleGradNorms:

@@ -178,3 +178,33 @@ def test_checkpointed_norms_under_autocast_equal_the_plain_models(device, mode, 
         _, got, _ = norms_of(ckpt, x, fused=True)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5 if not autocast else 1e-2, atol=0)
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "save_on_cpu"])
+def test_hook_rules_inputs_follow_saved_tensor_hooks(where):
+    """A hook rule's layer inputs are packed by the active saved-tensor hooks: under non-reentrant
+    checkpointing they are dropped after the forward (recomputed in the backward), not held until it, so
+    that checkpointing saves their memory on the hooks path too (before: every hooked layer's input was
+    kept). The norms stay those of the unchecked model."""
+    import gc
+    torch.manual_seed(4)
+    plain = Net()
+    model = Net("non-reentrant" if where == "checkpoint" else None)
+    model.load_state_dict(plain.state_dict())
+    seen = []
+    model.blocks[1].down.register_forward_hook(lambda m, i, o: seen.append((i[0].data_ptr(), i[0].shape)))
+    x = torch.randn(B, 6, 4)
+    _, want, _ = norms_of(plain, x, fused=False)
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=False) as psn:
+        if where == "checkpoint":
+            loss = model(x).pow(2).sum()
+        else:
+            with torch.autograd.graph.save_on_cpu():
+                loss = model(x).pow(2).sum()
+        gc.collect()
+        if where == "checkpoint":       # the forward's input to blocks[1].down: no tensor holds it
+            plain = [t for t in gc.get_objects() if type(t) is torch.Tensor]     # (not compile's fakes)
+            assert not [t for t in plain if (t.data_ptr(), t.shape) == seen[0]]
+        loss.backward()
+        got = psn.sq_norms()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
