@@ -39,7 +39,16 @@ from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.capture import frozen, kept, now_training, pack_again
 from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.sink import Sinks, tap
-from elasticlab.gns.slot import Slot, finish, grad_sq_sums, layer_totals, recomputing, slots_of, unrecorded
+from elasticlab.gns.slot import (
+    Quiet,
+    Slot,
+    finish,
+    grad_sq_sums,
+    layer_totals,
+    recomputing,
+    slots_of,
+    unrecorded,
+)
 from elasticlab.gns.tied import untie
 
 
@@ -191,6 +200,8 @@ class PerSampleGradNorms:
 
     def _forward_hook(self, slot: Slot):
         def hook(module, inputs, output):
+            if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
+                return
             counted = slot.called()
             if not (isinstance(output, torch.Tensor) and output.requires_grad):
                 return

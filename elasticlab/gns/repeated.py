@@ -113,7 +113,10 @@ def to_hooks(owner) -> None:
                 break
         owner._handles.append(s.module.register_forward_hook(owner._forward_hook(s)))
         s.fused, s.buf, s._buf_key, s._views, s._in_block = False, None, None, {}, False
-        owner._block.users.discard(i)
-        owner._block._mask, owner._block._weights = None, {}
+        block = owner._block
+        if i in block.users:                   # its rows: 0 from now on (a NaN row would spoil every read)
+            block.users.discard(i)
+            block.tensor[i].zero_()
+            block._mask, block._weights = None, {}
     owner._unfuse.clear()
     owner._bufs = None

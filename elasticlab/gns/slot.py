@@ -11,6 +11,19 @@ from elasticlab.gns.block import ROWS
 from elasticlab.gns.registry import covered_params, rule_for, uncovered
 
 
+class Quiet:
+    """While a rule runs a module's forward itself (the generic rule's vjp: :mod:`.layers.generic`), the
+    hooks of :class:`~elasticlab.gns.PerSampleGradNorms` on it stay out: that call is not one of the step's.
+    A counter, so that it nests."""
+    depth = 0
+
+    def __enter__(self):
+        Quiet.depth += 1
+
+    def __exit__(self, *exc):
+        Quiet.depth -= 1
+
+
 def recomputing() -> bool:
     """Whether a forward runs inside a backward (activation checkpointing's recomputation; eager only)."""
     return torch._C._current_graph_task_id() != -1

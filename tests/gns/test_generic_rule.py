@@ -164,3 +164,43 @@ def test_compiled_model_with_a_generic_layer_matches_eager():
             model.zero_grad()
             compiled(x).pow(2).mean().backward()
             torch.testing.assert_close(psn.sq_norms(), want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_generic_rule_under_checkpointing(reentrant):
+    """The generic rule runs the module's forward itself (torch.func's vjp); PerSampleGradNorms' hooks stay
+    out of that call (slot.Quiet). Before, under reentrant checkpointing it was counted as a call of the
+    step and its vmapped output escaped ("your tensor may have escaped from inside a function being
+    vmapped")."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Scaled(nn.Module):
+        def __init__(self, mode):
+            super().__init__()
+            self.mode = mode
+            self.scale = ScaleShift(8)
+            self.head = nn.Linear(8, 3)
+
+        def body(self, x):
+            return torch.tanh(self.scale(x))
+
+        def forward(self, x):
+            h = self.body(x) if self.mode is None else checkpoint(self.body, x, use_reentrant=self.mode)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    plain, model = Scaled(None).double(), Scaled(reentrant).double()
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 3, (5,))
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out, t, reduction="sum")
+    ref = func_param_sq_norms(plain, loss_fn, x.detach(), y)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        for _ in range(2):
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+            got = psn.param_sq_norms()
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)

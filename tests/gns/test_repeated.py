@@ -82,6 +82,9 @@ def steps(model, x, y, fused, n=2, **kw):
                 warnings.simplefilter("always")
                 loss_fn(model(x), y).backward()
                 got = psn.param_sq_norms()
+                total = psn.sq_norms()                 # (the readers' fast paths: the shared block)
+            if not torch.isnan(total).all():
+                torch.testing.assert_close(total, sum(got.values()), rtol=1e-5, atol=0)
             out.append((got, [str(m.message) for m in w]))
     return out
 

@@ -21,6 +21,7 @@ from torch.func import functional_call, vjp, vmap
 from elasticlab.gns import kernels
 from elasticlab.gns.broadcast import signature
 from elasticlab.gns.registry import Rule, register_fallback
+from elasticlab.gns.slot import Quiet
 
 ENABLED = True                   # off: modules of no registered type are uncovered again (strict: an error)
 CHUNK_BYTES = 256 << 20          # per-example gradients held at once, at most (one example whatever its size)
@@ -91,7 +92,8 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
         dk = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
                    for a in inputs)
         one = _per_example_forward(module, dk)
-        _verify(module, inputs, dk, one, what)
+        with Quiet():
+            _verify(module, inputs, dk, one, what)
         ones.append((one, len(inputs)))
         flat += [*inputs, d]
         dims += [*dk, 0]
@@ -109,7 +111,7 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
             total = gk if total is None else {k: total[k] + gk[k] for k in total}
         return total
 
-    with torch.enable_grad():
+    with torch.enable_grad(), Quiet():
         per = vmap(grads, in_dims=tuple(dims), chunk_size=chunk)(*flat)
     return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
 
