@@ -83,13 +83,13 @@ def settle(slots) -> None:
 
 
 def _spoil(s) -> None:
-    if s.fused and s.buf is not None:                 # the rows its calls' backwards overwrote in turn
-        s.buf.fill_(float("nan"))
-    else:
-        d = s.pending[0][1] if s.pending else None
-        batch = s.batch or (d.shape[0] if d is not None else 0)
-        device = d.device if d is not None else next(s.module.parameters()).device
-        s.record({p: torch.full((batch,), float("nan"), device=device) for p in s.need}, batch)
+    """NaN norms for the step (also over a fused slot's rows, which its calls' backwards overwrote in turn:
+    a slot not on the block sends the readers to their general path)."""
+    d = s.pending[0][1] if s.pending else None
+    d = d if d is None or isinstance(d, torch.Tensor) else d[0]
+    batch = s.batch or (d.shape[0] if d is not None else 0)
+    device = d.device if d is not None else next(s.module.parameters()).device
+    s.record({p: torch.full((batch,), float("nan"), device=device) for p in s.need}, batch)
     s.pending = []
     if not s.warned:
         s.warned = True

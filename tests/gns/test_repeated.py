@@ -289,16 +289,21 @@ def test_generic_rule_module_called_twice():
 
 
 class Decoder(nn.Module):
-    """A hand-written loop over a recurrent cell, the hidden state starting at zero (hx=None)."""
+    """A hand-written loop over a recurrent cell, the hidden state starting at zero (hx=None); ``ckpt``:
+    each step under activation checkpointing, reentrant (True) or not (False)."""
 
-    def __init__(self, kind, bias=True):
+    def __init__(self, kind, bias=True, ckpt=None):
         super().__init__()
         self.cell, self.head = getattr(nn, kind)(5, 7, bias=bias), nn.Linear(7, 3)
+        self.ckpt = ckpt
 
     def forward(self, x):
         hx = None
         for t in range(x.shape[1]):
-            hx = self.cell(x[:, t], hx)
+            if self.ckpt is None or hx is None:
+                hx = self.cell(x[:, t], hx)
+            else:
+                hx = checkpoint(self.cell, x[:, t], hx, use_reentrant=self.ckpt)
         return self.head(hx[0] if isinstance(hx, tuple) else hx)
 
 
@@ -422,3 +427,18 @@ def test_loop_and_cell_on_the_device_under_autocast(device, autocast):
             assert got[k].dtype == torch.float32, k
             rel = (g - ref[k]).abs() / ref[k].clamp_min(1e-30)
             assert (rel.median() < 0.02) if autocast else (rel.max() < 1e-3), (k, rel.max())
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+def test_cell_loop_under_non_reentrant_checkpointing(kind):
+    """Each step checkpointed (not reentrant): the recomputation takes the same path as the forward, so it
+    saves the same tensors, and is not a call; the norms are the unchecked loop's from the first step."""
+    torch.manual_seed(11)
+    plain, model = Decoder(kind).double(), Decoder(kind, ckpt=False).double()
+    model.load_state_dict(plain.state_dict())
+    x, y = torch.randn(B, 4, 5, dtype=torch.float64), torch.randint(0, 3, (B,))
+    ref = loop_param_sq_norms(plain, loss_fn, x, y)
+    for got, warned in steps(model, x, y, fused=True):
+        assert warned == []
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)

@@ -93,8 +93,9 @@ def cell_forward(module: nn.Module, slot):
     """The fused forward: the two affine maps through :class:`_Gates`, then the gates."""
     def forward(x, hx=None):
         batched(module, x, 2)
-        if not slot.called():
+        if not torch.is_grad_enabled():
             return type(module).forward(module, x, hx)
+        slot.called()          # (a recomputation, not counted, saves what the forward saved: same path)
         lstm = isinstance(module, nn.LSTMCell)
         if hx is None:
             z = x.new_zeros(x.shape[0], module.hidden_size)
