@@ -10,7 +10,8 @@ inputs and output gradient until the norms are read (:func:`settle`), then forms
 - a rule with a ``summed`` form (:mod:`elasticlab.gns.registry`) takes all calls at once. For the layers
   whose per-example gradient is a sum over positions (Linear, Embedding, LayerNorm, RMSNorm) that is one
   call on the calls concatenated along the positions, exact by linearity: [δ_1; δ_2]ᵀ[a_1; a_2] = Σ_k δ_kᵀa_k.
-  The recurrent cells' fused backward keeps its calls itself (:mod:`elasticlab.gns.layers.cells`);
+  The fused backwards of the recurrent cells and of nn.MultiheadAttention keep their calls' Linear parts
+  themselves, summed alike (:func:`elasticlab.gns.layers.linear.summed_parts`), exact from the first step;
 - any other hook rule (Conv, GroupNorm, the generic rule): each call's per-example vjp by torch.func, summed
   per example before the norm (:func:`elasticlab.gns.layers.generic.summed_norms`; B per-example gradients
   of the module's parameters, chunked).
@@ -20,8 +21,8 @@ next step (:func:`to_hooks`). The step where that was found gives NaN for it, wh
 count, and warns once; so does a step where one call's gradient was consumed alone before the next call ran
 (reentrant activation checkpointing around each call: later steps keep every call). Calls whose outputs the
 loss does not reach add nothing, as their gradient is zero. Refused (an error naming the module): a repeated
-module under ``torch.compile``, one whose rule has only a fused form and no summed one (nn.LSTM,
-nn.MultiheadAttention, nn.EmbeddingBag), one in a tied pair, and calls on batches of different sizes.
+module under ``torch.compile``, one whose rule has only a fused form and no summed one (nn.LSTM and its kin,
+nn.EmbeddingBag), one in a tied pair, and calls on batches of different sizes.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def settle(slots) -> None:
             _spoil(s)
         elif s.pending:
             calls, s.pending = s.pending, []
-            sizes = [(d if isinstance(d, torch.Tensor) else d[0]).shape[0] for _, d in calls]
+            sizes = [d if isinstance(d, int) else d.shape[0] for _, d in calls]   # (a fused rule's parts, B)
             if len(set(sizes)) != 1:
                 raise RuntimeError(f"module {s.name or '(root)'!r} ({type(s.module).__name__}) ran on "
                                    f"batches of sizes {sizes} in one forward: per-example norms of a "
@@ -85,9 +86,8 @@ def settle(slots) -> None:
 def _spoil(s) -> None:
     """NaN norms for the step (also over a fused slot's rows, which its calls' backwards overwrote in turn:
     a slot not on the block sends the readers to their general path)."""
-    d = s.pending[0][1] if s.pending else None
-    d = d if d is None or isinstance(d, torch.Tensor) else d[0]
-    batch = s.batch or (d.shape[0] if d is not None else 0)
+    d = s.pending[0][1] if s.pending and isinstance(s.pending[0][1], torch.Tensor) else None
+    batch = s.batch or (d.shape[0] if d is not None else s.pending[0][1] if s.pending else 0)
     device = d.device if d is not None else next(s.module.parameters()).device
     s.record({p: torch.full((batch,), float("nan"), device=device) for p in s.need}, batch)
     s.pending = []

@@ -229,19 +229,19 @@ def test_calls_on_different_batches_are_an_error():
 
 
 def test_fused_only_and_tied_modules_called_twice_are_refused():
-    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    lstm = nn.LSTM(8, 8, batch_first=True)
 
-    class TwiceAttn(nn.Module):
+    class TwiceLSTM(nn.Module):
         def __init__(self):
             super().__init__()
-            self.mha = mha
+            self.lstm = lstm
 
         def forward(self, x):
-            return self.mha(self.mha(x, x, x)[0], x, x)[0]
+            return self.lstm(self.lstm(x)[0])[0]
 
-    model = TwiceAttn()
+    model = TwiceLSTM()
     with PerSampleGradNorms(model):
-        with pytest.raises(RuntimeError, match=r"'mha' \(MultiheadAttention\) ran 2 times.*only a fused"):
+        with pytest.raises(RuntimeError, match=r"'lstm' \(LSTM\) ran 2 times.*only a fused form"):
             model(torch.randn(B, 3, 8))
 
     class TiedTwice(nn.Module):
@@ -442,3 +442,47 @@ def test_cell_loop_under_non_reentrant_checkpointing(kind):
         assert warned == []
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)
+
+
+class SharedAttention(nn.Module):
+    """One nn.MultiheadAttention at two depths (self-attention), then as cross-attention on the input."""
+
+    def __init__(self, kind, bias_kv=False, batch_first=True):
+        super().__init__()
+        self.kind, self.batch_first = kind, batch_first
+        self.mha = nn.MultiheadAttention(8, 2, add_bias_kv=bias_kv, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = x if self.batch_first else x.transpose(0, 1)
+        h = self.mha(x, x, x)[0]
+        h = self.mha(h, h, h)[0]
+        if self.kind == "cross":
+            h = self.mha(h, x, x)[0]
+        h = h if self.batch_first else h.transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kind, bias_kv, batch_first", [("self", False, True), ("cross", True, False)])
+def test_attention_called_at_several_depths(kind, bias_kv, batch_first, fused):
+    """MHA's fused backward keeps each call's projection blocks and bias rows (summed_parts): exact from
+    the first step; its out_proj is a Linear, NaN at the first step where it is fused."""
+    torch.manual_seed(12)
+    model = SharedAttention(kind, bias_kv, batch_first).double()
+    with torch.no_grad():
+        for p in model.mha.parameters():
+            p.normal_(0, 0.5)
+    x, y = torch.randn(B, 4, 8, dtype=torch.float64), torch.randint(0, 3, (B,))
+    ref = loop_param_sq_norms(model, loss_fn, x, y)
+    (first, warned), (second, again) = steps(model, x, y, fused=fused)
+    assert again == []
+    for got in (first, second) if not fused else (second,):
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)
+    if fused:
+        nan = {k for k, v in first.items() if torch.isnan(v).any()}
+        assert nan == {"mha.out_proj.weight", "mha.out_proj.bias"}
+        for k in ref:
+            if not k.startswith("mha.out_proj"):
+                torch.testing.assert_close(first[k], ref[k], rtol=1e-9, atol=0, msg=k)

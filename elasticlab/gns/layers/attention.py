@@ -24,6 +24,10 @@ The rule is registered with ``calls_children``: an MHA whose own parameters are 
 trains still gets the replacement forward (with nothing of its own to record), so ``out_proj`` is called and
 records its norms.
 
+An MHA called several times in one forward (a block applied at every depth, a siamese text encoder;
+:mod:`elasticlab.gns.repeated`) keeps each call's projection blocks and bias rows instead of their norms, and
+:func:`elasticlab.gns.layers.linear.summed_parts` forms the norms of the summed gradients when they are read.
+
 Unsupported: unbatched inputs and nested tensors.
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import form_choice, kernels
 from elasticlab.gns.layers.common import autocast_dtype, cast
+from elasticlab.gns.layers.linear import summed_parts
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
@@ -78,6 +83,7 @@ class _ProjNorms(torch.autograd.Function):
         B = xc[0].shape[0]
         gxs, gws, wsq = [None] * n_x, [None] * len(wnames), [None] * len(wnames)
         gb = bsq = None
+        keep = [] if ctx.slot.shared and ctx.sink is None else None     # repeated: its parts (gns.repeated)
         for g, (xi, wi, r0, r1, c0) in zip(grads, groups):
             a, w = xc[xi], wc[wi][r0:r1]
             d = cast(g, a.dtype)
@@ -88,7 +94,12 @@ class _ProjNorms(torch.autograd.Function):
             a3, d3 = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
             if need_w[wi]:
                 T, din, dout = a3.shape[1], a3.shape[2], d3.shape[2]
-                if form_choice.use_gram(T, din, dout, fused_outer=True, like=a3, batch=B):
+                if keep is not None:      # by q/k/v block: calls may group them differently (self, cross)
+                    blk = wc[wi].shape[0] // 3 if len(wnames) == 1 else wc[wi].shape[0]
+                    keep.extend(("seq", wnames[wi], r, a3, d3[..., r - r0:r - r0 + blk])
+                                for r in range(r0, r1, blk))
+                    sq, gw = None, d3.reshape(-1, dout).t().mm(a3.reshape(-1, din))
+                elif form_choice.use_gram(T, din, dout, fused_outer=True, like=a3, batch=B):
                     sq = kernels.seq_linear_gram_norms(a3, d3)
                     gw = d3.reshape(-1, dout).t().mm(a3.reshape(-1, din))
                 else:
@@ -96,18 +107,28 @@ class _ProjNorms(torch.autograd.Function):
                 if gws[wi] is None:
                     gws[wi] = torch.zeros(wc[wi].shape, dtype=acc, device=a.device)
                 gws[wi][r0:r1] += gw
-                wsq[wi] = sq if wsq[wi] is None else wsq[wi] + sq
+                if sq is not None:
+                    wsq[wi] = sq if wsq[wi] is None else wsq[wi] + sq
             if need_b:
                 db = d3.sum(1, dtype=acc)                                  # (B, r1 − r0)
                 if gb is None:
                     gb = torch.zeros(ctx.b_len, dtype=acc, device=a.device)
                 gb[c0:c0 + r1 - r0] += db.sum(0)
-                sq = kernels.row_sq(db)
-                bsq = sq if bsq is None else bsq + sq
-        norms = {name: v for name, v in zip(wnames, wsq) if v is not None}
-        if bsq is not None:
-            norms[bname] = bsq
-        sunk = deliver(ctx, norms, B)
+                if keep is not None:
+                    blk = ctx.b_len // 3
+                    keep.extend(("rows", bname, c, db[:, c - c0:c - c0 + blk])
+                                for c in range(c0, c0 + r1 - r0, blk))
+                else:
+                    sq = kernels.row_sq(db)
+                    bsq = sq if bsq is None else bsq + sq
+        if keep is not None:
+            ctx.slot.pending.append((keep, B))
+            sunk = None
+        else:
+            norms = {name: v for name, v in zip(wnames, wsq) if v is not None}
+            if bsq is not None:
+                norms[bname] = bsq
+            sunk = deliver(ctx, norms, B)
         gxs = [cast(gx, dt) for gx, dt in zip(gxs, x_dtypes)]
         gws = [cast(gw, dt) for gw, dt in zip(gws, w_dtypes)]
         return (None, None, None, *gxs, *gws, cast(gb, b_dtype), sunk)
@@ -125,7 +146,11 @@ class _CopyNorms(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        sunk = deliver(ctx, {ctx.name: kernels.row_sq(g)}, g.shape[0])
+        if ctx.slot.shared and ctx.sink is None:             # repeated: this call's copies (gns.repeated)
+            ctx.slot.pending.append(([("rows", ctx.name, 0, g.reshape(g.shape[0], -1))], g.shape[0]))
+            sunk = None
+        else:
+            sunk = deliver(ctx, {ctx.name: kernels.row_sq(g)}, g.shape[0])
         gp = g.sum(0, keepdim=True, dtype=kernels.acc_dtype(g.dtype))
         return cast(gp, ctx.p_dtype), None, None, None, None, sunk
 
@@ -292,4 +317,5 @@ def mha_forward(module: nn.MultiheadAttention, slot):
     return forward
 
 
-register_rule(nn.MultiheadAttention, None, params=PARAMS, fused=mha_forward, calls_children=True)
+register_rule(nn.MultiheadAttention, None, params=PARAMS, fused=mha_forward, calls_children=True,
+              summed=summed_parts)

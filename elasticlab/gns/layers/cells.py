@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
-from elasticlab.gns.layers.linear import seq_weight_norms
+from elasticlab.gns.layers.linear import summed_parts
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
@@ -57,8 +57,10 @@ class _Gates(torch.autograd.Function):
         gbi = di.sum(0, dtype=acc) if need[4] else None
         gbh = dh.sum(0, dtype=acc) if need[5] else None
         slot = ctx.slot
-        if slot.shared and ctx.sink is None:
-            slot.pending.append(((x, h), (di, dh)))
+        if slot.shared and ctx.sink is None:                  # repeated: the Linear parts, summed when read
+            parts = [("seq", "weight_ih", 0, x[:, None], di[:, None]), ("rows", "bias_ih", 0, di),
+                     ("seq", "weight_hh", 0, h[:, None], dh[:, None]), ("rows", "bias_hh", 0, dh)]
+            slot.pending.append((parts, x.shape[0]))
             sunk = None
         else:
             di_sq, dh_sq = kernels.row_sq(di), kernels.row_sq(dh)
@@ -106,22 +108,5 @@ def cell_forward(module: nn.Module, slot):
     return forward
 
 
-def cell_summed(module: nn.Module, calls, need) -> dict:
-    """A cell called T times: the Linear forms over the T calls, ‖Σ_t δ_{i,t} x_tᵀ‖² and the rest."""
-    (x, h), (di, dh) = _stack(calls)
-    acc = kernels.acc_dtype(di.dtype)
-    out = {"weight_ih": lambda: seq_weight_norms(x, di),
-           "bias_ih": lambda: kernels.row_sq(di.sum(1, dtype=acc)),
-           "weight_hh": lambda: seq_weight_norms(h, dh),
-           "bias_hh": lambda: kernels.row_sq(dh.sum(1, dtype=acc))}
-    return {k: f() for k, f in out.items() if k in need}
-
-
-def _stack(calls):
-    """((x, h), (δ_i, δ_h)), each (B, T, ·), from the calls' kept tensors."""
-    cols = [torch.stack(c, 1) for c in zip(*[(*a, *d) for a, d in calls])]
-    return (cols[0], cols[1]), (cols[2], cols[3])
-
-
 for _cls in (nn.RNNCell, nn.LSTMCell, nn.GRUCell):
-    register_rule(_cls, None, params=PARAMS, fused=cell_forward, summed=cell_summed)
+    register_rule(_cls, None, params=PARAMS, fused=cell_forward, summed=summed_parts)

@@ -28,6 +28,30 @@ def seq_weight_norms(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return kernels.seq_linear_outer_norms(a, d)[0]
 
 
+def summed_parts(module: nn.Module, calls, need) -> dict:
+    """The ``summed`` form of a fused-only rule whose backward, for a repeated module
+    (:mod:`elasticlab.gns.repeated`), kept each call's *parts* in its slot, ``(parts, B)``, a part being
+    ``("seq", name, key, a (B, T, Din), δ (B, T, Dout))``, a sequence Linear block of parameter ``name``, or
+    ``("rows", name, key, r (B, k))``, per-example gradient rows of it. The blocks of one (name, key) are
+    concatenated over the calls along the positions (the Gram or outer form), the rows summed; the norms of
+    a parameter's keys (disjoint blocks of it) add up."""
+    seq: dict[tuple, list] = {}
+    rows: dict[tuple, list] = {}
+    for parts, _ in calls:
+        for kind, name, key, *ts in parts:
+            if name in need:
+                (seq if kind == "seq" else rows).setdefault((name, key), []).append(ts)
+    out: dict[str, torch.Tensor] = {}
+    for (name, _), ts in seq.items():
+        v = seq_weight_norms(torch.cat([t[0] for t in ts], 1), torch.cat([t[1] for t in ts], 1))
+        out[name] = v if name not in out else out[name] + v
+    for (name, _), ts in rows.items():
+        r = torch.stack([t[0].to(kernels.acc_dtype(t[0].dtype)) for t in ts]).sum(0)
+        v = kernels.row_sq(r)
+        out[name] = v if name not in out else out[name] + v
+    return out
+
+
 def linear_norms(module: nn.Linear, inputs, d: torch.Tensor, need) -> dict:
     """Hook rule: 2-D inputs ‖a_b‖²·‖d_b‖²; sequences (B,…,Din) by the Gram or outer form."""
     a = inputs[0]
