@@ -112,8 +112,8 @@ class PerSampleGradNorms:
             s.calls, s.fwd_calls, s.norms, s.on_block, s._sink_batch = 0, 0, {}, False, 0
             if s.touched:
                 s.touched = set()
-            if s.pending or s.spoiled:
-                s.pending, s.spoiled = [], None
+            if s.pending or s.spoiled or s.mixed:
+                s.pending, s.spoiled, s.mixed = [], None, False
         if self._probes:
             self._drop_probes()
         self._block.begin()

@@ -60,10 +60,25 @@ def again(slot) -> None:
                         "activation checkpointing around each call); later steps keep every call's gradient")
 
 
+def mixed(slot) -> None:
+    """A call in a backward, outside a non-reentrant replay, of a module that ran in the forward: reentrant
+    activation checkpointing recomputes a segment that calls it while it also ran outside one. That call
+    is not counted (it cannot be told from a replay), so the readers raise (:func:`settle`)."""
+    slot.mixed = True
+    slot.owner._repeated = True
+
+
 def settle(slots) -> None:
     """Before the norms are read: each repeated module's norms from all its calls of the step, or NaN for
     a spoiled step (with one warning per module)."""
     for s in slots:
+        if s.mixed:
+            raise RuntimeError(
+                f"module {s.name or '(root)'!r} ({type(s.module).__name__}) ran in the forward and again "
+                "inside a reentrant activation checkpoint's recomputation: a call inside a reentrant "
+                "segment cannot be told from a replay of one made outside it, so its gradient would be "
+                "missing from the norms. Checkpoint with use_reentrant=False, or keep the module's calls "
+                "all inside or all outside the reentrant segments")
         if s.spoiled:
             _spoil(s)
         elif s.pending:

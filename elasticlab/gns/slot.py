@@ -54,6 +54,7 @@ class Slot:
         self.warned = False
         self.traced = False         # its first call of the step ran under torch.compile
         self.refused = False        # repeated under torch.compile once: an error from then on
+        self.mixed = False          # also called in a reentrant checkpoint's recomputation (an error)
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
@@ -69,6 +70,8 @@ class Slot:
         if not torch.is_grad_enabled():
             return False
         if self.fwd_calls and not torch.compiler.is_compiling() and recomputing():
+            if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+                repeated.mixed(self)           # not a non-reentrant replay: a reentrant segment's call
             return False
         if self.rule.check is not None:
             self.rule.check(self.module)

@@ -486,3 +486,38 @@ def test_attention_called_at_several_depths(kind, bias_kv, batch_first, fused):
         for k in ref:
             if not k.startswith("mha.out_proj"):
                 torch.testing.assert_close(first[k], ref[k], rtol=1e-9, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_module_called_outside_and_inside_a_checkpointed_segment(reentrant):
+    """Not reentrant: the forward counts both calls, the replay none: exact. Reentrant: the segment's call
+    is made in the backward, where it cannot be told from a replay of the call outside: an error, where the
+    norms silently missed that call before."""
+    torch.manual_seed(13)
+    lin = nn.Linear(4, 4).double()
+
+    class Mixed(nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.lin, self.ckpt = lin, ckpt
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            if self.ckpt is None:
+                return self.lin(h)
+            return checkpoint(self.lin, h, use_reentrant=self.ckpt)
+
+    x = torch.randn(B, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 3, (B,))
+    ref = func_param_sq_norms(Mixed(None), loss_fn, x.detach(), y)
+    model = Mixed(reentrant)
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=False) as psn:
+        loss_fn(model(x), y).backward()
+        if reentrant:
+            with pytest.raises(RuntimeError, match=r"'lin' \(Linear\) ran in the forward and again inside a "
+                                                   "reentrant"):
+                psn.sq_norms()
+        else:
+            got = psn.param_sq_norms()
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)
