@@ -3,36 +3,37 @@
 Workloads of ``shared/reference/psgnorm-anchors.md``: W1–W4 (the CPU anchors) and the GPU workloads G1
 (GPT-2-small class, B=8, T=1024), G2 (torchvision ResNet-18 with GroupNorm, B=128, 64×64; skipped without
 torchvision) and G3 (the W2 block at D=1024, B=64, T=512); also R1, an LSTM language model (V=10000, D=256,
-H=512, 2 layers, B=32, T=64; not an anchor, not run by default). Median of timed steps after warm-up (CUDA
-events on CUDA), methods interleaved round by round so that drift hits all alike; a method slower than
-``--slow-s`` a step is timed 3 times only. Methods: ``plain`` (the baseline), ``psgn`` (elasticlab, fused
-backward), ``psgn-ref`` (the same with the compiled kernels off), ``psgn-cublas`` (the same without the Triton
-fused kernel: cuBLAS batched GEMMs + fold, on CUDA), ``psgn-triton32`` (the Triton fused kernel for float32
-layers too, :data:`elasticlab.gns.triton_outer.FP32`), ``psgn-untuned`` (the Triton kernel's variant fixed,
-not timed per shape by :mod:`elasticlab.gns.triton_tune`: its nested loop, pointer loads; the tuner's timings
-are printed under each workload as ``tuned``), ``psgn-tritonflat`` (fixed to the flat loop over (example, K
-step) pairs, :data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and ``psgn-tritontmaflat`` (its
-operands through TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the nested and the flat loop),
-``psgn-fusedbias`` and ``psgn-tmaflatbias`` (each example's bias gradient summed inside the Triton kernel
-wherever the tile can, :data:`elasticlab.gns.triton_outer.FUSE_BIAS`: tuned, and fixed to the TMA flat loop,
-beside ``psgn-tritontmaflat``; ``psgn`` itself times each form both ways and keeps the faster),
-``psgn-chunkshare`` (float32 layers on CUDA keep the cuBLAS outer form in chunks under the memory rule's
-share instead of the Gram form, :data:`elasticlab.gns.form_choice.CHUNK_TO_SHARE`),
-``psgn-convgrouped`` (convolutions on CUDA by one grouped convolution's weight gradient instead of a batched
-GEMM over the patches, :data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16
-convolutions on CUDA by the implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`),
-``psgn-py`` (the fused layers' Python autograd.Functions instead of their C++ ones), ``psgn-torchops`` (the
-fused layers' C++ operators called through torch.ops' boxed entry, not ``_C``'s direct one),
-``psgn-calibrated`` (each layer shape's form timed at its first backward and the fastest kept,
-:mod:`elasticlab.gns.calibrate`; the warm-up steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks
-only), ``plain-compiled`` and ``psgn-compiled`` (the model under ``torch.compile``, plainly and with the fused
-norms; not run by default: Inductor compiles each workload for minutes on the CPU), ``plain-graphed`` and
-``psgn-graphed`` (the eager step, norms read included, captured in one CUDA graph and replayed: no host work
-a step; CUDA only, not run by default; ``psgn-graphed / plain-graphed`` printed), ``torch.func`` (vmap of
-grad, then the gradient as the sum of per-example ones; skipped when B ×
-#params × 4 bytes exceeds 40% of the free memory) and ``opacus-ghost`` (Opacus ghost clipping, one backward)
-when Opacus is installed. A method that raises is reported as ``error: ...`` for that workload; the others go
-on.
+H=512, 2 layers, B=32, T=64), and V1, a small ViT (64×64 images in 8×8 patches, D=192, 6 pre-norm encoder
+layers of 3 heads, a class token and a position embedding, B=64); neither is an anchor nor run by default.
+Median of timed steps after warm-up (CUDA events on CUDA), methods interleaved round by round so that drift
+hits all alike; a method slower than ``--slow-s`` a step is timed 3 times only. Methods: ``plain`` (the
+baseline), ``psgn`` (elasticlab, fused backward), ``psgn-ref`` (the same with the compiled kernels off),
+``psgn-cublas`` (the same without the Triton fused kernel: cuBLAS batched GEMMs + fold, on CUDA),
+``psgn-triton32`` (the Triton fused kernel for float32 layers too, :data:`elasticlab.gns.triton_outer.FP32`),
+``psgn-untuned`` (the Triton kernel's variant fixed, not timed per shape by :mod:`elasticlab.gns.triton_tune`:
+its nested loop, pointer loads; the tuner's timings are printed under each workload as ``tuned``),
+``psgn-tritonflat`` (fixed to the flat loop over (example, K step) pairs,
+:data:`elasticlab.gns.triton_outer.FLAT`), ``psgn-tritontma`` and ``psgn-tritontmaflat`` (its operands through
+TMA descriptors, :data:`elasticlab.gns.triton_outer.TMA`, in the nested and the flat loop), ``psgn-fusedbias``
+and ``psgn-tmaflatbias`` (each example's bias gradient summed inside the Triton kernel wherever the tile can,
+:data:`elasticlab.gns.triton_outer.FUSE_BIAS`: tuned, and fixed to the TMA flat loop, beside
+``psgn-tritontmaflat``; ``psgn`` itself times each form both ways and keeps the faster), ``psgn-chunkshare``
+(float32 layers on CUDA keep the cuBLAS outer form in chunks under the memory rule's share instead of the Gram
+form, :data:`elasticlab.gns.form_choice.CHUNK_TO_SHARE`), ``psgn-convgrouped`` (convolutions on CUDA by one
+grouped convolution's weight gradient instead of a batched GEMM over the patches,
+:data:`elasticlab.gns.layers.conv.GROUPED_ON_CUDA`), ``psgn-convtriton`` (bfloat16 convolutions on CUDA by the
+implicit-GEMM Triton kernel, :data:`elasticlab.gns.layers.conv.TRITON_ON_CUDA`), ``psgn-py`` (the fused
+layers' Python autograd.Functions instead of their C++ ones), ``psgn-torchops`` (the fused layers' C++
+operators called through torch.ops' boxed entry, not ``_C``'s direct one), ``psgn-calibrated`` (each layer
+shape's form timed at its first backward and the fastest kept, :mod:`elasticlab.gns.calibrate`; the warm-up
+steps pay for the measuring), ``psgn-hooks`` (elasticlab, hooks only), ``plain-compiled`` and
+``psgn-compiled`` (the model under ``torch.compile``, plainly and with the fused norms; not run by default:
+Inductor compiles each workload for minutes on the CPU), ``plain-graphed`` and ``psgn-graphed`` (the eager
+step, norms read included, captured in one CUDA graph and replayed: no host work a step; CUDA only, not run by
+default; ``psgn-graphed / plain-graphed`` printed), ``torch.func`` (vmap of grad, then the gradient as the sum
+of per-example ones; skipped when B × #params × 4 bytes exceeds 40% of the free memory) and ``opacus-ghost``
+(Opacus ghost clipping, one backward) when Opacus is installed. A method that raises is reported as ``error:
+...`` for that workload; the others go on.
 
 Precision: ``fp32`` (true fp32 matmuls, PyTorch's default) or ``bf16`` (forward and loss under
 ``torch.autocast(device, bfloat16)``, backward outside it, parameters fp32). A workload entry is ``NAME`` (run
@@ -80,7 +81,7 @@ except ImportError:  # pragma: no cover
     def tqdm(x, **_):
         return x
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "G1", "G2", "G3", "R1")
+WORKLOADS = ("W1", "W2", "W3", "W4", "G1", "G2", "G3", "R1", "V1")
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_CPU = "W1,W2,W3,W4"
 DEFAULT_CUDA = "G3:bf16,G2:fp32+bf16,G1:fp32+bf16,W1,W2,W3,W4"
@@ -176,6 +177,27 @@ class LSTMLM(nn.Module):
         return self.head(self.lstm(self.emb(idx))[0])
 
 
+class ViT(nn.Module):
+    """V1 (not in the anchors' list; not run by default): a ViT (Dosovitskiy et al. 2021) in plain torch, its
+    class token and position embedding bare parameters of the root
+    (:mod:`elasticlab.gns.layers.broadcast_params`), the encoder nn.TransformerEncoderLayer's."""
+
+    def __init__(self, S=64, P=8, D=192, L=6, H=3, classes=100):
+        super().__init__()
+        self.patch = nn.Conv2d(3, D, P, stride=P)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (S // P) ** 2 + 1, D) * 0.02)
+        self.blocks = nn.Sequential(*(nn.TransformerEncoderLayer(D, H, 4 * D, dropout=0.0, activation="gelu",
+                                                                 batch_first=True, norm_first=True)
+                                      for _ in range(L)))
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
 def _resnet18_gn() -> nn.Module:
     try:
         import torchvision
@@ -219,6 +241,11 @@ def workload(name: str, quick: bool = False, check: bool = False):
             ((10000, 256, 512), (32, 64))
         return (LSTMLM(V, D, H), torch.randint(0, V, (B, T), generator=g),
                 torch.randint(0, V, (B, T), generator=g))
+    if name == "V1":
+        (S, D, L), B = ((16, 16, 2), 4) if check else ((32, 64, 2), 4) if quick else ((64, 192, 6), 64)
+        x = torch.randn(B, 3, S, S, generator=g)
+        return ViT(S=S, D=D, L=L, H=2 if check else 3 if D % 3 == 0 else 4), x, \
+            torch.randint(0, 100, (B,), generator=g)
     raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
 
 

@@ -47,6 +47,7 @@ from elasticlab.gns.slot import (
     layer_totals,
     recomputing,
     slots_of,
+    unmeasured,
     unrecorded,
 )
 from elasticlab.gns.tied import untie
@@ -112,8 +113,8 @@ class PerSampleGradNorms:
             s.calls, s.fwd_calls, s.norms, s.on_block, s._sink_batch = 0, 0, {}, False, 0
             if s.touched:
                 s.touched = set()
-            if s.pending or s.spoiled or s.mixed:
-                s.pending, s.spoiled, s.mixed = [], None, False
+            if s.pending or s.spoiled or s.mixed or s.unmeasured:
+                s.pending, s.spoiled, s.mixed, s.unmeasured = [], None, False, {}
         if self._probes:
             self._drop_probes()
         self._block.begin()
@@ -175,9 +176,9 @@ class PerSampleGradNorms:
                          "no rule records their per-example norms", "Make PerSampleGradNorms (or GNSMonitor) "
                          "again after changing which parameters train", "the per-example norms and of "
                          "grad_sq_norm (they were never covered)")
-        lost = self._left_out()
+        odd, lost = unmeasured(self._slots, self._refuse), self._left_out()
         if not lost:
-            return set()
+            return odd
         names = tuple(s.full(pn) for s, pn in lost)
         mods = sorted({f"{s.name or '(root)'!r} ({type(s.module).__name__})" for s, _ in lost})
         why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
@@ -187,7 +188,7 @@ class PerSampleGradNorms:
         self._refuse(names, why, "Call the module, register a rule for the parent that uses them, freeze "
                      "them, or pass strict=False to leave them out (listed in left_out)",
                      "the per-example norms and of grad_sq_norm (PerSampleGradNorms.left_out)")
-        return {(id(s), pn) for s, pn in lost}
+        return odd | {(id(s), pn) for s, pn in lost}
 
     def _refuse(self, names: tuple[str, ...], why: str, fix: str, left: str) -> None:
         """Parameters the norms miss: a RuntimeError saying ``why`` and ``fix`` (``strict``), else one warning

@@ -15,6 +15,7 @@ module in a forward, ``calls`` a list of (inputs, output gradient) (:mod:`elasti
 a hook rule's calls are summed by torch.func). ``calls_children``: the fused forward calls child modules whose
 parameters the module's own forward uses directly (``nn.MultiheadAttention``'s ``out_proj``), so it is
 installed whenever any parameter below the module trains, even with none of its own trainable.
+``sums_calls``: the fused form adds up a step's calls itself (:mod:`.layers.broadcast_params`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Rule:
     check: Callable | None = None
     calls_children: bool = False
     summed: Callable | None = None
+    sums_calls: bool = False
 
 
 RULES: dict[type, Rule] = {}

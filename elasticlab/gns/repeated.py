@@ -43,6 +43,8 @@ def again(slot) -> None:
     if slot.traced or torch.compiler.is_compiling() or slot.refused:
         slot.refused = True
         raise RuntimeError(f"{what} under torch.compile: {_COMPILED}")
+    if slot.rule.sums_calls:
+        return
     if slot.rule.norms is None and slot.rule.summed is None:
         raise RuntimeError(f"{what}: its rule has only a fused form, which takes one call at a time, so the "
                            "norm of the gradient summed over the calls cannot be formed; call it once per "

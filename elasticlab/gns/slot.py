@@ -55,6 +55,7 @@ class Slot:
         self.traced = False         # its first call of the step ran under torch.compile
         self.refused = False        # repeated under torch.compile once: an error from then on
         self.mixed = False          # also called in a reentrant checkpoint's recomputation (an error)
+        self.unmeasured: dict[str, str] = {}   # needed params used this step in a way no rule takes: why
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
@@ -164,6 +165,21 @@ def slots_of(owner, model: nn.Module, strict: bool, skipped: list[str]) -> list[
         if covered:
             slots.append(Slot(owner, name, mod, rule, covered))
     return slots
+
+
+def unmeasured(slots: list[Slot], refuse) -> set[tuple[int, str]]:
+    """{(slot id, param)} of needed parameters used in this step in a way their rule could not measure
+    (:mod:`.layers.broadcast_params`), each refused by ``refuse`` (an error, or a warning) and its norm
+    dropped."""
+    out = set()
+    for s in slots:
+        for pn, why in s.unmeasured.items():
+            s.norms.pop(pn, None)
+            refuse((s.full(pn),), why, "Use it through a module with a rule, register one with "
+                   "elasticlab.gns.register_rule, freeze it, or pass strict=False to leave it out",
+                   "the per-example norms and of grad_sq_norm")
+            out.add((id(s), pn))
+    return out
 
 
 def finish(owner, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elasticlab.gns import RULES, PerSampleGradNorms
+from elasticlab.gns.layers import broadcast_params
 from elasticlab.gns.reference import func_param_sq_norms, func_sq_norms
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
@@ -399,9 +400,10 @@ def test_monitor_follows_gradual_unfreezing_with_a_new_estimate():
         assert abs(a - b) < 1e-8 * abs(b), (a, b)
 
 
-def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered():
+def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered(monkeypatch):
     """``self.bias = self.decoder.bias`` (Hugging Face's masked-LM heads): the parent's direct parameter is
-    the Linear's, covered there and counted once; a parameter of the parent's own is still refused."""
+    the Linear's, covered there and counted once; a parameter of the parent's own is not an alias (refused
+    where the bare-parameter rule, gns.layers.broadcast_params, is off)."""
     class Head(nn.Module):
         def __init__(self):
             super().__init__()
@@ -419,5 +421,6 @@ def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered():
     assert sorted(got) == ["decoder.bias", "decoder.weight"] and psn.skipped == []
     torch.testing.assert_close(got["decoder.bias"], (2 * model(x)).pow(2).sum(1).detach(), rtol=1e-10, atol=0)
     model.scale = nn.Parameter(torch.ones(()))
+    monkeypatch.setattr(broadcast_params, "ENABLED", False)
     with pytest.raises(ValueError, match=r"module '\(root\)' of type Head \(parameters \['scale'\]\)"):
         PerSampleGradNorms(model)

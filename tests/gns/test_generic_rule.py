@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, rule_for
-from elasticlab.gns.layers import generic
+from elasticlab.gns.layers import broadcast_params, generic
 from elasticlab.gns.reference import func_param_sq_norms
 
 SETTINGS = settings(max_examples=10, deadline=None,
@@ -119,21 +119,32 @@ def test_switched_off_the_module_is_uncovered_again(monkeypatch):
     assert PerSampleGradNorms(model, strict=False).skipped == ["1.weight"]
 
 
-def test_non_leaf_module_with_its_own_parameter_is_still_refused():
+def test_non_leaf_module_with_its_own_parameter_takes_the_broadcast_rule(monkeypatch):
     """A module with children and a parameter of its own: the generic rule would run the children's rules
-    again inside it, so it does not apply."""
+    again inside it, so it does not apply; its gain, broadcast over the batch, is followed to that broadcast
+    (gns.layers.broadcast_params), and is refused where that rule is off."""
 
     class Gate(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
-            self.g = nn.Parameter(torch.ones(4))
+            self.g = nn.Parameter(torch.randn(4))
 
         def forward(self, x):
             return self.lin(x) * self.g
 
+    torch.manual_seed(0)
+    model = nn.Sequential(Gate()).double()
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        model(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()["0.g"]
+    want = torch.stack([torch.autograd.grad(model(x[b:b + 1]).pow(2).sum(), model[0].g)[0].pow(2).sum()
+                        for b in range(5)])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    monkeypatch.setattr(broadcast_params, "ENABLED", False)
     with pytest.raises(ValueError, match=r"module '0' of type Gate \(parameters \['0.g'\]\)"):
-        PerSampleGradNorms(nn.Sequential(Gate()))
+        PerSampleGradNorms(model)
 
 
 def test_bf16_autocast_norms_near_fp32():

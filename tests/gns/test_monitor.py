@@ -10,6 +10,7 @@ from gloo_util import run_gloo
 from torch import nn
 
 from elasticlab.gns import GNSEstimator, GNSMonitor, PerSampleGradNorms
+from elasticlab.gns.layers import broadcast_params
 
 RTOL = 1e-6
 
@@ -191,7 +192,7 @@ def test_every_and_state_dict():
     assert other.b_simple == mon.b_simple and other.history == mon.history and other.steps == 7
 
 
-def test_clear_errors():
+def test_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="every"):
         GNSMonitor(make_model(), every=0)
     with pytest.raises(ValueError, match="method"):
@@ -201,7 +202,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="loss_reduction must be 'mean' or 'sum', got 'avg'"):
         GNSMonitor(make_model(), loss_reduction="avg")      # not taken for per-example norms unavailable
 
-    class Scaled(nn.Module):                  # a parameter no per-example rule covers
+    class Scaled(nn.Module):                  # a parameter no per-example rule covers (that rule off)
         def __init__(self):
             super().__init__()
             self.lin, self.s = nn.Linear(6, 3), nn.Parameter(torch.ones(3))
@@ -210,6 +211,7 @@ def test_clear_errors():
             return self.lin(x) * self.s
 
     m = Scaled()
+    monkeypatch.setattr(broadcast_params, "ENABLED", False)
     mon = GNSMonitor(m)
     x, y = batches(1, 8)[0]
     with pytest.raises(RuntimeError, match="Accumulate >= 2"):

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, form_choice
+from elasticlab.gns.layers import broadcast_params
 from elasticlab.gns.reference import func_param_sq_norms, func_sq_norms
 
 SETTINGS = settings(max_examples=20, deadline=None,
@@ -184,7 +185,7 @@ def test_frozen_parameters_are_skipped():
 
 class Scale(nn.Module):
     """A module with a parameter and no rule: not a leaf (a child of its own), so the generic rule, which
-    serves leaf modules, does not apply either."""
+    serves leaf modules, does not apply either; nor, switched off, the bare-parameter rule."""
 
     def __init__(self, n):
         super().__init__()
@@ -195,7 +196,8 @@ class Scale(nn.Module):
         return self.act(x) * self.weight
 
 
-def test_unsupported_module_strict_error_names_it_and_nonstrict_reports():
+def test_unsupported_module_strict_error_names_it_and_nonstrict_reports(monkeypatch):
+    monkeypatch.setattr(broadcast_params, "ENABLED", False)
     model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"'1'.*Scale.*1\.weight"):
         PerSampleGradNorms(model)

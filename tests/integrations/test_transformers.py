@@ -212,3 +212,56 @@ def test_tiny_bert_masked_lm_with_its_aliased_bias():
     assert model.cls.predictions.bias is model.cls.predictions.decoder.bias
     ((got, warned),) = _masked_lm_norms_match(model, True, 1)
     assert got is not None and not warned
+
+
+def _tiny_vit_config(**kw):
+    return transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                                  num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                  num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  **kw)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tiny_vit_class_token_and_position_embeddings(fused):
+    """ViTEmbeddings' bare ``cls_token`` and ``position_embeddings`` (before: "no per-example gradient-norm
+    rule for module 'vit.embeddings' of type ViTEmbeddings" under strict, left out without), followed to
+    their broadcast over the batch (gns.layers.broadcast_params): at the trained size, and at a larger image
+    whose position embeddings are interpolated (a tensor made from them, mapped back by a batched vjp)."""
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(_tiny_vit_config()).double()
+    y = torch.randint(0, 3, (B,))
+    for size, interp in ((8, False), (12, True)):
+        x = torch.randn(B, 3, size, size, dtype=torch.float64)
+
+        def loss(i, x=x, interp=interp):
+            return model(pixel_values=x[i], labels=y[i], interpolate_pos_encoding=interp).loss
+        want = example_param_sq_norms(model, (loss(slice(b, b + 1)) for b in range(B)))
+        with PerSampleGradNorms(model, fused=fused) as norms:
+            model.zero_grad()
+            loss(slice(None)).backward()
+            got = norms.param_sq_norms()
+        assert sorted(got) == sorted(want)
+        for k in want:
+            # (atol: the key bias's per-example gradient is 0 up to rounding: the softmax is shift-invariant)
+            torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-24, msg=k)
+
+
+def test_tiny_vit_masked_image_modeling_mask_token():
+    """SimMIM-style pretraining (ViTForMaskedImageModeling): the mask token is expanded over the batch and
+    mixed in where the patches are masked."""
+    torch.manual_seed(0)
+    model = transformers.ViTForMaskedImageModeling(_tiny_vit_config(encoder_stride=4)).double()
+    x = torch.randn(B, 3, 8, 8, dtype=torch.float64)
+    # two of the four patches masked in every example: the loss divides by the batch's masked count (+1e-5),
+    # so only with equal counts is it the mean of the examples' own losses (to ~1e-5: hence rtol 1e-4)
+    mask = torch.rand(B, 4, generator=torch.Generator().manual_seed(1)).argsort(1) < 2
+
+    def loss(i):
+        return model(pixel_values=x[i], bool_masked_pos=mask[i]).loss
+    want = example_param_sq_norms(model, (loss(slice(b, b + 1)) for b in range(B)))
+    with PerSampleGradNorms(model) as norms:
+        loss(slice(None)).backward()
+        got = norms.param_sq_norms()
+    assert want["vit.embeddings.mask_token"].min() > 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-24, msg=k)

@@ -12,6 +12,8 @@
 - :mod:`.recurrent`: ``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU`` (a loop over time exposing the pre-activations).
 - :mod:`.cells`: ``nn.RNNCell`` / ``nn.LSTMCell`` / ``nn.GRUCell`` (their two affine maps; a cell called at
   each step of a loop is summed over the steps, :mod:`elasticlab.gns.repeated`).
+- :mod:`.broadcast_params`: bare parameters of a module with children broadcast over the batch (a ViT's
+  class token and position embedding), followed to their broadcast.
 - :mod:`.generic`: the fallback for leaf modules of no registered type (HF's RMSNorm classes): per-example
   gradients by torch.func, for layers that treat each example alone (checked once per input shape).
 Importing this package registers them all.
@@ -20,6 +22,7 @@ from elasticlab.gns.layers import (  # noqa: F401  (each module registers its ru
     attention,
     batchnorm,
     bilinear,
+    broadcast_params,
     cells,
     conv,
     conv_nd,

@@ -1,0 +1,221 @@
+"""Bare parameters broadcast over the batch by a module with children: a Vision Transformer's class token and
+position embedding (Dosovitskiy et al. 2021, eq. 1: z₀ = [x_class; x_p¹E; …; x_pᴺE] + E_pos; timm's
+``cls_token`` / ``pos_embed``, Hugging Face's ``ViTEmbeddings``, torchvision's ``class_token`` /
+``pos_embedding``), and learned queries or latents expanded over the batch.
+
+Such a parameter p reaches the examples through a broadcast: ``p.expand(B, …)`` (or ``repeat``, ``tile``,
+``broadcast_to``, ``expand_as``), or an elementwise op with a batched tensor (``x + p``). Its per-example
+gradient is then example b's slice of the gradient of that broadcast's result, ∇p ℓ_b = ∂ℓ/∂e_b with
+e = p expanded along dim 0 (the op broadcasts the other dimensions, and autograd sums them, as it does for p).
+So during its module's forward, each needed bare parameter is seen as a tensor subclass (:class:`Followed`)
+whose ``__torch_function__`` follows it through the ops on it alone (slicing, reshapes, interpolation,
+arithmetic with constants: the result is followed too) to the op that broadcasts it over the batch. There the
+followed operand is first expanded to the batch along dim 0, and a hook on that view takes the per-example
+gradient; one made from p by other ops is mapped back to p by one batched vjp (``torch.autograd.grad`` with
+``is_grads_batched``). All uses of p in one step (several broadcasts, several calls of the module) add up as
+per-example gradients, (B, *p.shape) in float32 held until the step's last one arrives, and the norm is
+that of the sum.
+
+Any other use of p together with a batched tensor (``x @ p``, a convolution with p as its weight, an in-place
+op on p) is not a broadcast, and this rule cannot take its per-example gradient: the readers raise
+(``strict``) naming the parameter and the op, or leave it out with a warning. Under ``torch.compile`` the
+module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_flatten, tree_map
+
+from elasticlab.gns import kernels
+from elasticlab.gns.capture import batch_of
+from elasticlab.gns.registry import Rule, register_fallback
+from elasticlab.gns.slot import recomputing
+
+ENABLED = True
+
+_EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as, torch.Tensor.broadcast_to, torch.broadcast_to}
+_REPEATS = {torch.Tensor.repeat, torch.Tensor.tile, torch.tile}
+_ELEMENTWISE = {
+    torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+    torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+    torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
+    torch.where, torch.lerp, torch.Tensor.lerp, torch.addcmul, torch.maximum, torch.minimum,
+    torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__, torch.Tensor.sub_,
+    torch.Tensor.__imul__, torch.Tensor.mul_,
+}
+
+
+class Step:
+    """One slot's per-example gradients of its bare parameters in the current step."""
+
+    def __init__(self, slot):
+        self.slot = slot
+        self.batch: int | None = None
+        self.acc: dict[str, torch.Tensor] = {}        # {param: (B, *p.shape)} summed so far
+        self.open = 0                                  # taps of the forward whose gradient has not come
+
+    def reset(self, batch: int | None) -> None:
+        self.batch, self.acc, self.open = batch, {}, 0
+
+    def refuse(self, f: Followed, func) -> None:
+        """A use of followed parameters with batched or trainable tensors that is not a broadcast."""
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        for pn in f._sources:
+            self.slot.unmeasured.setdefault(pn, (
+                f"bare parameter {self.slot.full(pn)!r} of module {self.slot.name or '(root)'!r} "
+                f"({type(self.slot.module).__name__}) is used by {name} with tensors that carry the batch or "
+                "train, and not as a broadcast over the batch (expand, repeat, an elementwise op), so its "
+                "per-example gradient is not known"))
+
+    def tap(self, f: Followed, live: bool, ndim: int) -> torch.Tensor:
+        """``f`` expanded to the batch along dim 0 (leading 1s put first where it has fewer dimensions than
+        the op's result, of ``ndim``), its gradient taken per example by a hook."""
+        B, shape = self.batch, tuple(f.shape)
+        e = f.reshape((1,) * (ndim - len(shape)) + shape) if ndim > len(shape) else f
+        e = e.expand(B, *e.shape[1:])
+        if live and e.requires_grad:
+            self.open += 1
+            e.register_hook(lambda g: self._take(f, shape, g))
+        return e
+
+    def _take(self, f: Followed, shape: tuple, g: torch.Tensor) -> None:
+        self.open -= 1
+        B = g.shape[0]
+        pe = g.detach().reshape(B, *shape)
+        slot = self.slot
+        if f._direct:
+            per = {f._sources[0]: pe}
+        else:                                          # made from p by other ops: their vjp, per example
+            params = [slot.module._parameters[pn] for pn in f._sources]
+            with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
+                got = torch.autograd.grad(f, params, pe, retain_graph=True, allow_unused=True,
+                                          is_grads_batched=True)
+            per = {pn: v for pn, v in zip(f._sources, got) if v is not None}
+        last = self.open <= 0                          # the step's last use: nothing more to hold
+        norms = {}
+        for pn, v in per.items():
+            v = v.to(kernels.acc_dtype(v.dtype))
+            have = self.acc.pop(pn, None) if last else self.acc.get(pn)
+            if have is not None and have.shape != v.shape:
+                raise RuntimeError(f"bare parameter {slot.full(pn)!r} was broadcast over batches of sizes "
+                                   f"{have.shape[0]} and {v.shape[0]} in one step: its per-example gradient "
+                                   "needs every use to see the same examples along dim 0")
+            total = v if have is None else have + v
+            if not last:
+                self.acc[pn] = total
+            norms[pn] = kernels.row_sq(total)
+        slot.record(norms, B)
+
+
+class Followed(torch.Tensor):
+    """A needed bare parameter, or a tensor made from such parameters alone, inside its module's forward."""
+    _step: Step
+    _sources: tuple[str, ...] = ()
+    _direct = False
+    _live = True
+
+
+def _follow(t, step: Step, sources: tuple[str, ...], live: bool, direct: bool = False):
+    if not (isinstance(t, torch.Tensor) and t.requires_grad):
+        return t
+    f = t.as_subclass(Followed)
+    f._step, f._sources, f._live, f._direct = step, sources, live, direct
+    return f
+
+
+def _dispatch(func, args: tuple, kwargs: dict):
+    if getattr(func, "__name__", None) == "__get__":          # an attribute: .shape, .dtype, .T, .data
+        out = func(*args, **kwargs)
+        return _follow(out, args[0]._step, args[0]._sources, args[0]._live) if isinstance(out, torch.Tensor) \
+            else out
+    flat, _ = tree_flatten((args, kwargs))
+    fol = [a for a in flat if isinstance(a, Followed)]
+    others = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, Followed)]
+    step, live, B = fol[0]._step, all(f._live for f in fol), fol[0]._step.batch
+    sources = tuple(dict.fromkeys(pn for f in fol for pn in f._sources))
+
+    def swap(new: dict):
+        return tree_map(lambda a: new.get(id(a), a), (args, kwargs))
+
+    if func in _EXPANDS or func in _REPEATS:
+        out = func(*args, **kwargs)
+        f = args[0] if isinstance(args[0], Followed) else None
+        if f is not None and B and _fills(f.shape, out.shape, B):
+            e = step.tap(f, live, out.dim())
+            if func in _REPEATS:                       # the batch is made by the expand: repeat the rest
+                return e.repeat(1, *(o // n for o, n in zip(out.shape[1:], e.shape[1:])))
+            new_args, new_kwargs = swap({id(f): e})
+            return func(*new_args, **new_kwargs)
+        return tree_map(lambda t: _follow(t, step, sources, live), out)
+    if not any(a.requires_grad or (B and a.dim() and a.shape[0] == B) for a in others):
+        out = func(*args, **kwargs)                    # made from followed tensors (and constants) alone
+        return tree_map(lambda t: _follow(t, step, sources, live), out)
+    inplace_on_param = func.__name__.endswith("_") or func.__name__.startswith("__i")
+    if func in _ELEMENTWISE and B and not (inplace_on_param and isinstance(args[0], Followed)):
+        shape = torch.broadcast_shapes(*(a.shape for a in flat if isinstance(a, torch.Tensor)))
+        if all(_fills(f.shape, shape, B) for f in fol):
+            new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape)) for f in fol})
+            return func(*new_args, **new_kwargs)
+    if live:
+        for f in fol:
+            step.refuse(f, func)
+    return func(*args, **kwargs)
+
+
+def _fills(shape, out, batch: int) -> bool:
+    """Whether a tensor of ``shape`` reaches the batch (dim 0 of the shape ``out``, of size ``batch``) by
+    broadcasting: it has fewer dimensions, or a 1 first."""
+    return bool(out) and out[0] == batch and (len(shape) < len(out) or shape[0] == 1)
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    with torch._C.DisableTorchFunctionSubclass():
+        return _dispatch(func, args, kwargs or {})
+
+
+Followed.__torch_function__ = classmethod(_torch_function)
+
+
+def applies(module: nn.Module) -> bool:
+    """With :data:`ENABLED`, modules with children and parameters of their own, of no registered type (leaf
+    modules take the generic rule), other than a parametrization's originals (which it transforms)."""
+    return (ENABLED and next(module.children(), None) is not None
+            and next(module.parameters(recurse=False), None) is not None
+            and not isinstance(module, parametrize.ParametrizationList))
+
+
+def own_params(module: nn.Module) -> tuple[str, ...]:
+    """Its direct parameters, less aliases of its children's (Hugging Face's masked-LM head bias, which is
+    its decoder's: counted there)."""
+    below = {id(p) for c in module.children() for p in c.parameters()}
+    return tuple(n for n, p in module.named_parameters(recurse=False) if id(p) not in below)
+
+
+def broadcast_forward(module: nn.Module, slot):
+    """The module's own forward with its needed bare parameters followed (eager, also under compile)."""
+    step, own = Step(slot), type(module).forward
+
+    @torch.compiler.disable
+    def forward(*args, **kwargs):
+        live = slot.called()
+        if not live and not (torch.is_grad_enabled() and recomputing()):
+            return own(module, *args, **kwargs)        # no gradient comes of this call
+        if live and slot.calls == 1:                   # (a recomputation follows too, with no hooks: the same
+            step.reset(batch_of(args, kwargs))         # saved tensors as the forward's)
+        saved = {}
+        for pn in slot.need:
+            p = module._parameters.get(pn)
+            if p is not None and p.requires_grad:
+                saved[pn] = p
+                module._parameters[pn] = _follow(p, step, (pn,), live, direct=True)
+        try:
+            return own(module, *args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+    return forward
+
+
+register_fallback(Rule(norms=None, params=own_params, fused=broadcast_forward, sums_calls=True), applies)

@@ -1,0 +1,237 @@
+"""Bare parameters broadcast over the batch by a module with children (gns.layers.broadcast_params): a ViT's
+class token and position embedding, learned tokens expanded or repeated, a gain multiplying a child's output.
+Each case against one backward per example in float64 (before: "no per-example gradient-norm rule for
+module ... (parameters ['cls_token', 'pos_embed'])" under strict, left out with strict=False)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.layers import broadcast_params
+from elasticlab.gns.reference import example_param_sq_norms
+
+
+class ViT(nn.Module):
+    """A ViT's embedding (Dosovitskiy et al. 2021, eq. 1) as timm writes it, its position embedding used a
+    second time through a slice (a tensor made from it, mapped back by a batched vjp), and a mean pool."""
+
+    def __init__(self, D=8, N=4, P=6, classes=3):
+        super().__init__()
+        self.patch = nn.Linear(P, D)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, N + 1, D))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, classes)
+
+    def forward(self, x):
+        x = self.patch(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = x + self.pos_embed
+        x = torch.tanh(x) + self.pos_embed[:, :1] * 0.5
+        return self.head(self.norm(x).mean(1))
+
+
+def per_example(model, fwd, x, y):
+    """‖∇θ ℓ_b‖² by one backward per example (what the norms are, for a summed or a mean-reduced loss)."""
+    return example_param_sq_norms(model, (F.cross_entropy(fwd(x[b:b + 1]), y[b:b + 1], reduction="sum")
+                                          for b in range(x.shape[0])))
+
+
+def check(model, x, y, fused=True, reduction="sum", steps=2, fwd=None, strict=True, ref=None):
+    """``ref``: the forward of the reference (the model's own by default)."""
+    fwd = fwd or model
+    want = per_example(model, ref or fwd, x, y)
+    with PerSampleGradNorms(model, loss_reduction=reduction, fused=fused, strict=strict) as psn:
+        for _ in range(steps):
+            model.zero_grad()
+            F.cross_entropy(fwd(x), y, reduction=reduction).backward()
+            got = psn.param_sq_norms()
+            assert sorted(got) == sorted(want)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+            torch.testing.assert_close(psn.sq_norms(), sum(want.values()), rtol=1e-9, atol=1e-12)
+    return psn
+
+
+def data(B=5, N=4, P=6, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, N, P, generator=g, dtype=torch.float64),
+            torch.randint(0, classes, (B,), generator=g))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_vit_class_token_and_position_embedding(fused, reduction):
+    torch.manual_seed(0)
+    model = ViT().double()
+    check(model, *data(), fused=fused, reduction=reduction)
+    assert isinstance(model.cls_token, nn.Parameter)            # given back after each forward
+
+
+class Uses(nn.Module):
+    """A child Linear and a bare parameter ``p`` of ``shape`` entering the batch by ``use(x, p)``."""
+
+    def __init__(self, shape, use, D=8):
+        super().__init__()
+        self.lin = nn.Linear(6, D)
+        self.p = nn.Parameter(torch.randn(shape))
+        self.use = use
+
+    def forward(self, x):
+        return self.use(self.lin(x), self.p).mean(1)[:, :3]
+
+
+USES = {
+    "add 3-d": ((1, 4, 8), lambda h, p: h + p),
+    "add 2-d": ((4, 8), lambda h, p: p + h),
+    "mul gain": ((8,), lambda h, p: h * p),                      # a LayerScale written in the parent
+    "div": ((1, 1, 8), lambda h, p: h / (2 + p * p)),
+    "in-place add": ((1, 4, 8), lambda h, p: h.clone().add_(p)),
+    "torch.where": ((4, 8), lambda h, p: torch.where(h > 0, h, p)),
+    "expand then cat": ((1, 1, 8), lambda h, p: torch.cat([p.expand(h.shape[0], -1, -1), h], 1)),
+    "repeat": ((1, 2, 8), lambda h, p: torch.cat([p.repeat(h.shape[0], 1, 1), h], 1)),
+    "repeat of a 2-d one": ((2, 8), lambda h, p: torch.cat([p.repeat(h.shape[0], 1, 1), h], 1)),
+    "tile along tokens": ((1, 1, 8), lambda h, p: torch.cat([p.tile(h.shape[0], 3, 1), h], 1)),
+    "broadcast_to": ((1, 1, 8), lambda h, p: torch.cat([torch.broadcast_to(p, (h.shape[0], 1, 8)), h], 1)),
+    "expand_as": ((1, 4, 8), lambda h, p: p.expand_as(h) * h),
+    "unsqueeze then expand": ((3, 8), lambda h, p: torch.cat([p[None].expand(h.shape[0], 3, 8), h], 1)),
+    "interpolated": ((1, 8, 2), lambda h, p: h + F.interpolate(p, size=4, mode="linear").transpose(1, 2)),
+    "used twice": ((1, 4, 8), lambda h, p: torch.tanh(h + p) * p[:, :1].exp()),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(use=st.sampled_from(sorted(USES)), B=st.integers(1, 6), fused=st.booleans(), seed=st.integers(0, 99))
+def test_each_way_of_broadcasting_a_bare_parameter(use, B, fused, seed):
+    shape, fn = USES[use]
+    torch.manual_seed(seed)
+    model = Uses(shape, fn).double()
+    check(model, *data(B=B, seed=seed), fused=fused, steps=1)
+
+
+class Siamese(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vit = ViT()
+
+    def forward(self, x):
+        return self.vit(x) + self.vit(x.flip(1) * 0.5)
+
+
+def test_a_module_called_twice_sums_its_calls():
+    """A siamese forward calling the ViT on two views: its bare parameters' per-example gradients add up
+    over the calls (the Linears inside run on hooks from the first step, fused: NaN there)."""
+    torch.manual_seed(0)
+    model = Siamese().double()
+    check(model, *data(), fused=False)
+
+
+class MatmulUse(nn.Module):
+    """A bare weight used by a matmul with the batch: not a broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.w = nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x):
+        return (self.lin(x) @ self.w).mean(1)
+
+
+def test_a_use_that_is_not_a_broadcast_is_named_or_left_out():
+    torch.manual_seed(0)
+    model = MatmulUse().double()
+    x, y = data()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        with pytest.raises(RuntimeError, match=r"bare parameter 'w' of module '\(root\)' \(MatmulUse\) is "
+                                               r"used by .*matmul.* not as a broadcast over the batch"):
+            psn.sq_norms()
+    want = per_example(model, model, x, y)
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
+        model.zero_grad()
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = psn.param_sq_norms()
+            g2 = psn.grad_sq_norm()
+        assert sorted(got) == ["lin.bias", "lin.weight"] and any("left out" in str(m.message) for m in w)
+        torch.testing.assert_close(got["lin.weight"], want["lin.weight"], rtol=1e-9, atol=1e-12)
+        lin = model.lin.weight.grad.pow(2).sum() + model.lin.bias.grad.pow(2).sum()
+        assert g2 == pytest.approx(float(lin) / x.shape[0] ** 2)          # (a summed loss: ḡ = Σ / B)
+
+
+def test_switched_off_bare_parameters_are_uncovered_again(monkeypatch):
+    monkeypatch.setattr(broadcast_params, "ENABLED", False)
+    with pytest.raises(ValueError, match=r"module '\(root\)' of type ViT \(parameters \['cls_token', 'pos_"):
+        PerSampleGradNorms(ViT())
+    assert PerSampleGradNorms(ViT(), strict=False).skipped == ["cls_token", "pos_embed"]
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.vit, self.reentrant = ViT(), reentrant
+
+    def forward(self, x):
+        return checkpoint(self.vit, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_under_activation_checkpointing(reentrant):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).double()
+    x, y = data()
+    # the reference without checkpointing (a reentrant checkpoint does not support torch.autograd.grad)
+    check(model, x.requires_grad_(reentrant), y, fused=False, ref=model.vit)
+
+
+def test_bf16_autocast_near_fp32():
+    torch.manual_seed(0)
+    model = ViT(D=32, N=16, P=12)
+    x = torch.randn(8, 16, 12)
+    out = {}
+    for ac in (False, True):
+        with PerSampleGradNorms(model) as psn, torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            got = psn.param_sq_norms()
+            out[ac] = torch.stack([got["cls_token"], got["pos_embed"]])
+    assert out[True].dtype == torch.float32
+    assert ((out[True] - out[False]).abs() / out[False]).median() < 0.02
+
+
+class Embed(nn.Module):
+    def __init__(self, D=8, N=4, P=6):
+        super().__init__()
+        self.patch = nn.Linear(P, D)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, N + 1, D))
+
+    def forward(self, x):
+        x = self.patch(x)
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_model_matches_eager(backend):
+    """Under torch.compile the module holding the bare parameters (here the embedding, as in Hugging Face's
+    ViT) runs eagerly, a graph break; the layers after it are compiled. The norms are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Embed(), nn.LayerNorm(8), nn.Flatten(), nn.Linear(40, 3)).double()
+    x, y = data()
+    want = per_example(model, model, x, y)
+    compiled = torch.compile(model, backend=backend)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(compiled(x), y, reduction="sum").backward()
+            got = psn.param_sq_norms()
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
