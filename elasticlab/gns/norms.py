@@ -36,8 +36,9 @@ from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules
 from elasticlab.gns import loss_scale, repeated
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
-from elasticlab.gns.capture import frozen, kept, now_training, pack_again
+from elasticlab.gns.capture import batch_of, frozen, kept, now_training, pack_again
 from elasticlab.gns.forwards import Forwards
+from elasticlab.gns.layers.broadcast_params import follow_call, unbatched
 from elasticlab.gns.sink import Sinks, tap
 from elasticlab.gns.slot import (
     Quiet,
@@ -77,6 +78,7 @@ class PerSampleGradNorms:
         self.model, self.loss_reduction, self.strict, self.fused = model, loss_reduction, strict, fused
         self.grad_scaler = grad_scaler
         self._scale: torch.Tensor | None = None           # the loss scale of the current step
+        self._batch: int | None = None                    # dim 0 of the model's input this step
         self.skipped: list[str] = []
         self._warned: set[tuple[str, ...]] = set()
         self._slots: list[Slot] = slots_of(self, model, strict, self.skipped)
@@ -84,8 +86,7 @@ class PerSampleGradNorms:
         self._frozen = frozen(model)                       # checked at each read (now_training)
         heads = {id(t.head) for t in self._ties}
         self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in heads]
-        self._handles: list = []
-        self._probes: list = []                           # this step's one-shot hooks on unrun modules
+        self._handles, self._probes = [], []   # (probes: one-shot hooks on the unrun modules of a step)
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
@@ -115,6 +116,8 @@ class PerSampleGradNorms:
                 s.touched = set()
             if s.pending or s.spoiled or s.mixed or s.unmeasured:
                 s.pending, s.spoiled, s.mixed, s.unmeasured = [], None, False, {}
+            if s.follow is not None:
+                s.follow.reset()
         if self._probes:
             self._drop_probes()
         self._block.begin()
@@ -122,7 +125,7 @@ class PerSampleGradNorms:
             self._bufs = [s.buf for s in self._slots if s.buf is not None and not s._in_block]
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
-        self._scale = loss_scale.current(self.grad_scaler)
+        self._scale, self._batch = loss_scale.current(self.grad_scaler), batch_of(args, kwargs)
         self._sinks.ready(args, kwargs)                    # (and forgets the last step's gradient)
         self._audit.begin(args, kwargs)
         self._forwards.begin()
@@ -203,9 +206,12 @@ class PerSampleGradNorms:
         def hook(module, inputs, output):
             if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
                 return
-            counted = slot.called()
+            unb = slot.rule.unbatched and unbatched(slot, inputs)    # (gns.layers.broadcast_params)
+            counted = slot.called(unb)
             if not (isinstance(output, torch.Tensor) and output.requires_grad):
                 return
+            if unb:
+                return follow_call(slot, output, counted)
             compiling = torch.compiler.is_compiling()
             if not counted:                   # a recomputation packs what its forward did (capture.kept)
                 if not compiling and recomputing():

@@ -16,6 +16,9 @@ a hook rule's calls are summed by torch.func). ``calls_children``: the fused for
 parameters the module's own forward uses directly (``nn.MultiheadAttention``'s ``out_proj``), so it is
 installed whenever any parameter below the module trains, even with none of its own trainable.
 ``sums_calls``: the fused form adds up a step's calls itself (:mod:`.layers.broadcast_params`).
+``unbatched`` (hook rules): a call on an input without the batch (dim 0 not the model's batch: a positional
+embedding on ``position_ids`` (1, T)) is followed to where its output is broadcast over the batch
+(:mod:`.layers.broadcast_params`) instead of read by the rule.
 """
 from __future__ import annotations
 
@@ -35,13 +38,14 @@ class Rule:
     calls_children: bool = False
     summed: Callable | None = None
     sums_calls: bool = False
+    unbatched: bool = False
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias"), fused=None,
-                  check=None, calls_children: bool = False, summed=None) -> Rule:
+                  check=None, calls_children: bool = False, summed=None, unbatched: bool = False) -> Rule:
     """Register (or replace) the rule for ``module_type``; returns it."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise ValueError(f"register_rule: expected an nn.Module subclass, got {module_type!r}")
@@ -61,8 +65,10 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
     if summed is not None and not callable(summed):
         raise ValueError(f"register_rule: {module_type.__name__}: summed must be callable or None, got "
                          f"{summed!r}")
+    if unbatched and fused is not None:
+        raise ValueError(f"register_rule: {module_type.__name__}: unbatched is for hook rules only")
     rule = Rule(norms=norms, params=params, fused=fused, check=check,
-                calls_children=bool(calls_children), summed=summed)
+                calls_children=bool(calls_children), summed=summed, unbatched=bool(unbatched))
     RULES[module_type] = rule
     return rule
 

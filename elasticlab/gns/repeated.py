@@ -43,8 +43,13 @@ def again(slot) -> None:
     if slot.traced or torch.compiler.is_compiling() or slot.refused:
         slot.refused = True
         raise RuntimeError(f"{what} under torch.compile: {_COMPILED}")
-    if slot.rule.sums_calls:
+    f = slot.follow
+    if slot.rule.sums_calls or f is not None and f.calls == slot.calls:    # (all its calls followed)
         return
+    if f is not None and f.calls:
+        raise RuntimeError(f"{what}, on inputs with and without the batch: a call without it is followed "
+                           "to its broadcast, one with it read by its rule, and the two cannot be summed; "
+                           "expand the batch-less input over the batch")
     if slot.rule.norms is None and slot.rule.summed is None:
         raise RuntimeError(f"{what}: its rule has only a fused form, which takes one call at a time, so the "
                            "norm of the gradient summed over the calls cannot be formed; call it once per "

@@ -56,18 +56,20 @@ class Slot:
         self.refused = False        # repeated under torch.compile once: an error from then on
         self.mixed = False          # also called in a reentrant checkpoint's recomputation (an error)
         self.unmeasured: dict[str, str] = {}   # needed params used this step in a way no rule takes: why
+        self.follow = None          # its layers.broadcast_params.Step: bare parameters, or unbatched calls
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
 
-    def called(self) -> bool:
+    def called(self, unbatched: bool = False) -> bool:
         """Counts a call of the module in this step's forward; returns whether it is one whose gradient the
         backward will bring. Not counted: a call with gradients off (no gradient comes of it: an evaluation
         under ``no_grad``, or the first pass of reentrant activation checkpointing, which recomputes it in the
         backward, counted there), and a call during a backward of a module that ran in this step's forward
         (the recomputation of non-reentrant activation checkpointing, whose outputs are not backpropagated:
         the first call's graph is, with the saved tensors recomputed). A second counted call makes the
-        module repeated (:func:`elasticlab.gns.repeated.again`)."""
+        module repeated (:func:`elasticlab.gns.repeated.again`). ``unbatched``: a call on an input without
+        the batch, followed to its broadcast (:mod:`.layers.broadcast_params`), counted in ``follow`` too."""
         if not torch.is_grad_enabled():
             return False
         if self.fwd_calls and not torch.compiler.is_compiling() and recomputing():
@@ -76,6 +78,8 @@ class Slot:
             return False
         if self.rule.check is not None:
             self.rule.check(self.module)
+        if unbatched:
+            self.follow.calls += 1
         self.calls += 1
         if self.calls > 1:
             repeated.again(self)

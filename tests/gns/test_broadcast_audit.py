@@ -1,8 +1,9 @@
-"""The broadcast audit (elasticlab.gns.broadcast): a covered layer whose output is broadcast over the batch
-(a positional embedding on arange(T)) gets only the batch-summed gradient. With T equal to the batch its
-norms were silently wrong; now the first forward of each input signature is audited (hook rules and fused
-forwards) and the readers raise a RuntimeError naming the layer (the forward runs on, so that a GNSMonitor
-with several backwards a step, which needs no per-example norms, is not stopped). Layers
+"""The broadcast audit (elasticlab.gns.broadcast): a covered layer whose output is broadcast over the batch (a
+positional embedding on arange(T)) gets only the batch-summed gradient. With T equal to the batch its norms
+were silently wrong; now the first forward of each input signature is audited (hook rules and fused
+forwards) and the readers raise a RuntimeError naming the layer (an embedding on an index whose dim 0 is
+not the batch is followed to its broadcast instead, gns.layers.broadcast_params) (the forward runs on, so
+that a GNSMonitor with several backwards a step, which needs no per-example norms, is not stopped). Layers
 whose outputs are used per example pass, with exact norms (torch.func, float64)."""
 import pytest
 import torch
@@ -66,11 +67,22 @@ def data():
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("form", ["arange", "row", "expand_out"])
 @pytest.mark.parametrize("B", [8, 3])
-def test_broadcast_positional_embedding_raises_naming_it(data, form, B, fused):
+def test_broadcast_positional_embedding_is_followed_or_raises_naming_it(data, form, B, fused):
+    """An index whose dim 0 is not the batch (``row`` (1, T); ``arange`` (T,) with T ≠ B) is followed to the
+    broadcast of the embedding's output (gns.layers.broadcast_params): exact norms. Where dim 0 equals the
+    batch (T = B), the rule cannot tell, and the audit makes the readers raise naming the layer (before: an
+    error in every case)."""
     idx, y = data(B, 8)
-    with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\).*broadcast over the batch of "
-                                         rf"{B}.*pos\.unsqueeze\(0\)\.expand\(B, -1\)"):
-        step(GPTish(8, form).double(), idx, y, ce, fused)
+    model = GPTish(8, form).double()
+    if form != "row" and B == 8:
+        with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\).*broadcast over the batch of "
+                                             rf"{B}.*pos\.unsqueeze\(0\)\.expand\(B, -1\)"):
+            step(model, idx, y, ce, fused)
+        return
+    got, ref = step(model, idx, y, ce, fused), func_param_sq_norms(model, ce, idx, y)
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
 
 
 def test_without_the_audit_equal_sizes_give_wrong_norms_silently(data, monkeypatch):

@@ -235,3 +235,113 @@ def test_compiled_model_matches_eager(backend):
             got = psn.param_sq_norms()
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+class Positions(nn.Module):
+    """Token embeddings plus a positional nn.Embedding on an index without the batch, in the ways models
+    write it: HF's ``position_ids`` (1, T), ``arange(T)``, and T5's relative-position bias ((q, k) buckets
+    → (1, H, q, k), an additive attention mask), read by SDPA or added to the scores in place."""
+
+    def __init__(self, form, V=11, T=6, H=2, E=4):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(V, H * E), nn.Embedding(2 * T, H * E)
+        self.head = nn.Linear(H * E, V)
+        self.bias, self.form, self.H = nn.Embedding(2 * T, H), form, H
+
+    def forward(self, idx):
+        return self.body(self.tok(idx))
+
+    def body(self, h):
+        B, T = h.shape[:2]
+        ar = torch.arange(T)
+        h = h + (self.pos(ar[None]) if self.form == "row" else self.pos(ar))
+        q = h.view(B, T, self.H, -1).transpose(1, 2)
+        bias = self.bias(ar[None, :] - ar[:, None] + T).permute(2, 0, 1).unsqueeze(0)       # (1, H, T, T)
+        if self.form == "sdpa":
+            a = F.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+        else:
+            scores = q @ q.transpose(-1, -2)
+            scores += bias
+            a = scores.softmax(-1) @ q
+        return self.head(torch.tanh(a.transpose(1, 2).reshape(B, T, -1)))
+
+
+@pytest.mark.parametrize("form", ["row", "arange", "sdpa"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_embeddings_on_an_index_without_the_batch_are_followed(form, fused):
+    """(before: the readers raised "module 'pos' (Embedding) ... broadcast over the batch"; T5's bias had no
+    way out, its buckets being no input of the model)"""
+    torch.manual_seed(0)
+    model = Positions(form).double()
+    idx = torch.randint(0, 11, (5, 6))
+    loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
+    want = example_param_sq_norms(model, (loss(model(idx[b:b + 1]), idx[b:b + 1]) for b in range(5)))
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused) as psn:
+        for _ in range(2):
+            model.zero_grad()
+            loss(model(idx), idx).backward()
+            got = psn.param_sq_norms()
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+class TwoWays(nn.Module):
+    """One nn.Embedding called on the batch's tokens and on positions without the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(11, 4), nn.Linear(4, 3)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx) + self.emb(torch.arange(idx.shape[1]))).mean(1)
+
+
+def test_one_embedding_with_and_without_the_batch_is_an_error():
+    model, idx = TwoWays().double(), torch.randint(0, 11, (5, 6))
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        with pytest.raises(RuntimeError, match=r"module 'emb' \(Embedding\) ran 2 times in one forward, on "
+                                               r"inputs with and without the batch"):
+            model(idx).sum().backward()
+    del psn
+
+
+def test_a_batchless_output_used_otherwise_is_named():
+    """An embedding without the batch whose output meets the batch by a matmul: not a broadcast."""
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.inp = nn.Embedding(6, 6), nn.Linear(4, 4)
+
+        def forward(self, x):                               # x (B, 6, 4)
+            return (self.mix(torch.arange(6)) @ self.inp(x)).mean(1)
+
+    model, x = Mixer().double(), torch.randn(5, 6, 4, dtype=torch.float64)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        model(x).pow(2).sum().backward()
+        why = (r"module 'mix' \(Embedding\) ran on an input without the batch \(shape \(6,\); the batch is "
+               r"5\), and its output is used by .*matmul.*expand its input over the batch")
+        with pytest.raises(RuntimeError, match=why):
+            psn.sq_norms()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_positions_under_activation_checkpointing(reentrant):
+    torch.manual_seed(0)
+    inner = Positions("row").double()
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, idx):
+            return checkpoint(self.inner.body, self.inner.tok(idx), use_reentrant=reentrant)
+
+    model, idx = Wrapped(), torch.randint(0, 11, (5, 6))
+    loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
+    want = example_param_sq_norms(inner, (loss(inner(idx[b:b + 1]), idx[b:b + 1]) for b in range(5)))
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=False) as psn:
+        loss(model(idx), idx).backward()
+        got = psn.param_sq_norms()
+    for k in want:
+        torch.testing.assert_close(got[f"inner.{k}"], want[k], rtol=1e-9, atol=1e-12, msg=k)

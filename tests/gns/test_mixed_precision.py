@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elasticlab.gns import GNSEstimator, PerSampleGradNorms, broadcast, kernels
+from elasticlab.gns.layers import broadcast_params
 
 
 def mlp_seq():
@@ -220,7 +221,10 @@ def test_fake_kernels_trace():
 
 
 # ---------------------------------------------------------------------------------------------- batch dim
-def test_positional_embedding_without_batch_dimension_says_how_to_fix():
+def test_positional_embedding_without_batch_dimension_says_how_to_fix(monkeypatch):
+    """arange(T) with T = B cannot be told from a batched index: the audit names the layer. Where T ≠ B it is
+    followed to its broadcast (gns.layers.broadcast_params); with that and the audit off, the sizes
+    disagree."""
     class Pos(nn.Module):
         def __init__(self):
             super().__init__()
@@ -231,14 +235,12 @@ def test_positional_embedding_without_batch_dimension_says_how_to_fix():
 
     model = Pos()
     with PerSampleGradNorms(model) as n:            # the broadcast audit's verdict
-        model(torch.randint(0, 10, (3, 6))).sum().backward()
+        model(torch.randint(0, 10, (6, 6))).sum().backward()
         with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\).*expand its input"):
             n.sq_norms()
-    broadcast.ENABLED = False                       # without it: the sizes disagree
-    try:
-        with PerSampleGradNorms(model) as n:
-            model(torch.randint(0, 10, (3, 6))).sum().backward()
-            with pytest.raises(RuntimeError, match=r"\{'pos': 6\}.*expand its input over the batch"):
-                n.sq_norms()
-    finally:
-        broadcast.ENABLED = True
+    monkeypatch.setattr(broadcast, "ENABLED", False)
+    monkeypatch.setattr(broadcast_params, "ENABLED", False)
+    with PerSampleGradNorms(model) as n:
+        model(torch.randint(0, 10, (3, 6))).sum().backward()
+        with pytest.raises(RuntimeError, match=r"\{'pos': 6\}.*expand its input over the batch"):
+            n.sq_norms()

@@ -265,3 +265,61 @@ def test_tiny_vit_masked_image_modeling_mask_token():
     assert want["vit.embeddings.mask_token"].min() > 0
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-24, msg=k)
+
+
+def _sq_norms_match(model, loss, reduction="mean"):
+    """sq_norms of one step against one backward per example of ``loss(index)``."""
+    want = sum(example_param_sq_norms(model, (loss(slice(b, b + 1)) for b in range(B))).values())
+    with PerSampleGradNorms(model, loss_reduction=reduction) as norms:
+        loss(slice(None)).backward()
+        torch.testing.assert_close(norms.sq_norms(), want, rtol=1e-8, atol=0)
+
+
+def test_models_building_their_own_position_ids():
+    """Without position_ids, GPT-2 and BERT embed ``arange(T)`` of shape (1, T) (BERT from a buffer), which
+    the model's input does not carry; the embedding is followed to its broadcast over the batch
+    (gns.layers.broadcast_params; before: the readers raised "module 'transformer.wpe' (Embedding) ...
+    broadcast over the batch", which only passing expanded position_ids avoided)."""
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    gpt = tiny_gpt2().double()
+    _sq_norms_match(gpt, lambda i: gpt(input_ids=ids[i], labels=ids[i]).loss)
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=T, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).double()
+    _sq_norms_match(bert, lambda i: bert(input_ids=ids[i], labels=ids[i]).loss)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tiny_t5_relative_attention_bias(attn):
+    """T5's relative-position bias: an embedding of (q, k) buckets made inside the model, (1, H, q, k) after
+    a permute, the attention mask of SDPA or added in place to the scores (before: no way out). Its token
+    embedding is tied three ways (encoder, decoder, head), which only an embedding and one Linear may be, so
+    those are frozen here."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                                dropout_rate=0.0, relative_attention_num_buckets=8, decoder_start_token_id=0,
+                                attn_implementation=attn)
+    model = transformers.T5ForConditionalGeneration(cfg).double()
+    model.shared.weight.requires_grad_(False)
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    want = example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
+                                          for b in range(B)))
+    with PerSampleGradNorms(model) as norms:
+        model(input_ids=ids, labels=ids).loss.backward()
+        got = norms.param_sq_norms()
+    assert want[bias].min() > 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-24, msg=k)
+
+
+def test_tiny_clip_vision_class_embedding_and_positions():
+    """CLIP's vision embeddings: a bare class embedding (D,) expanded over the batch, and an nn.Embedding on
+    its position_ids buffer (1, N)."""
+    torch.manual_seed(0)
+    model = transformers.CLIPVisionModelWithProjection(transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+        patch_size=4, projection_dim=8)).double()
+    x = torch.randn(B, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    _sq_norms_match(model, lambda i: model(pixel_values=x[i]).image_embeds.pow(2).sum(), reduction="sum")

@@ -4,7 +4,8 @@ position embedding (Dosovitskiy et al. 2021, eq. 1: z₀ = [x_class; x_p¹E; …
 ``pos_embedding``), and learned queries or latents expanded over the batch.
 
 Such a parameter p reaches the examples through a broadcast: ``p.expand(B, …)`` (or ``repeat``, ``tile``,
-``broadcast_to``, ``expand_as``), or an elementwise op with a batched tensor (``x + p``). Its per-example
+``broadcast_to``, ``expand_as``), an elementwise op with a batched tensor (``x + p``), or as the additive
+``attn_mask`` of ``scaled_dot_product_attention``. Its per-example
 gradient is then example b's slice of the gradient of that broadcast's result, ∇p ℓ_b = ∂ℓ/∂e_b with
 e = p expanded along dim 0 (the op broadcasts the other dimensions, and autograd sums them, as it does for p).
 So during its module's forward, each needed bare parameter is seen as a tensor subclass (:class:`Followed`)
@@ -19,11 +20,19 @@ that of the sum.
 Any other use of p together with a batched tensor (``x @ p``, a convolution with p as its weight, an in-place
 op on p) is not a broadcast, and this rule cannot take its per-example gradient: the readers raise
 (``strict``) naming the parameter and the op, or leave it out with a warning. Under ``torch.compile`` the
-module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again.
+module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again,
+and the layers below read their calls without the batch by their rules.
+
+The same following serves a covered layer called on an input without the batch whose rule allows it
+(``Rule.unbatched``: nn.Embedding on HF's ``position_ids`` of shape (1, T), on ``arange(T)``, on T5's
+relative-position buckets): its output is followed from the layer to its broadcast (:func:`unbatched`,
+:func:`follow_call`), and the per-example gradient of its weight is the batched vjp of the layer at the
+per-example gradients of that broadcast, (B, *weight.shape) at once.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
@@ -49,26 +58,34 @@ _ELEMENTWISE = {
 
 
 class Step:
-    """One slot's per-example gradients of its bare parameters in the current step."""
+    """One slot's per-example gradients of its followed parameters in the current step (``slot.follow``):
+    its bare parameters, or, for a covered layer called without the batch, its own parameters."""
 
-    def __init__(self, slot):
-        self.slot = slot
+    def __init__(self, slot, layer: bool = False):
+        self.slot, self.layer = slot, layer
         self.batch: int | None = None
         self.acc: dict[str, torch.Tensor] = {}        # {param: (B, *p.shape)} summed so far
         self.open = 0                                  # taps of the forward whose gradient has not come
+        self.calls = 0                                 # (a layer) its calls without the batch this step
+        self.shape: tuple = ()                         # (a layer) the input of its last such call
 
-    def reset(self, batch: int | None) -> None:
-        self.batch, self.acc, self.open = batch, {}, 0
+    def reset(self) -> None:
+        """At each step's start (PerSampleGradNorms' forward pre-hook)."""
+        self.batch, self.acc, self.open, self.calls = None, {}, 0, 0
 
     def refuse(self, f: Followed, func) -> None:
         """A use of followed parameters with batched or trainable tensors that is not a broadcast."""
         name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        slot = self.slot
+        mod = f"{slot.name or '(root)'!r} ({type(slot.module).__name__})"
+        how = (f"is used by {name} with tensors that carry the batch or train, and not as a broadcast over "
+               "the batch (expand, repeat, an elementwise op), so the per-example gradient is not known")
         for pn in f._sources:
-            self.slot.unmeasured.setdefault(pn, (
-                f"bare parameter {self.slot.full(pn)!r} of module {self.slot.name or '(root)'!r} "
-                f"({type(self.slot.module).__name__}) is used by {name} with tensors that carry the batch or "
-                "train, and not as a broadcast over the batch (expand, repeat, an elementwise op), so its "
-                "per-example gradient is not known"))
+            slot.unmeasured.setdefault(pn, (
+                f"module {mod} ran on an input without the batch (shape {self.shape}; the batch is "
+                f"{self.batch}), and its output {how}; expand its input over the batch, e.g. "
+                "pos.unsqueeze(0).expand(B, -1)") if self.layer else
+                f"bare parameter {slot.full(pn)!r} of module {mod} {how}")
 
     def tap(self, f: Followed, live: bool, ndim: int) -> torch.Tensor:
         """``f`` expanded to the batch along dim 0 (leading 1s put first where it has fewer dimensions than
@@ -159,6 +176,11 @@ def _dispatch(func, args: tuple, kwargs: dict):
         if all(_fills(f.shape, shape, B) for f in fol):
             new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape)) for f in fol})
             return func(*new_args, **new_kwargs)
+    if func is F.scaled_dot_product_attention and B:   # an additive mask (T5's position bias), broadcast
+        q, mask = args[0], kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if isinstance(mask, Followed) and fol == [mask] and _fills(mask.shape, (q.shape[0],) * q.dim(), B):
+            new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim())})
+            return func(*new_args, **new_kwargs)
     if live:
         for f in fol:
             step.refuse(f, func)
@@ -197,6 +219,7 @@ def own_params(module: nn.Module) -> tuple[str, ...]:
 def broadcast_forward(module: nn.Module, slot):
     """The module's own forward with its needed bare parameters followed (eager, also under compile)."""
     step, own = Step(slot), type(module).forward
+    slot.follow = step
 
     @torch.compiler.disable
     def forward(*args, **kwargs):
@@ -204,7 +227,7 @@ def broadcast_forward(module: nn.Module, slot):
         if not live and not (torch.is_grad_enabled() and recomputing()):
             return own(module, *args, **kwargs)        # no gradient comes of this call
         if live and slot.calls == 1:                   # (a recomputation follows too, with no hooks: the same
-            step.reset(batch_of(args, kwargs))         # saved tensors as the forward's)
+            step.batch = batch_of(args, kwargs)        # saved tensors as the forward's)
         saved = {}
         for pn in slot.need:
             p = module._parameters.get(pn)
@@ -216,6 +239,32 @@ def broadcast_forward(module: nn.Module, slot):
         finally:
             module._parameters.update(saved)
     return forward
+
+
+def unbatched(slot, inputs: tuple) -> bool:
+    """Whether a call of a covered layer whose rule allows it (``Rule.unbatched``: nn.Embedding) is on an
+    input without the batch: its first input's dim 0 is not the model's batch (HF's position_ids (1, T),
+    ``arange(T)``, T5's relative-position buckets (q, k)). Its output is then followed to its broadcast
+    (:func:`follow_call`) instead of its rule reading dim 0 as the examples; where the sizes coincide, the
+    broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Eager only."""
+    B = slot.owner._batch
+    x = inputs[0] if inputs else None
+    if not ENABLED or B is None or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    if x.dim() != 0 and x.shape[0] == B:
+        return False
+    if slot.follow is None:
+        slot.follow = Step(slot, layer=True)
+    slot.follow.shape = tuple(x.shape)
+    return True
+
+
+def follow_call(slot, output, live: bool):
+    """A layer's output on an input without the batch, followed: its parameters' per-example gradients are
+    taken where the output is broadcast over the batch, mapped back through the layer by a batched vjp."""
+    step = slot.follow
+    step.batch = slot.owner._batch
+    return _follow(output, step, slot.need, live)
 
 
 register_fallback(Rule(norms=None, params=own_params, fused=broadcast_forward, sums_calls=True), applies)

@@ -3,10 +3,13 @@
 ‖∇E ℓ_b‖² = Σ_v ‖Σ_{t: idx_{b,t}=v} δ_{b,t}‖². The segment sums over (example, index) keys
 (:func:`segment_sums`, shared with :mod:`.embedding_bag`) are formed with a sort and a cumulative sum into a
 buffer of fixed size (one row per position), so nothing waits on the host.
-An embedding called on an index without the batch dimension (a positional embedding on ``arange(T)``,
-broadcast over the batch) receives the batch-summed gradient, from which per-example norms cannot be
-recovered: expand the index over the batch instead (``pos.unsqueeze(0).expand(B, -1)``); the broadcast
-audit (:mod:`elasticlab.gns.broadcast`) makes the readers of the norms raise when it sees one.
+An embedding called on an index without the batch dimension (a positional embedding on ``arange(T)`` or on
+Hugging Face's ``position_ids`` (1, T), T5's relative-position buckets), broadcast over the batch, receives
+the batch-summed gradient, from which this rule cannot recover per-example norms: such a call (dim 0 not the
+model's batch) is followed instead to where its output is broadcast (``unbatched=True``,
+:mod:`.broadcast_params`). Where the index's dim 0 happens to equal the batch, the broadcast audit
+(:mod:`elasticlab.gns.broadcast`) makes the readers raise: expand the index over the batch then
+(``pos.unsqueeze(0).expand(B, -1)``).
 """
 from __future__ import annotations
 
@@ -55,4 +58,4 @@ def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict
 
 
 register_rule(nn.Embedding, embedding_norms, params=("weight",),
-              summed=along_positions(embedding_norms, lambda m: 0, lambda m: 1))
+              summed=along_positions(embedding_norms, lambda m: 0, lambda m: 1), unbatched=True)
