@@ -84,8 +84,8 @@ class PerSampleGradNorms:
         self._slots: list[Slot] = slots_of(self, model, strict, self.skipped)
         self._ties = untie(self._slots, strict, self.skipped)     # one parameter, two modules (gns.tied)
         self._frozen = frozen(model)                       # checked at each read (now_training)
-        heads = {id(t.head) for t in self._ties}
-        self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in heads]
+        tied = {id(m) for t in self._ties for m in t.members}             # (they may need nothing)
+        self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in tied]
         self._handles, self._probes = [], []   # (probes: one-shot hooks on the unrun modules of a step)
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
@@ -206,7 +206,7 @@ class PerSampleGradNorms:
         def hook(module, inputs, output):
             if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
                 return
-            unb = slot.rule.unbatched and unbatched(slot, inputs)    # (gns.layers.broadcast_params)
+            unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
             counted = slot.called(unb)
             if not (isinstance(output, torch.Tensor) and output.requires_grad):
                 return
@@ -259,8 +259,8 @@ class PerSampleGradNorms:
             else:
                 self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
         self._unfuse.clear()                              # (the slots found repeated took hooks above)
-        for t in self._ties:                              # the embedding's indices, for the output layer
-            self._handles.append(t.emb.module.register_forward_pre_hook(t.pre_hook))
+        for t in self._ties:                              # the embeddings' indices, for the output layer
+            self._handles += [e.module.register_forward_pre_hook(t.pre_hook) for e in t.embs]
         self._active = True
         self._begin_step()
         return self

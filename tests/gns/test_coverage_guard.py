@@ -259,6 +259,91 @@ def test_tied_embedding_and_output_layer_give_exact_norms(kw, fused):
         assert n.grad_sq_norm() == pytest.approx(total / 4 ** 2, rel=1e-12)
 
 
+class TiedSeq2Seq(nn.Module):
+    """T5's tying: a ``shared`` table that never runs itself, the same Parameter as the encoder's and the
+    decoder's embeddings (and, ``head_tied``, the output layer's weight). The input is (B, 2, T): source and
+    target rows."""
+
+    def __init__(self, V=11, E=4, head_tied=True, padding_idx=None):
+        super().__init__()
+        self.shared = nn.Embedding(V, E, padding_idx=padding_idx)
+        self.enc_emb = nn.Embedding(V, E, padding_idx=padding_idx)
+        self.dec_emb = nn.Embedding(V, E, padding_idx=padding_idx)
+        self.enc_emb.weight = self.dec_emb.weight = self.shared.weight
+        self.mix, self.head = nn.Linear(E, E), nn.Linear(E, V, bias=False)
+        if head_tied:
+            self.head.weight = self.shared.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.mix(self.enc_emb(x[:, 0]))).mean(1, keepdim=True)
+        return self.head(torch.tanh(self.dec_emb(x[:, 1]) + h))
+
+
+@pytest.mark.parametrize("kw", [{}, {"head_tied": False}, {"padding_idx": 0}])
+def test_a_table_shared_by_several_embeddings_and_the_output_layer(kw):
+    """The table's per-example gradient sums the encoder's and decoder's embedding parts and the output
+    layer's; its norm is kept by the first of the embeddings, ``shared``, which never runs (before: "parameter
+    'shared.weight' is also 'enc_emb.weight', ... (tied weights)")."""
+    torch.manual_seed(0)
+    model = TiedSeq2Seq(**kw).double()
+    x = torch.randint(0, 11, (4, 2, 5))
+    x[0, :, :2] = 0
+    y = torch.randint(0, 11, (4, 5))
+    ref = func_param_sq_norms(model, lm_loss, x, y)
+    with PerSampleGradNorms(model, loss_reduction="sum") as n:
+        for _ in range(2):
+            model.zero_grad()
+            lm_loss(model(x), y).backward()
+            got = n.param_sq_norms()
+            assert set(got) == set(ref)
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12, msg=k)
+            assert "enc_emb" not in n.layer_sq_norms()
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's and BART's scaled word embedding: the lookup times a constant (Vaswani et al. 2017 §3.4)."""
+
+    def forward(self, idx):
+        return super().forward(idx) * 2.5
+
+
+class OffsetEmbedding(nn.Embedding):
+    """BART's positional embedding's kind: a forward of its own that is not a scaling of the lookup."""
+
+    def forward(self, idx):
+        return super().forward((idx + 2) % self.num_embeddings)
+
+
+@pytest.mark.parametrize("kind", [ScaledEmbedding, OffsetEmbedding])
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_subclasses_with_a_forward_of_their_own(kind, tied, monkeypatch):
+    """A scaled lookup takes the embedding rule at c·δ (tied to the output layer too: Gemma's default); any
+    other forward the generic rule (before: the generic rule for both, B per-example tables at once, and a
+    tie of either refused)."""
+    from elasticlab.gns.layers import embedding, generic
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    model.tok = kind(11, 4).double()
+    model.head.weight = model.tok.weight if tied else nn.Parameter(model.head.weight.detach().clone())
+    idx, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    ref = func_param_sq_norms(model, lm_loss, idx, y)
+    called, real = [], generic.generic_norms
+    monkeypatch.setattr(generic, "generic_norms", lambda *a: called.append(1) or real(*a))
+    if tied and kind is OffsetEmbedding:
+        with PerSampleGradNorms(model, loss_reduction="sum") as n:
+            with pytest.raises(RuntimeError, match=r"tied weights .*OffsetEmbedding.* not a scaled lookup"):
+                lm_loss(model(idx), y).backward()
+        return
+    with PerSampleGradNorms(model, loss_reduction="sum") as n:
+        lm_loss(model(idx), y).backward()
+        got = n.param_sq_norms()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12, msg=k)
+    assert embedding.scale_of(model.tok, idx) == (2.5 if kind is ScaledEmbedding else None)
+    assert bool(called) == (kind is OffsetEmbedding)
+
+
 def test_other_shared_parameters_are_refused_or_left_out():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

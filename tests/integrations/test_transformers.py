@@ -290,18 +290,19 @@ def test_models_building_their_own_position_ids():
     _sq_norms_match(bert, lambda i: bert(input_ids=ids[i], labels=ids[i]).loss)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_tiny_t5_relative_attention_bias(attn):
+@pytest.mark.parametrize("attn, flan", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_tiny_t5_relative_attention_bias(attn, flan):
     """T5's relative-position bias: an embedding of (q, k) buckets made inside the model, (1, H, q, k) after
     a permute, the attention mask of SDPA or added in place to the scores (before: no way out). Its token
-    embedding is tied three ways (encoder, decoder, head), which only an embedding and one Linear may be, so
-    those are frozen here."""
+    table is shared by ``shared``, the encoder's and decoder's embeddings and the output layer (gns.tied;
+    before: "parameter 'shared.weight' is also ... (tied weights)"); FLAN-T5's layout (T5 v1.1) unties the
+    output layer and gates its feed-forward."""
     torch.manual_seed(0)
     cfg = transformers.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
                                 dropout_rate=0.0, relative_attention_num_buckets=8, decoder_start_token_id=0,
-                                attn_implementation=attn)
+                                attn_implementation=attn, tie_word_embeddings=not flan,
+                                feed_forward_proj="gated-gelu" if flan else "relu")
     model = transformers.T5ForConditionalGeneration(cfg).double()
-    model.shared.weight.requires_grad_(False)
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
     bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     want = example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
@@ -309,7 +310,7 @@ def test_tiny_t5_relative_attention_bias(attn):
     with PerSampleGradNorms(model) as norms:
         model(input_ids=ids, labels=ids).loss.backward()
         got = norms.param_sq_norms()
-    assert want[bias].min() > 0
+    assert want[bias].min() > 0 and "shared.weight" in got
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-24, msg=k)
 
@@ -323,3 +324,32 @@ def test_tiny_clip_vision_class_embedding_and_positions():
         patch_size=4, projection_dim=8)).double()
     x = torch.randn(B, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     _sq_norms_match(model, lambda i: model(pixel_values=x[i]).image_embeds.pow(2).sum(), reduction="sum")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_bart_learned_positions(tied):
+    """BART's positional embedding, an nn.Embedding subclass with a forward of its own (the generic rule),
+    handed its positions by keyword in the decoder: an output of shape (1, T, D), followed to its broadcast
+    (before: "vmap: Expected at least one Tensor to vmap over"). Its word embeddings scale the lookup
+    (gns.layers.embedding.scale_of), and by default share their table with ``shared`` and the output layer
+    (before: refused as tied weights)."""
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=T,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, tie_word_embeddings=tied,
+        scale_embedding=True)).double()
+    ids = torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(5))
+    _sq_norms_match(model, lambda i: model(input_ids=ids[i], labels=ids[i]).loss)
+
+
+def test_tiny_gemma_scaled_and_tied_embedding():
+    """Gemma's word embedding scales the lookup by √D and is tied to the output layer (before: refused as tied
+    weights; untied, the generic rule: B per-example tables at once)."""
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, intermediate_size=32, max_position_embeddings=T)).double()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(6))
+    _sq_norms_match(model, lambda i: model(input_ids=ids[i], labels=ids[i]).loss)

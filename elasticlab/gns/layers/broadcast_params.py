@@ -23,11 +23,12 @@ op on p) is not a broadcast, and this rule cannot take its per-example gradient:
 module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again,
 and the layers below read their calls without the batch by their rules.
 
-The same following serves a covered layer called on an input without the batch whose rule allows it
-(``Rule.unbatched``: nn.Embedding on HF's ``position_ids`` of shape (1, T), on ``arange(T)``, on T5's
-relative-position buckets): its output is followed from the layer to its broadcast (:func:`unbatched`,
-:func:`follow_call`), and the per-example gradient of its weight is the batched vjp of the layer at the
-per-example gradients of that broadcast, (B, *weight.shape) at once.
+The same following serves a covered layer called without the batch whose rule allows it (``Rule.unbatched``:
+nn.Embedding on HF's ``position_ids`` of shape (1, T), on ``arange(T)``, on T5's relative-position buckets;
+the generic rule, BART's positional embedding): its output, whose dim 0 is not the batch, is followed from
+the layer to its broadcast (:func:`unbatched`, :func:`follow_call`), and the per-example gradient of its
+weight is the batched vjp of the layer at the per-example gradients of that broadcast, (B, *weight.shape) at
+once.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class Step:
         self.acc: dict[str, torch.Tensor] = {}        # {param: (B, *p.shape)} summed so far
         self.open = 0                                  # taps of the forward whose gradient has not come
         self.calls = 0                                 # (a layer) its calls without the batch this step
-        self.shape: tuple = ()                         # (a layer) the input of its last such call
+        self.shape: tuple = ()                         # (a layer) the output of its last such call
 
     def reset(self) -> None:
         """At each step's start (PerSampleGradNorms' forward pre-hook)."""
@@ -82,8 +83,8 @@ class Step:
                "the batch (expand, repeat, an elementwise op), so the per-example gradient is not known")
         for pn in f._sources:
             slot.unmeasured.setdefault(pn, (
-                f"module {mod} ran on an input without the batch (shape {self.shape}; the batch is "
-                f"{self.batch}), and its output {how}; expand its input over the batch, e.g. "
+                f"module {mod} ran without the batch (its output has shape {self.shape}, the batch "
+                f"{self.batch}), and that output {how}; expand its input over the batch, e.g. "
                 "pos.unsqueeze(0).expand(B, -1)") if self.layer else
                 f"bare parameter {slot.full(pn)!r} of module {mod} {how}")
 
@@ -241,21 +242,21 @@ def broadcast_forward(module: nn.Module, slot):
     return forward
 
 
-def unbatched(slot, inputs: tuple) -> bool:
-    """Whether a call of a covered layer whose rule allows it (``Rule.unbatched``: nn.Embedding) is on an
-    input without the batch: its first input's dim 0 is not the model's batch (HF's position_ids (1, T),
-    ``arange(T)``, T5's relative-position buckets (q, k)). Its output is then followed to its broadcast
+def unbatched(slot, inputs: tuple, output) -> bool:
+    """Whether a call of a layer whose rule allows it (``Rule.unbatched``: nn.Embedding, the generic rule) is
+    one without the batch: its output's dim 0 is not the model's batch (an embedding of HF's
+    ``position_ids`` (1, T), of ``arange(T)``, of T5's relative-position buckets (q, k); BART's positional
+    embedding handed its positions by keyword). Its output is then followed to its broadcast
     (:func:`follow_call`) instead of its rule reading dim 0 as the examples; where the sizes coincide, the
     broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Eager only."""
     B = slot.owner._batch
-    x = inputs[0] if inputs else None
-    if not ENABLED or B is None or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+    if not ENABLED or B is None or not isinstance(output, torch.Tensor) or torch.compiler.is_compiling():
         return False
-    if x.dim() != 0 and x.shape[0] == B:
+    if output.dim() and output.shape[0] == B:
         return False
     if slot.follow is None:
         slot.follow = Step(slot, layer=True)
-    slot.follow.shape = tuple(x.shape)
+    slot.follow.shape = tuple(output.shape)
     return True
 
 

@@ -10,15 +10,23 @@ model's batch) is followed instead to where its output is broadcast (``unbatched
 :mod:`.broadcast_params`). Where the index's dim 0 happens to equal the batch, the broadcast audit
 (:mod:`elasticlab.gns.broadcast`) makes the readers raise: expand the index over the batch then
 (``pos.unsqueeze(0).expand(B, -1)``).
+
+A subclass whose forward scales the lookup by a constant (the scaled word embeddings of Gemma, BART, mBART
+and Pegasus: ``super().forward(ids) * embed_scale``, Vaswani et al. 2017 §3.4) is this rule at c·δ
+(:func:`scale_of`, checked on its first call); another subclass (BART's positional embedding) takes the
+generic rule.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import along_positions, batched
-from elasticlab.gns.registry import register_rule
+from elasticlab.gns.registry import Rule, register_fallback, register_rule
 
 
 def segment_sums(example: torch.Tensor, index: torch.Tensor, size: int, values: torch.Tensor):
@@ -57,5 +65,46 @@ def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict
     return {"weight": per}
 
 
+_scales: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # module -> c, or None (not a scaling)
+
+
+def scale_of(module: nn.Embedding, idx: torch.Tensor) -> float | None:
+    """c where the module's own forward is c times the plain lookup, read off (and checked on) its output on
+    the first example, once per module (no graph); None where it is something else."""
+    if module in _scales:
+        return _scales[module]
+    x, c = idx[:1], None
+    try:
+        with torch.no_grad():
+            out = type(module).forward(module, x)
+            plain = F.embedding(x, module.weight, module.padding_idx)
+    except (TypeError, RuntimeError, IndexError):                  # another signature, float input, ...
+        out = plain = None
+    if isinstance(out, torch.Tensor) and plain is not None and out.shape == plain.shape:
+        o, p = out.double(), plain.double()
+        den = float(p.pow(2).sum())
+        if den > 0:
+            c = float((o * p).sum()) / den
+            tol = 1e-2 if out.dtype in (torch.bfloat16, torch.float16) else 1e-6
+            c = c if torch.allclose(o, c * p, rtol=tol, atol=tol * abs(c) * float(p.abs().max())) else None
+    _scales[module] = c
+    return c
+
+
+def scaled_embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict:
+    """Hook rule of an nn.Embedding subclass with a forward of its own: the embedding rule at c·δ where that
+    forward scales the lookup by c, else the generic rule (torch.func)."""
+    from elasticlab.gns.layers.generic import generic_norms  # (its fallback registers after this one)
+    c = scale_of(module, inputs[0])
+    if c is None:
+        return generic_norms(module, inputs, d, need)
+    return embedding_norms(module, inputs, d * c, need)
+
+
+def _own_forward(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+
+
+register_fallback(Rule(norms=scaled_embedding_norms, params=("weight",), unbatched=True), _own_forward)
 register_rule(nn.Embedding, embedding_norms, params=("weight",),
               summed=along_positions(embedding_norms, lambda m: 0, lambda m: 1), unbatched=True)

@@ -8,7 +8,9 @@ wider dtype. Exact, with the memory of B per-example gradients of the module's o
 Valid only for a module that treats each example alone and deterministically. Before the first backward of
 each input shape, the module's output on the batch is compared with its output on each example alone
 (``vmap``, which also refuses random operations inside the forward): a module that mixes examples (batch
-statistics) or draws random numbers is an error naming it, with the ways out.
+statistics) or draws random numbers is an error naming it, with the ways out. A call whose output does not
+carry the batch (BART's positional embedding, handed its positions by keyword) is followed to where that
+output is broadcast over the batch instead (``Rule.unbatched``, :mod:`.broadcast_params`).
 """
 from __future__ import annotations
 
@@ -116,4 +118,4 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
     return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
 
 
-register_fallback(Rule(norms=generic_norms, params=own_params), applies)
+register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True), applies)
