@@ -1,5 +1,9 @@
-"""Under DDP (2 gloo processes on 127.0.0.1): local per-example norms, replicas combined, vs one process."""
+"""Under DDP (2 gloo processes on 127.0.0.1): local per-example norms, replicas combined, vs one process; an
+MLP, and a ViT-like model whose class token and position embedding are bare parameters of the root
+(gns.layers.broadcast_params, which DDP calls through its forward)."""
+import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from gloo_util import run_gloo
@@ -11,9 +15,23 @@ from elasticlab.gns.ddp import ReplicaGradNorms, update_per_example
 B_LOCAL, WORLD = 6, 2
 
 
-def make():
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.patch, self.norm, self.head = nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, 8))
+
+    def forward(self, x):
+        h = self.patch(x)
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], 1) + self.pos_embed
+        return self.head(self.norm(torch.tanh(h)))
+
+
+def make(kind="mlp"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)).double()
+    model = (nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)) if kind == "mlp"
+             else Tokens()).double()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(WORLD * B_LOCAL, 4, 5, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (WORLD * B_LOCAL,), generator=g)
@@ -24,8 +42,8 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x).mean(1), y)
 
 
-def worker(rank):
-    model, x, y = make()
+def worker(rank, kind="mlp"):
+    model, x, y = make(kind)
     sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
     ddp = nn.parallel.DistributedDataParallel(model)
     replicas = ReplicaGradNorms(ddp)
@@ -40,9 +58,10 @@ def worker(rank):
             "local_sq": local_sq, "grads": [p.grad.detach().clone() for p in model.parameters()]}
 
 
-def test_ddp_two_gloo_processes(tmp_path):
-    res = run_gloo(worker, WORLD, tmp_path)
-    model, x, y = make()
+@pytest.mark.parametrize("kind", ["mlp", "vit"])
+def test_ddp_two_gloo_processes(tmp_path, kind):
+    res = run_gloo(functools.partial(worker, kind=kind), WORLD, tmp_path)
+    model, x, y = make(kind)
     # single-process reference on the global batch
     with PerSampleGradNorms(model) as n:
         loss_fn(model, x, y).backward()
@@ -57,7 +76,8 @@ def test_ddp_two_gloo_processes(tmp_path):
     for r in range(WORLD):
         e = GNSEstimator()
         e.load_state_dict(res[r]["per_ex"])
-        assert abs(e.b_simple - ref.b_simple) < 1e-9 * abs(ref.b_simple)
+        assert abs(e.grad_sq - ref.grad_sq) < 1e-9 * abs(ref.grad_sq)      # (b_simple may be inf: |G|² < 0)
+        assert abs(e.trace_cov - ref.trace_cov) < 1e-9 * abs(ref.trace_cov)
     # two-batch: local gradients (b=6) against the averaged one (b=12)
     local = []
     for r in range(WORLD):

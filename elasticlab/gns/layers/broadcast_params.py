@@ -77,6 +77,9 @@ class Step:
     def refuse(self, f: Followed, func) -> None:
         """A use of followed parameters with batched or trainable tensors that is not a broadcast."""
         name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        for c_name, shown in (("_VariableFunctionsClass.", "torch."), ("TensorBase.", "Tensor."),
+                              ("_TensorBase.", "Tensor.")):
+            name = shown + name[len(c_name):] if name.startswith(c_name) else name
         slot = self.slot
         mod = f"{slot.name or '(root)'!r} ({type(slot.module).__name__})"
         how = (f"is used by {name} with tensors that carry the batch or train, and not as a broadcast over "
