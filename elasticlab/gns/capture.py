@@ -42,6 +42,7 @@ def kept(inputs: tuple):
     hooks are active (non-reentrant activation checkpointing, ``save_on_cpu``), packed by those hooks, so
     that they are dropped and recomputed (or offloaded) like the layer's own saved tensors instead of held.
     The recomputation's call then packs the same tensors (:func:`pack_again`), as checkpointing requires."""
+    inputs = tuple(_detached(i) if isinstance(i, dict) else i for i in inputs)     # keyword arguments: held
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
@@ -49,6 +50,10 @@ def kept(inputs: tuple):
     pack, unpack = hooks
     packed = tuple((True, pack(i.detach())) if isinstance(i, torch.Tensor) else (False, i) for i in inputs)
     return lambda: tuple(unpack(v) if t else v for t, v in packed)
+
+
+def _detached(kw: dict) -> dict:
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
 def pack_again(inputs: tuple) -> None:

@@ -32,16 +32,14 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from elasticlab.gns import hooks, loss_scale, repeated
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
-from elasticlab.gns import loss_scale, repeated
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
-from elasticlab.gns.capture import batch_of, frozen, kept, now_training, pack_again
+from elasticlab.gns.capture import batch_of, frozen, now_training
 from elasticlab.gns.forwards import Forwards
-from elasticlab.gns.layers.broadcast_params import follow_call, unbatched
-from elasticlab.gns.sink import Sinks, tap
+from elasticlab.gns.sink import Sinks
 from elasticlab.gns.slot import (
-    Quiet,
     Slot,
     finish,
     grad_sq_sums,
@@ -202,40 +200,6 @@ class PerSampleGradNorms:
             self._warned.add(names)
             warnings.warn(f"{why}; they are left out of {left}", RuntimeWarning, stacklevel=4)
 
-    def _forward_hook(self, slot: Slot):
-        def hook(module, inputs, output):
-            if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
-                return
-            unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
-            counted = slot.called(unb)
-            if not (isinstance(output, torch.Tensor) and output.requires_grad):
-                return
-            if unb:
-                return follow_call(slot, output, counted)
-            compiling = torch.compiler.is_compiling()
-            if not counted:                   # a recomputation packs what its forward did (capture.kept)
-                if not compiling and recomputing():
-                    pack_again(inputs)
-                return
-            # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
-            if compiling and (t := tap(slot, module, inputs, output)) is not None:
-                return t
-            if not compiling and self._audit.notes is not None:
-                self._audit.note(slot, inputs, output)
-            if not inputs or not isinstance(inputs[0], torch.Tensor):
-                raise ValueError(f"module {slot.name!r}: expected a tensor input")
-            get = kept(inputs)
-
-            def on_grad(g):
-                saved = get()
-                if slot.shared:                     # formed with its other calls when read
-                    slot.pending.append((saved, g.detach()))
-                    return
-                norms = slot.rule.norms(module, saved, g.detach(), slot.need)
-                slot.record(norms, saved[0].shape[0])
-            output.register_hook(on_grad)
-        return hook
-
     def __enter__(self) -> PerSampleGradNorms:
         if self._active:
             raise RuntimeError("PerSampleGradNorms is already active")
@@ -257,7 +221,7 @@ class PerSampleGradNorms:
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
                 s.module.forward = self._audit.wrap(s, fwd)
             else:
-                self._handles.append(s.module.register_forward_hook(self._forward_hook(s)))
+                self._handles.append(hooks.install(self, s))
         self._unfuse.clear()                              # (the slots found repeated took hooks above)
         for t in self._ties:                              # the embeddings' indices, for the output layer
             self._handles += [e.module.register_forward_pre_hook(t.pre_hook) for e in t.embs]

@@ -18,7 +18,8 @@ installed whenever any parameter below the module trains, even with none of its 
 ``sums_calls``: the fused form adds up a step's calls itself (:mod:`.layers.broadcast_params`).
 ``unbatched`` (hook rules): a call on an input without the batch (dim 0 not the model's batch: a positional
 embedding on ``position_ids`` (1, T)) is followed to where its output is broadcast over the batch
-(:mod:`.layers.broadcast_params`) instead of read by the rule.
+(:mod:`.layers.broadcast_params`) instead of read by the rule. ``kwargs`` (hook rules): its ``inputs`` end
+with the call's keyword arguments as a dict, where there are any (:mod:`elasticlab.gns.hooks`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Rule:
     summed: Callable | None = None
     sums_calls: bool = False
     unbatched: bool = False
+    kwargs: bool = False
 
 
 RULES: dict[type, Rule] = {}

@@ -123,6 +123,7 @@ def _spoil(s) -> None:
 
 def to_hooks(owner) -> None:
     """At a step's start: the fused modules found repeated get their own forward back, and a hook rule."""
+    from elasticlab.gns import hooks  # (hooks → slot → this module)
     for i in sorted(owner._unfuse):
         s = owner._slots[i]
         for j, (mod, old) in enumerate(owner._patched):
@@ -133,7 +134,7 @@ def to_hooks(owner) -> None:
                     mod.forward = old
                 del owner._patched[j]
                 break
-        owner._handles.append(s.module.register_forward_hook(owner._forward_hook(s)))
+        owner._handles.append(hooks.install(owner, s))
         s.fused, s.buf, s._buf_key, s._views, s._in_block = False, None, None, {}, False
         block = owner._block
         if i in block.users:                   # its rows: 0 from now on (a NaN row would spoil every read)

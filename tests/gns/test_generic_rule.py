@@ -215,3 +215,33 @@ def test_generic_rule_under_checkpointing(reentrant):
             got = psn.param_sq_norms()
             for k in ref:
                 torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)
+
+
+class GatedByKeyword(nn.Module):
+    """A leaf reading a per-example tensor passed by keyword (as Whisper's positional embedding reads its
+    positions): forward(x, *, gate)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, *, gate):
+        return x * self.w * gate
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_generic_rule_sees_keyword_arguments(fused):
+    """(before: the hook saw positional arguments only; each example's forward ran without the keyword: a
+    TypeError)"""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mid, self.out = nn.Linear(3, 6), GatedByKeyword(6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.out(self.mid(h, gate=torch.sigmoid(x[:, :1]) + 1))
+
+    check_exact(Net().double(), torch.randn(5, 3, dtype=torch.float64), fused)

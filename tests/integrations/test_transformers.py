@@ -353,3 +353,19 @@ def test_tiny_gemma_scaled_and_tied_embedding():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(6))
     _sq_norms_match(model, lambda i: model(input_ids=ids[i], labels=ids[i]).loss)
+
+
+def test_tiny_whisper_positions():
+    """Whisper: the encoder adds its positional table to every example (an nn.Embedding subclass on
+    ``arange``, followed to its broadcast), the decoder's reads its positions passed by keyword (the generic
+    rule sees keyword arguments; before: "... the generic one (torch.func) does not apply: its output for an
+    example depends on the other examples of the batch", each example's forward having run without them)."""
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=V, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_source_positions=8, max_target_positions=T, decoder_start_token_id=0, pad_token_id=0,
+        dropout=0.0)).double()
+    feats = torch.randn(B, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, V, (B, T - 1), generator=torch.Generator().manual_seed(8))
+    _sq_norms_match(model, lambda i: model(input_features=feats[i], labels=ids[i]).loss)

@@ -105,6 +105,7 @@ def _own_forward(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
 
 
-register_fallback(Rule(norms=scaled_embedding_norms, params=("weight",), unbatched=True), _own_forward)
+register_fallback(Rule(norms=scaled_embedding_norms, params=("weight",), unbatched=True, kwargs=True),
+                  _own_forward)
 register_rule(nn.Embedding, embedding_norms, params=("weight",),
               summed=along_positions(embedding_norms, lambda m: 0, lambda m: 1), unbatched=True)

@@ -10,7 +10,8 @@ each input shape, the module's output on the batch is compared with its output o
 (``vmap``, which also refuses random operations inside the forward): a module that mixes examples (batch
 statistics) or draws random numbers is an error naming it, with the ways out. A call whose output does not
 carry the batch (BART's positional embedding, handed its positions by keyword) is followed to where that
-output is broadcast over the batch instead (``Rule.unbatched``, :mod:`.broadcast_params`).
+output is broadcast over the batch instead (``Rule.unbatched``, :mod:`.broadcast_params`). The call's
+keyword arguments are passed too (``Rule.kwargs``: Whisper's positional embedding reads its positions so).
 """
 from __future__ import annotations
 
@@ -41,12 +42,23 @@ def own_params(module: nn.Module) -> tuple[str, ...]:
     return tuple(n for n, _ in module.named_parameters(recurse=False))
 
 
-def _per_example_forward(module: nn.Module, dims: tuple):
-    """``one(params, *args)``: the module's forward on one example (batched args given a batch of 1), with
-    ``params`` in place of its own."""
-    def one(params, *args):
-        args = tuple(a.unsqueeze(0) if d == 0 else a for a, d in zip(args, dims))
-        return functional_call(module, params, args, strict=False, tie_weights=False)
+def _split(inputs: tuple) -> tuple[list, int, tuple[str, ...]]:
+    """A call's inputs as one flat list (its positional arguments, then its keyword arguments' values, which
+    the hook passes as a trailing dict: ``Rule.kwargs``), the number of positional ones, and the keywords."""
+    if inputs and isinstance(inputs[-1], dict):
+        kw = inputs[-1]
+        return [*inputs[:-1], *kw.values()], len(inputs) - 1, tuple(kw)
+    return list(inputs), len(inputs), ()
+
+
+def _per_example_forward(module: nn.Module, dims: tuple, n_args: int | None = None, keys: tuple = ()):
+    """``one(params, *flat)``: the module's forward on one example (batched inputs given a batch of 1), with
+    ``params`` in place of its own; ``flat`` its positional arguments, then the values of ``keys``."""
+    def one(params, *flat):
+        flat = [a.unsqueeze(0) if d == 0 else a for a, d in zip(flat, dims)]
+        n = len(flat) if n_args is None else n_args
+        return functional_call(module, params, tuple(flat[:n]), dict(zip(keys, flat[n:])), strict=False,
+                               tie_weights=False)
     return one
 
 
@@ -57,10 +69,11 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None
     if sig in seen:
         return
     why = None
+    flat, n, keys = _split(inputs)
     with torch.no_grad():
-        full = type(module).forward(module, *inputs)
+        full = type(module).forward(module, *flat[:n], **dict(zip(keys, flat[n:])))
         try:
-            each = vmap(lambda *a: one({}, *a).squeeze(0), in_dims=dims)(*inputs)
+            each = vmap(lambda *a: one({}, *a).squeeze(0), in_dims=dims)(*flat)
         except RuntimeError as e:                            # random operations, data-dependent control flow
             why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
         else:
@@ -91,13 +104,14 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
     B = calls[0][1].shape[0]
     flat, dims, ones = [], [], []
     for inputs, d in calls:
+        items, n, keys = _split(inputs)
         dk = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
-                   for a in inputs)
-        one = _per_example_forward(module, dk)
+                   for a in items)
+        one = _per_example_forward(module, dk, n, keys)
         with Quiet():
             _verify(module, inputs, dk, one, what)
-        ones.append((one, len(inputs)))
-        flat += [*inputs, d]
+        ones.append((one, len(items)))
+        flat += [*items, d]
         dims += [*dk, 0]
     params = {n: module.get_parameter(n).detach() for n in need}
     numel = sum(p.numel() * max(p.element_size(), 4) for p in params.values())
@@ -118,4 +132,4 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
     return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
 
 
-register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True), applies)
+register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True, kwargs=True), applies)
