@@ -177,6 +177,8 @@ def unmeasured(slots: list[Slot], refuse) -> set[tuple[int, str]]:
     dropped."""
     out = set()
     for s in slots:
+        if not s.unmeasured:                           # (no call per slot in the common case)
+            continue
         for pn, why in s.unmeasured.items():
             s.norms.pop(pn, None)
             refuse((s.full(pn),), why, "Use it through a module with a rule, register one with "

@@ -30,7 +30,8 @@ class Tokens(torch.utils.data.Dataset):
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(0, V, (T,), generator=g)
-        # positions per example: the per-example norms need every layer's input batched
+        # positions per example (not needed since the embedding of (1, T) positions is followed to its
+        # broadcast, gns.layers.broadcast_params; kept so that these tests see the batched index too)
         return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(T)}
 
 
