@@ -1,0 +1,397 @@
+"""Which Hugging Face architectures PerSampleGradNorms measures exactly: a coverage survey, not a timing.
+
+Each case builds a tiny model of one architecture from its config (nothing downloaded; dropout off), in
+float64, and compares ``sq_norms()`` of one step (the model's own loss, or a summed output norm) with one
+backward per example (:func:`elasticlab.gns.reference.example_param_sq_norms`), to rtol 1e-6. Printed per
+case: ``OK``, ``MISMATCH`` (with the per-example ratios) or the error's first line, which names what is not
+covered. Needs ``transformers`` (``pip install 'elasticlab[integrations]'``).
+
+    python benchmarks/hf_coverage.py [--only bart,t5,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import torch
+from tqdm import tqdm
+
+from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.reference import example_param_sq_norms
+
+B, T, V = 3, 10, 50
+D = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+NO_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "ids": torch.randint(1, V, (B, T), generator=g),
+        "img": torch.randn(B, 3, 32, 32, dtype=torch.float64, generator=g),
+        "audio": torch.randn(B, 400, dtype=torch.float64, generator=g),
+        "mel": torch.randn(B, 8, 32, dtype=torch.float64, generator=g),
+        "labels": torch.tensor([0, 1, 1]),
+    }
+
+
+def cases(tr) -> dict:
+    """{name: () -> (model, loss(model, data, index), reduction)}; the losses are means over the batch
+    (reduction "mean") unless said."""
+    lm = (lambda m, d, i: m(input_ids=d["ids"][i], labels=d["ids"][i]).loss, "mean")
+    cls = (lambda m, d, i: m(input_ids=d["ids"][i], labels=d["labels"][i]).loss, "mean")
+    img = (lambda m, d, i: m(pixel_values=d["img"][i], labels=d["labels"][i]).loss, "mean")
+    pooled_img = (lambda m, d, i: m(pixel_values=d["img"][i]).pooler_output.pow(2).sum(), "sum")
+    pooled_txt = (lambda m, d, i: m(input_ids=d["ids"][i]).pooler_output.pow(2).sum(), "sum")
+    s2s = dict(
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        dropout=0.0,
+    )
+    t5 = dict(
+        vocab_size=V,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    )
+    kv = dict(num_key_value_heads=1, max_position_embeddings=32)
+    return {
+        "gpt2": lambda: (
+            tr.GPT2LMHeadModel(
+                tr.GPT2Config(
+                    vocab_size=V,
+                    n_embd=16,
+                    n_layer=2,
+                    n_head=2,
+                    n_positions=32,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                )
+            ),
+            *lm,
+        ),
+        "gpt_neo": lambda: (
+            tr.GPTNeoForCausalLM(
+                tr.GPTNeoConfig(
+                    vocab_size=V,
+                    hidden_size=16,
+                    num_layers=2,
+                    num_heads=2,
+                    attention_types=[[["global", "local"], 1]],
+                    max_position_embeddings=32,
+                    embed_dropout=0.0,
+                    attention_dropout=0.0,
+                    resid_dropout=0.0,
+                )
+            ),
+            *lm,
+        ),
+        "gpt_neox": lambda: (
+            tr.GPTNeoXForCausalLM(
+                tr.GPTNeoXConfig(
+                    vocab_size=V, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, **D
+                )
+            ),
+            *lm,
+        ),
+        "opt": lambda: (
+            tr.OPTForCausalLM(
+                tr.OPTConfig(
+                    vocab_size=V,
+                    hidden_size=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    ffn_dim=32,
+                    max_position_embeddings=32,
+                    dropout=0.0,
+                    word_embed_proj_dim=16,
+                )
+            ),
+            *lm,
+        ),
+        "bloom": lambda: (
+            tr.BloomForCausalLM(
+                tr.BloomConfig(
+                    vocab_size=V,
+                    hidden_size=16,
+                    n_layer=2,
+                    n_head=2,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                )
+            ),
+            *lm,
+        ),
+        "falcon": lambda: (
+            tr.FalconForCausalLM(
+                tr.FalconConfig(
+                    vocab_size=V,
+                    hidden_size=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                )
+            ),
+            *lm,
+        ),
+        "llama": lambda: (tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=V, **kv, **D)), *lm),
+        "mistral": lambda: (tr.MistralForCausalLM(tr.MistralConfig(vocab_size=V, **kv, **D)), *lm),
+        "qwen2": lambda: (tr.Qwen2ForCausalLM(tr.Qwen2Config(vocab_size=V, **kv, **D)), *lm),
+        "gemma": lambda: (tr.GemmaForCausalLM(tr.GemmaConfig(vocab_size=V, head_dim=8, **kv, **D)), *lm),
+        "phi": lambda: (
+            tr.PhiForCausalLM(
+                tr.PhiConfig(
+                    vocab_size=V,
+                    max_position_embeddings=32,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attention_dropout=0.0,
+                    **D,
+                )
+            ),
+            *lm,
+        ),
+        "mamba": lambda: (
+            tr.MambaForCausalLM(
+                tr.MambaConfig(
+                    vocab_size=V,
+                    hidden_size=16,
+                    state_size=4,
+                    num_hidden_layers=2,
+                    expand=2,
+                    conv_kernel=2,
+                    use_cache=False,
+                )
+            ),
+            *lm,
+        ),
+        "bert": lambda: (
+            tr.BertForSequenceClassification(
+                tr.BertConfig(vocab_size=V, max_position_embeddings=32, **NO_DROP, **D)
+            ),
+            *cls,
+        ),
+        "roberta": lambda: (
+            tr.RobertaForSequenceClassification(
+                tr.RobertaConfig(vocab_size=V, max_position_embeddings=40, **NO_DROP, **D)
+            ),
+            *cls,
+        ),
+        "distilbert": lambda: (
+            tr.DistilBertForSequenceClassification(
+                tr.DistilBertConfig(
+                    vocab_size=V,
+                    dim=16,
+                    n_layers=2,
+                    n_heads=2,
+                    hidden_dim=32,
+                    max_position_embeddings=32,
+                    dropout=0.0,
+                    attention_dropout=0.0,
+                    seq_classif_dropout=0.0,
+                )
+            ),
+            *cls,
+        ),
+        "electra": lambda: (
+            tr.ElectraForSequenceClassification(
+                tr.ElectraConfig(vocab_size=V, embedding_size=16, max_position_embeddings=32, **NO_DROP, **D)
+            ),
+            *cls,
+        ),
+        "deberta_v2": lambda: (
+            tr.DebertaV2ForSequenceClassification(
+                tr.DebertaV2Config(vocab_size=V, max_position_embeddings=32, **NO_DROP, **D)
+            ),
+            *cls,
+        ),
+        "modernbert": lambda: (
+            tr.ModernBertForSequenceClassification(
+                tr.ModernBertConfig(vocab_size=V, max_position_embeddings=32, pad_token_id=0, **D)
+            ),
+            *cls,
+        ),
+        "bart": lambda: (
+            tr.BartForConditionalGeneration(
+                tr.BartConfig(
+                    vocab_size=V,
+                    max_position_embeddings=32,
+                    attention_dropout=0.0,
+                    activation_dropout=0.0,
+                    **s2s,
+                )
+            ),
+            *lm,
+        ),
+        "t5": lambda: (tr.T5ForConditionalGeneration(tr.T5Config(**t5)), *lm),
+        "flan_t5": lambda: (
+            tr.T5ForConditionalGeneration(
+                tr.T5Config(**t5, tie_word_embeddings=False, feed_forward_proj="gated-gelu")
+            ),
+            *lm,
+        ),
+        "whisper": lambda: (
+            tr.WhisperForConditionalGeneration(
+                tr.WhisperConfig(
+                    vocab_size=V,
+                    num_mel_bins=8,
+                    max_source_positions=16,
+                    max_target_positions=32,
+                    decoder_start_token_id=0,
+                    pad_token_id=0,
+                    **s2s,
+                )
+            ),
+            lambda m, d, i: m(input_features=d["mel"][i], labels=d["ids"][i]).loss,
+            "mean",
+        ),
+        "wav2vec2": lambda: (
+            tr.Wav2Vec2ForSequenceClassification(
+                tr.Wav2Vec2Config(
+                    vocab_size=V,
+                    conv_dim=(8, 8),
+                    conv_stride=(5, 2),
+                    conv_kernel=(10, 3),
+                    num_conv_pos_embeddings=4,
+                    num_conv_pos_embedding_groups=2,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                    activation_dropout=0.0,
+                    feat_proj_dropout=0.0,
+                    layerdrop=0.0,
+                    mask_time_prob=0.0,
+                    num_labels=2,
+                    **D,
+                )
+            ),
+            lambda m, d, i: m(input_values=d["audio"][i], labels=d["labels"][i]).loss,
+            "mean",
+        ),
+        "vit": lambda: (
+            tr.ViTForImageClassification(
+                tr.ViTConfig(image_size=32, patch_size=8, num_labels=2, **NO_DROP, **D)
+            ),
+            *img,
+        ),
+        "deit": lambda: (
+            tr.DeiTForImageClassification(
+                tr.DeiTConfig(image_size=32, patch_size=8, num_labels=2, **NO_DROP, **D)
+            ),
+            *img,
+        ),
+        "beit": lambda: (
+            tr.BeitForImageClassification(
+                tr.BeitConfig(
+                    image_size=32,
+                    patch_size=8,
+                    num_labels=2,
+                    use_relative_position_bias=True,
+                    drop_path_rate=0.0,
+                    **NO_DROP,
+                    **D,
+                )
+            ),
+            *img,
+        ),
+        "dinov2": lambda: (
+            tr.Dinov2ForImageClassification(
+                tr.Dinov2Config(image_size=32, patch_size=8, num_labels=2, **NO_DROP, **D)
+            ),
+            *img,
+        ),
+        "swin": lambda: (
+            tr.SwinForImageClassification(
+                tr.SwinConfig(
+                    image_size=32,
+                    patch_size=4,
+                    embed_dim=8,
+                    depths=[1, 1],
+                    num_heads=[1, 2],
+                    window_size=4,
+                    num_labels=2,
+                    drop_path_rate=0.0,
+                    **NO_DROP,
+                )
+            ),
+            *img,
+        ),
+        "clip_vision": lambda: (
+            tr.CLIPVisionModel(tr.CLIPVisionConfig(image_size=32, patch_size=8, **D)),
+            *pooled_img,
+        ),
+        "clip_text": lambda: (
+            tr.CLIPTextModel(tr.CLIPTextConfig(vocab_size=V, max_position_embeddings=32, **D)),
+            *pooled_txt,
+        ),
+        "siglip_vision": lambda: (
+            tr.SiglipVisionModel(tr.SiglipVisionConfig(image_size=32, patch_size=8, **D)),
+            *pooled_img,
+        ),
+    }
+
+
+def check(model, loss, reduction: str, data: dict) -> str:
+    """``OK``, ``MISMATCH [ratios]`` or ``ERROR <type>: <message>`` for one model."""
+    model = model.double().train()
+    try:
+        want = sum(
+            example_param_sq_norms(model, (loss(model, data, slice(b, b + 1)) for b in range(B))).values()
+        )
+        with PerSampleGradNorms(model, loss_reduction=reduction) as psn:
+            model.zero_grad()
+            loss(model, data, slice(None)).backward()
+            got = psn.sq_norms()
+    except Exception as e:  # noqa: BLE001  (the survey reports whatever stops a model)
+        return f"ERROR {type(e).__name__}: {str(e).splitlines()[0]}"
+    if torch.allclose(got.double(), want, rtol=1e-6, atol=0):
+        return "OK"
+    return f"MISMATCH {[round(r, 6) for r in (got.double() / want).tolist()]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    args = ap.parse_args()
+    try:
+        import transformers as tr
+    except ImportError as e:
+        raise SystemExit("transformers is not installed: pip install 'elasticlab[integrations]'") from e
+    warnings.filterwarnings("ignore")
+    tr.logging.set_verbosity_error()
+    table = cases(tr)
+    names = [n for n in args.only.split(",") if n] or list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; known: {', '.join(table)}")
+    data, out = _data(), {}
+    for name in tqdm(names, desc="architectures"):
+        torch.manual_seed(0)
+        try:
+            model, loss, reduction = table[name]()
+        except Exception as e:  # noqa: BLE001  (a config this transformers version rejects)
+            out[name] = f"BUILD {type(e).__name__}: {str(e).splitlines()[0]}"
+            continue
+        out[name] = check(model, loss, reduction, data)
+    for name, verdict in out.items():
+        print(f"{name:14s} {verdict[:200]}")
+    ok = sum(v == "OK" for v in out.values())
+    print(f"{ok} of {len(out)} exact; transformers {tr.__version__}, torch {torch.__version__}")
+    print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "cases": out}))
+
+
+if __name__ == "__main__":
+    main()
