@@ -405,3 +405,29 @@ def test_vit_and_positions_on_the_device_under_autocast(device, autocast):
                 assert float(((g - want).abs() / want.clamp_min(1e-30)).median()) < 0.02, k
             else:
                 torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-8, msg=k)
+
+
+class Latents(nn.Module):
+    """Perceiver's learned latents, expanded to a batch size passed as a number (no tensor input), by a
+    module with children."""
+
+    def __init__(self, N=3, D=8):
+        super().__init__()
+        self.latents, self.proj = nn.Parameter(torch.randn(N, D)), nn.Linear(D, D)
+
+    def forward(self, batch_size):
+        return self.proj(self.latents.expand(batch_size, -1, -1))
+
+
+def test_latents_expanded_to_a_batch_size_given_as_a_number():
+    """The batch is then the model's (dim 0 of its input)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lat, self.inp, self.head = Latents(), nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.inp(x) + self.lat(x.shape[0]).mean(1, keepdim=True))).mean(1)
+    check(Net().double(), *data(), steps=2)

@@ -231,7 +231,8 @@ def broadcast_forward(module: nn.Module, slot):
         if not live and not (torch.is_grad_enabled() and recomputing()):
             return own(module, *args, **kwargs)        # no gradient comes of this call
         if live and slot.calls == 1:                   # (a recomputation follows too, with no hooks: the same
-            step.batch = batch_of(args, kwargs)        # saved tensors as the forward's)
+            b = batch_of(args, kwargs)                 # saved tensors as the forward's)
+            step.batch = b if b is not None else slot.owner._batch   # (called on no tensor: the model's)
         saved = {}
         for pn in slot.need:
             p = module._parameters.get(pn)
