@@ -159,8 +159,11 @@ class PerSampleGradNorms:
     @property
     def left_out(self) -> list[str]:
         """Covered parameters of the last step that the loss depended on but whose module never ran (and so
-        have no per-example norm); they are not in the results (``strict=False``) or make them raise."""
-        return [s.full(pn) for s, pn in self._left_out()]
+        have no per-example norm), then those used in a way their rule could not measure (a bare parameter
+        not broadcast over the batch, :mod:`.layers.broadcast_params`); they are not in the results
+        (``strict=False``) or make them raise."""
+        odd = [s.full(pn) for s in self._slots for pn in s.unmeasured]
+        return [s.full(pn) for s, pn in self._left_out()] + odd
 
     def _check_coverage(self) -> set[tuple[int, str]]:
         """Raises the broadcast audit's error or that of several forwards, if any; raises (strict) or warns

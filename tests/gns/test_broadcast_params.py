@@ -162,6 +162,7 @@ def test_a_use_that_is_not_a_broadcast_is_named_or_left_out():
             got = psn.param_sq_norms()
             g2 = psn.grad_sq_norm()
         assert sorted(got) == ["lin.bias", "lin.weight"] and any("left out" in str(m.message) for m in w)
+        assert psn.left_out == ["w"] and psn.skipped == []
         torch.testing.assert_close(got["lin.weight"], want["lin.weight"], rtol=1e-9, atol=1e-12)
         lin = model.lin.weight.grad.pow(2).sum() + model.lin.bias.grad.pow(2).sum()
         assert g2 == pytest.approx(float(lin) / x.shape[0] ** 2)          # (a summed loss: ḡ = Σ / B)
