@@ -33,7 +33,7 @@ def forward_hook(owner, slot):
         if not (isinstance(output, torch.Tensor) and output.requires_grad):
             return
         if unb:
-            return follow_call(slot, output, counted)
+            return follow_call(slot, inputs, output, counted)
         compiling = torch.compiler.is_compiling()
         if not counted:                   # a recomputation packs what its forward did (capture.kept)
             if not compiling and recomputing():

@@ -432,3 +432,24 @@ def test_latents_expanded_to_a_batch_size_given_as_a_number():
         def forward(self, x):
             return self.head(torch.tanh(self.inp(x) + self.lat(x.shape[0]).mean(1, keepdim=True))).mean(1)
     check(Net().double(), *data(), steps=2)
+
+
+def test_no_hook_on_a_parameter_runs_in_the_per_example_vjps():
+    """The vjps that map a broadcast's per-example gradients back start from aliases of the parameters (a
+    layer's by torch.func on a detached copy), so a tensor hook on a parameter runs once a backward, with
+    the batch's gradient (before: also inside those vjps, batched: GNSMonitor's micro-batch hooks failed
+    with "Batching rule not implemented for aten::detach" on HF's GPT-2)."""
+    torch.manual_seed(0)
+    for model, x, y in ((ViT().double(), *data()), (Positions("sdpa").double(), torch.randint(0, 11, (5, 6)),
+                                                   None)):
+        y = x if y is None else y
+        seen = []
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g, name=name, seen=seen: seen.append((name, tuple(g.shape))))
+        with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+            out = model(x)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum").backward()
+            psn.sq_norms()
+        names = [n for n, _ in seen]
+        assert sorted(names) == sorted(n for n, _ in model.named_parameters())        # each once
+        assert all(shape == tuple(model.get_parameter(n).shape) for n, shape in seen)

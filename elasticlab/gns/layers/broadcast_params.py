@@ -84,7 +84,7 @@ class Step:
         mod = f"{slot.name or '(root)'!r} ({type(slot.module).__name__})"
         how = (f"is used by {name} with tensors that carry the batch or train, and not as a broadcast over "
                "the batch (expand, repeat, an elementwise op), so the per-example gradient is not known")
-        for pn in f._sources:
+        for pn in _names(f):
             slot.unmeasured.setdefault(pn, (
                 f"module {mod} ran without the batch (its output has shape {self.shape}, the batch "
                 f"{self.batch}), and that output {how}; expand its input over the batch, e.g. "
@@ -107,14 +107,17 @@ class Step:
         B = g.shape[0]
         pe = g.detach().reshape(B, *shape)
         slot = self.slot
-        if f._direct:
-            per = {f._sources[0]: pe}
-        else:                                          # made from p by other ops: their vjp, per example
-            params = [slot.module._parameters[pn] for pn in f._sources]
-            with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
-                got = torch.autograd.grad(f, params, pe, retain_graph=True, allow_unused=True,
-                                          is_grads_batched=True)
-            per = {pn: v for pn, v in zip(f._sources, got) if v is not None}
+        if f._root is not None:
+            at = [(f._root, pe)]
+        else:                                          # made from its roots by other ops: their vjp, each
+            with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():    # example's (no hook of a
+                got = torch.autograd.grad(f, list(f._roots), pe, retain_graph=True,   # parameter runs: the
+                                          allow_unused=True, is_grads_batched=True)  # roots are aliases)
+            at = [(r._root, v) for r, v in zip(f._roots, got) if v is not None]
+        per: dict[str, torch.Tensor] = {}
+        for root, v in at:              # a parameter's alias: its own gradient; a layer's output: its vjp
+            for pn, w in (_layer_vjp(root, v) if root[0] == "call" else {root[1]: v}).items():
+                per[pn] = w if pn not in per else per[pn] + w
         last = self.open <= 0                          # the step's last use: nothing more to hold
         norms = {}
         for pn, v in per.items():
@@ -132,31 +135,60 @@ class Step:
 
 
 class Followed(torch.Tensor):
-    """A needed bare parameter, or a tensor made from such parameters alone, inside its module's forward."""
+    """A needed bare parameter, or a tensor made from such parameters alone, inside its module's forward;
+    also a layer's output on an input without the batch. A root (``_root``: ("param", name) for the alias of
+    a parameter, ("call", module, args, kwargs, need) for a layer's output) or made from ``_roots``."""
     _step: Step
-    _sources: tuple[str, ...] = ()
-    _direct = False
+    _root: tuple | None = None
+    _roots: tuple = ()
     _live = True
 
 
-def _follow(t, step: Step, sources: tuple[str, ...], live: bool, direct: bool = False):
+def _follow(t, step: Step, live: bool, root: tuple | None = None, roots: tuple = ()):
     if not (isinstance(t, torch.Tensor) and t.requires_grad):
         return t
     f = t.as_subclass(Followed)
-    f._step, f._sources, f._live, f._direct = step, sources, live, direct
+    f._step, f._live, f._root, f._roots = step, live, root, roots
     return f
+
+
+def _names(f: Followed) -> list[str]:
+    """The parameters a followed tensor comes from."""
+    roots = (f,) if f._root is not None else f._roots
+    return list(dict.fromkeys(pn for r in roots for pn in
+                              ((r._root[1],) if r._root[0] == "param" else r._root[4])))
+
+
+def _roots_of(fol: list) -> tuple:
+    """The roots a tensor made from the followed tensors ``fol`` comes from, each once."""
+    return tuple({id(r): r for f in fol for r in ((f,) if f._root is not None else f._roots)}.values())
+
+
+def _layer_vjp(root: tuple, v: torch.Tensor) -> dict:
+    """{param: (B, *shape)}: the vjp of a layer's call (``root``: ("call", module, args, kwargs, need)) at
+    each example's cotangent of its output ``v`` (B, *output), by torch.func on the module's own forward at
+    a detached copy of its parameters, so that no hook on them runs (GNSMonitor's, DDP's)."""
+    from torch.func import functional_call, vjp, vmap
+
+    from elasticlab.gns.slot import Quiet
+    _, module, args, kwargs, need = root
+    params = {pn: module.get_parameter(pn).detach() for pn in need}
+    with torch.enable_grad(), Quiet():
+        _, pull = vjp(lambda p: functional_call(module, p, args, kwargs, strict=False, tie_weights=False),
+                      params)
+        return vmap(pull)(v)[0]
 
 
 def _dispatch(func, args: tuple, kwargs: dict):
     if getattr(func, "__name__", None) == "__get__":          # an attribute: .shape, .dtype, .T, .data
         out = func(*args, **kwargs)
-        return _follow(out, args[0]._step, args[0]._sources, args[0]._live) if isinstance(out, torch.Tensor) \
-            else out
+        return _follow(out, args[0]._step, args[0]._live, roots=_roots_of([args[0]])) \
+            if isinstance(out, torch.Tensor) else out
     flat, _ = tree_flatten((args, kwargs))
     fol = [a for a in flat if isinstance(a, Followed)]
     others = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, Followed)]
     step, live, B = fol[0]._step, all(f._live for f in fol), fol[0]._step.batch
-    sources = tuple(dict.fromkeys(pn for f in fol for pn in f._sources))
+    roots = _roots_of(fol)
 
     def swap(new: dict):
         return tree_map(lambda a: new.get(id(a), a), (args, kwargs))
@@ -170,10 +202,10 @@ def _dispatch(func, args: tuple, kwargs: dict):
                 return e.repeat(1, *(o // n for o, n in zip(out.shape[1:], e.shape[1:])))
             new_args, new_kwargs = swap({id(f): e})
             return func(*new_args, **new_kwargs)
-        return tree_map(lambda t: _follow(t, step, sources, live), out)
+        return tree_map(lambda t: _follow(t, step, live, roots=roots), out)
     if not any(a.requires_grad or (B and a.dim() and a.shape[0] == B) for a in others):
         out = func(*args, **kwargs)                    # made from followed tensors (and constants) alone
-        return tree_map(lambda t: _follow(t, step, sources, live), out)
+        return tree_map(lambda t: _follow(t, step, live, roots=roots), out)
     inplace_on_param = func.__name__.endswith("_") or func.__name__.startswith("__i")
     if func in _ELEMENTWISE and B and not (inplace_on_param and isinstance(args[0], Followed)):
         shape = torch.broadcast_shapes(*(a.shape for a in flat if isinstance(a, torch.Tensor)))
@@ -238,7 +270,7 @@ def broadcast_forward(module: nn.Module, slot):
             p = module._parameters.get(pn)
             if p is not None and p.requires_grad:
                 saved[pn] = p
-                module._parameters[pn] = _follow(p, step, (pn,), live, direct=True)
+                module._parameters[pn] = _follow(p, step, live, root=("param", pn))
         try:
             return own(module, *args, **kwargs)
         finally:
@@ -264,12 +296,16 @@ def unbatched(slot, inputs: tuple, output) -> bool:
     return True
 
 
-def follow_call(slot, output, live: bool):
+def follow_call(slot, inputs: tuple, output, live: bool):
     """A layer's output on an input without the batch, followed: its parameters' per-example gradients are
-    taken where the output is broadcast over the batch, mapped back through the layer by a batched vjp."""
+    taken where the output is broadcast over the batch, mapped back through the layer by a batched vjp
+    (:func:`_layer_vjp`, at the call's inputs, kept detached until then)."""
     step = slot.follow
     step.batch = slot.owner._batch
-    return _follow(output, step, slot.need, live)
+    kw = inputs[-1] if inputs and isinstance(inputs[-1], dict) else {}
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in (inputs[:-1] if kw else inputs))
+    kw = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    return _follow(output, step, live, root=("call", slot.module, args, kw, slot.need))
 
 
 register_fallback(Rule(norms=None, params=own_params, fused=broadcast_forward, sums_calls=True), applies)
