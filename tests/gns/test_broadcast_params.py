@@ -453,3 +453,27 @@ def test_no_hook_on_a_parameter_runs_in_the_per_example_vjps():
         names = [n for n, _ in seen]
         assert sorted(names) == sorted(n for n, _ in model.named_parameters())        # each once
         assert all(shape == tuple(model.get_parameter(n).shape) for n, shape in seen)
+
+
+def test_positions_without_the_batch_under_compile_are_named():
+    """Under torch.compile such a call is not followed: the readers raise naming it, or strict=False leaves
+    it out (listed in left_out) with the other norms exact (before: param_sq_norms gave it a norm of shape
+    (1,), with no error)."""
+    torch.manual_seed(0)
+    model, idx = Positions("row").double(), torch.randint(0, 11, (5, 6))
+    loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
+    want = example_param_sq_norms(model, (loss(model(idx[b:b + 1]), idx[b:b + 1]) for b in range(5)))
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        loss(run(idx), idx).backward()
+        with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\) ran without the batch .* under "
+                                               r"torch.compile"):
+            psn.param_sq_norms()
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
+        model.zero_grad()
+        loss(run(idx), idx).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = psn.param_sq_norms()
+        assert "pos.weight" not in got and "pos.weight" in psn.left_out
+        torch.testing.assert_close(got["tok.weight"], want["tok.weight"], rtol=1e-9, atol=1e-12)

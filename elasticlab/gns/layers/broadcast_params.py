@@ -284,11 +284,20 @@ def unbatched(slot, inputs: tuple, output) -> bool:
     ``position_ids`` (1, T), of ``arange(T)``, of T5's relative-position buckets (q, k); BART's positional
     embedding handed its positions by keyword). Its output is then followed to its broadcast
     (:func:`follow_call`) instead of its rule reading dim 0 as the examples; where the sizes coincide, the
-    broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Eager only."""
+    broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Eager only: under
+    ``torch.compile`` such a call makes the readers raise naming the layer."""
     B = slot.owner._batch
-    if not ENABLED or B is None or not isinstance(output, torch.Tensor) or torch.compiler.is_compiling():
+    if not ENABLED or B is None or not isinstance(output, torch.Tensor):
         return False
     if output.dim() and output.shape[0] == B:
+        return False
+    if torch.compiler.is_compiling():          # not followed: the readers raise (a traced flag, replayed)
+        for pn in slot.need:
+            slot.unmeasured[pn] = (
+                f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
+                f"shape {tuple(output.shape)}, the batch {B}) under torch.compile, where such a call is not "
+                "followed to its broadcast: run the model eagerly, or expand its input over the batch, e.g. "
+                "pos.unsqueeze(0).expand(B, -1)")
         return False
     if slot.follow is None:
         slot.follow = Step(slot, layer=True)
