@@ -42,7 +42,8 @@ def kept(inputs: tuple):
     hooks are active (non-reentrant activation checkpointing, ``save_on_cpu``), packed by those hooks, so
     that they are dropped and recomputed (or offloaded) like the layer's own saved tensors instead of held.
     The recomputation's call then packs the same tensors (:func:`pack_again`), as checkpointing requires."""
-    inputs = tuple(_detached(i) if isinstance(i, dict) else i for i in inputs)     # keyword arguments: held
+    if inputs and isinstance(inputs[-1], dict):       # a rule's keyword arguments (Rule.kwargs): held
+        inputs = (*inputs[:-1], _detached(inputs[-1]))
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)

@@ -51,14 +51,13 @@ def _split(inputs: tuple) -> tuple[list, int, tuple[str, ...]]:
     return list(inputs), len(inputs), ()
 
 
-def _per_example_forward(module: nn.Module, dims: tuple, n_args: int | None = None, keys: tuple = ()):
+def _per_example_forward(module: nn.Module, dims: tuple, n_args: int, keys: tuple):
     """``one(params, *flat)``: the module's forward on one example (batched inputs given a batch of 1), with
     ``params`` in place of its own; ``flat`` its positional arguments, then the values of ``keys``."""
     def one(params, *flat):
         flat = [a.unsqueeze(0) if d == 0 else a for a, d in zip(flat, dims)]
-        n = len(flat) if n_args is None else n_args
-        return functional_call(module, params, tuple(flat[:n]), dict(zip(keys, flat[n:])), strict=False,
-                               tie_weights=False)
+        return functional_call(module, params, tuple(flat[:n_args]), dict(zip(keys, flat[n_args:])),
+                               strict=False, tie_weights=False)
     return one
 
 
