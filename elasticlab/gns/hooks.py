@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from elasticlab.gns.capture import kept, pack_again
+from elasticlab.gns.folds import fold_for
 from elasticlab.gns.layers.broadcast_params import follow_call, unbatched
 from elasticlab.gns.sink import tap
 from elasticlab.gns.slot import Quiet, recomputing
@@ -48,9 +49,15 @@ def forward_hook(owner, slot):
         if not (isinstance(first, torch.Tensor) or slot.rule.kwargs and isinstance(first, dict)):
             raise ValueError(f"module {slot.name!r}: expected a tensor input")
         get = kept(inputs)
+        fold = fold_for(slot, first) if slot.rule.folds else None   # rows (B·T, …): read as (B, T, …)
 
         def on_grad(g):
             saved = get()
+            if fold is not None:
+                R = g.shape[0]
+                saved = tuple(fold.unfold(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == R
+                              else t for t in saved)
+                g = fold.unfold(g)
             if slot.shared:                     # formed with its other calls when read
                 slot.pending.append((saved, g.detach()))
                 return

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from elasticlab.gns import hooks, loss_scale, repeated
+from elasticlab.gns import folds, hooks, loss_scale, repeated
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
@@ -221,6 +221,7 @@ class PerSampleGradNorms:
                                  "form, which does not support this configuration")
             s.fused = fwd is not None
             if fwd is not None:
+                fwd = folds.unfolding(s, fwd) if s.rule.folds else fwd
                 self._patched.append((s.module, s.module.__dict__.get("forward")))
                 s.module.forward = self._audit.wrap(s, fwd)
             else:

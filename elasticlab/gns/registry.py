@@ -19,7 +19,9 @@ installed whenever any parameter below the module trains, even with none of its 
 ``unbatched`` (hook rules): a call on an input without the batch (dim 0 not the model's batch: a positional
 embedding on ``position_ids`` (1, T)) is followed to where its output is broadcast over the batch
 (:mod:`.layers.broadcast_params`) instead of read by the rule. ``kwargs`` (hook rules): its ``inputs`` end
-with the call's keyword arguments as a dict, where there are any (:mod:`elasticlab.gns.hooks`).
+with the call's keyword arguments as a dict, where there are any (:mod:`elasticlab.gns.hooks`). ``folds``: the
+layer is row-wise, so a call on the examples folded with their positions into dim 0 ((B·T, D), OPT) is read
+unfolded to (B, T, …) (:mod:`elasticlab.gns.folds`).
 """
 from __future__ import annotations
 
@@ -41,13 +43,15 @@ class Rule:
     sums_calls: bool = False
     unbatched: bool = False
     kwargs: bool = False
+    folds: bool = False
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias"), fused=None,
-                  check=None, calls_children: bool = False, summed=None, unbatched: bool = False) -> Rule:
+                  check=None, calls_children: bool = False, summed=None, unbatched: bool = False,
+                  folds: bool = False) -> Rule:
     """Register (or replace) the rule for ``module_type``; returns it."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise ValueError(f"register_rule: expected an nn.Module subclass, got {module_type!r}")
@@ -70,7 +74,8 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
     if unbatched and fused is not None:
         raise ValueError(f"register_rule: {module_type.__name__}: unbatched is for hook rules only")
     rule = Rule(norms=norms, params=params, fused=fused, check=check,
-                calls_children=bool(calls_children), summed=summed, unbatched=bool(unbatched))
+                calls_children=bool(calls_children), summed=summed, unbatched=bool(unbatched),
+                folds=bool(folds))
     RULES[module_type] = rule
     return rule
 

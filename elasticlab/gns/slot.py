@@ -57,6 +57,7 @@ class Slot:
         self.mixed = False          # also called in a reentrant checkpoint's recomputation (an error)
         self.unmeasured: dict[str, str] = {}   # needed params used this step in a way no rule takes: why
         self.follow = None          # its layers.broadcast_params.Step: bare parameters, or unbatched calls
+        self.folds: dict = {}       # (batch, input shape) -> its rows' layout, or None (elasticlab.gns.folds)
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname

@@ -103,4 +103,4 @@ def layernorm_forward(module: nn.LayerNorm, slot):
 
 
 register_rule(nn.LayerNorm, layernorm_norms, fused=layernorm_forward,
-              summed=along_positions(layernorm_norms, normalized_dims, normalized_dims))
+              summed=along_positions(layernorm_norms, normalized_dims, normalized_dims), folds=True)

@@ -246,4 +246,4 @@ def linear_forward(module: nn.Linear, slot):
 
 
 register_rule(nn.Linear, linear_norms, fused=linear_forward,
-              summed=along_positions(linear_norms, lambda m: 1, lambda m: 1))
+              summed=along_positions(linear_norms, lambda m: 1, lambda m: 1), folds=True)

@@ -100,4 +100,4 @@ def rmsnorm_forward(module: nn.RMSNorm, slot):
 
 
 register_rule(nn.RMSNorm, rmsnorm_norms, params=("weight",), fused=rmsnorm_forward,
-              summed=along_positions(rmsnorm_norms, normalized_dims, normalized_dims))
+              summed=along_positions(rmsnorm_norms, normalized_dims, normalized_dims), folds=True)

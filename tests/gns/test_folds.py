@@ -1,0 +1,66 @@
+"""Row-wise layers called on the examples folded into dim 0 with their positions (gns.folds): OPT's MLP on
+(B·T, D), a (T, B, D) tensor flattened. Against one backward per example in float64; before, the readers
+raised "layers disagree on the batch size"."""
+import pytest
+import torch
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.reference import example_param_sq_norms
+
+
+class Folded(nn.Module):
+    """An OPT-style block: the MLP and its LayerNorm on the hidden states folded to (B·T, D), then unfolded;
+    ``time_major``: folded from (T, B, D) instead."""
+
+    def __init__(self, D=6, H=10, time_major=False):
+        super().__init__()
+        self.inp, self.norm = nn.Linear(4, D), nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
+        self.rms, self.head, self.time_major = nn.RMSNorm(D), nn.Linear(D, 3), time_major
+
+    def forward(self, x):
+        h = self.inp(x)                                       # (B, T, D)
+        B, T, D = h.shape
+        hf = h.transpose(0, 1).reshape(-1, D) if self.time_major else h.reshape(-1, D)
+        hf = hf + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(hf))))
+        hf = self.rms(hf)
+        h = hf.view(T, B, D).transpose(0, 1) if self.time_major else hf.view(B, T, D)
+        return self.head(h.mean(1))
+
+
+def _loss(out, y):
+    return torch.nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_folded_rows_match_per_example_backward(fused, time_major):
+    torch.manual_seed(0)
+    model = Folded(time_major=time_major).double()
+    x, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5)))
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        _loss(model(x), y).backward()
+        got = psg.param_sq_norms()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+
+
+def test_rows_not_found_folded_still_raise():
+    """A Linear on rows whose layout the graph does not show (learned latents, k·B of them) is not unfolded:
+    the readers' batch sizes disagree, as before."""
+    class Latents(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lat, self.fc, self.inp = nn.Parameter(torch.randn(8, 4)), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inp(x).sum(1) + self.fc(self.lat).sum()
+
+    model = Latents()
+    with PerSampleGradNorms(model, strict=False) as psg:
+        model(torch.randn(4, 3, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match="disagree on the batch size"):
+            psg.sq_norms()
