@@ -20,6 +20,7 @@ import math
 import torch
 
 from elasticlab.gns.capture import batched_input
+from elasticlab.gns.folds import grad_shapes
 
 ENABLED = True
 MAX_SIGNATURES = 32      # input signatures audited at most (then none: variable shapes cost a walk each)
@@ -87,10 +88,10 @@ def _broadcast_to(node, shape: tuple, parents: dict, batch: int) -> tuple | None
     while frontier:
         n, s, hops = frontier.pop()
         for c in parents.get(id(n), ()):
-            meta = getattr(c, "_input_metadata", None)      # what the op hands back: its output's shape
-            if meta is None or len(meta) != 1:
+            shapes = grad_shapes(c)                        # what the op hands back: its output's shape
+            if shapes is None or len(shapes) != 1:
                 continue
-            result = tuple(meta[0].shape)
+            result = shapes[0]
             if math.prod(result) == math.prod(s):
                 if hops < MAX_HOPS:
                     frontier.append((c, result, hops + 1))

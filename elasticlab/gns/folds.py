@@ -19,12 +19,16 @@ from dataclasses import dataclass
 import torch
 
 ENABLED = True
-MAX_HOPS = 24                          # autograd nodes followed back from a layer's input
+MAX_HOPS = 32                          # autograd nodes followed back from a layer's input
+MAX_SHAPES = 32                        # input shapes whose layout is kept per layer (then found afresh)
 _VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "CloneBackward0",
           "ToCopyBackward0", "AliasBackward0"}
 _ROWWISE = {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "NegBackward0", "GeluBackward0",
             "ReluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0", "NativeDropoutBackward0",
-            "NativeLayerNormBackward0", "PowBackward0", "ExpBackward0"}
+            "NativeLayerNormBackward0", "PowBackward0", "ExpBackward0", "AddBackward1", "SubBackward1",
+            "MulBackward1", "DivBackward1"}
+_ROWS_KEPT = {"TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "SoftmaxBackward0",
+              "LogSoftmaxBackward0", "SafeSoftmaxBackward0"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,12 @@ class Fold:
             return t.reshape(self.batch, self.per, *t.shape[1:])
         return t.reshape(self.per, self.batch, *t.shape[1:]).transpose(0, 1).contiguous()
 
+    def sum_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """(R, …) → (batch, …): each example's rows summed."""
+        if self.major:
+            return t.reshape(self.batch, self.per, *t.shape[1:]).sum(1)
+        return t.reshape(self.per, self.batch, *t.shape[1:]).sum(0)
+
     def refold(self, t: torch.Tensor) -> torch.Tensor:
         """(batch, per, …) → (R, …), the inverse of :meth:`unfold`."""
         if self.major:
@@ -48,19 +58,51 @@ class Fold:
         return t.transpose(0, 1).reshape(self.batch * self.per, *t.shape[2:])
 
 
+def grad_shapes(node) -> tuple | None:
+    """The shapes of the gradients an autograd node receives (its forward op's outputs), or None where the
+    node does not say."""
+    meta = getattr(node, "_input_metadata", None)
+    return None if meta is None else tuple(tuple(m.shape) for m in meta)
+
+
 def _shape(fn, nr: int) -> tuple | None:
-    meta = getattr(fn, "_input_metadata", None)
-    return tuple(meta[nr].shape) if meta is not None and nr < len(meta) else None
+    shapes = grad_shapes(fn)
+    return shapes[nr] if shapes is not None and nr < len(shapes) else None
+
+
+def _keeps_rows(node, out: tuple) -> bool:
+    """Whether a node in ``_ROWWISE`` keeps its output's rows apart (a LayerNorm whose normalized shape
+    reaches dim 0 mixes them)."""
+    if node.name() != "NativeLayerNormBackward0":
+        return True
+    return len(getattr(node, "_saved_normalized_shape", out)) < len(out)
+
+
+def _keeps_dim0(node) -> bool:
+    """A transpose or permute that leaves dim 0 in place (the heads split off: ``view(R, T, H, d)
+    .transpose(1, 2)``), or an expand of the other dimensions (matmul's)."""
+    name = node.name()
+    if name == "TransposeBackward0":
+        return 0 not in (getattr(node, "_saved_dim0", 0), getattr(node, "_saved_dim1", 0))
+    if name == "PermuteBackward0":
+        dims = getattr(node, "_saved_dims", (1,))
+        return len(dims) > 0 and dims[0] == 0
+    if name in ("SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"):
+        dim = getattr(node, "_saved_dim", 0)
+        dim = dim - 2 ** 64 if dim >= 2 ** 63 else dim          # (an int64 read back unsigned)
+        return dim != 0 and dim != -len(getattr(node, "_saved_result", ()))
+    return name == "ExpandBackward0" or name.startswith("ScaledDotProduct")    # (attention: the query's rows)
 
 
 def find(t: torch.Tensor, batch: int) -> Fold | None:
     """The layout of ``t``'s rows (dim 0 a multiple k > 1 of ``batch``) read from its autograd graph, or None
-    when no path back to a folding view is found, or the paths disagree."""
+    when no path back to a folding view is found, or the paths disagree. Along the way dim 0 may fold the
+    rows further (a multiple of them: the heads of an attention's matmul, R·H)."""
     R = t.shape[0]
     stack, seen, found = [(t.grad_fn, tuple(t.shape), 0)], set(), set()
     while stack:
         node, out, hops = stack.pop()
-        if node is None or id(node) in seen or hops > MAX_HOPS or not out:
+        if node is None or id(node) in seen or hops > MAX_HOPS or not out or out[0] % R:
             continue
         seen.add(id(node))
         name, per_row = node.name(), math.prod(out) // R
@@ -73,13 +115,15 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
             elif len(S) > 1 and S[1] == batch and S[0] != batch and S[0] * batch == R \
                     and math.prod(S[2:]) == per_row:
                 found.add(Fold(batch, S[0], False))
-            elif S and S[0] == R:
+            elif S and S[0] % R == 0 and math.prod(S) == math.prod(out):
                 stack.append((c, S, hops + 1))
-        elif name in _ROWWISE:
+        elif name in _ROWWISE and _keeps_rows(node, out):
             stack += [(c, s, hops + 1) for c, s in kids if s == out]
-        elif name in ("MmBackward0", "AddmmBackward0") and kids:
-            c, s = kids[0] if name == "MmBackward0" else kids[-2]
-            if s[0] == out[0]:
+        elif (name in _ROWS_KEPT or name.startswith("ScaledDotProduct")) and _keeps_dim0(node) and kids:
+            stack += [(c, s, hops + 1) for c, s in kids[:1] if s and s[0] == out[0]]
+        elif name in ("MmBackward0", "AddmmBackward0", "BmmBackward0") and kids:
+            c, s = kids[-2] if name == "AddmmBackward0" else kids[0]
+            if s and s[0] == out[0]:
                 stack.append((c, s, hops + 1))
     return found.pop() if len(found) == 1 else None
 
@@ -95,13 +139,21 @@ def fold_for(slot, x) -> Fold | None:
         return None
     key = (B, tuple(x.shape))
     if key not in slot.folds:
+        if len(slot.folds) >= MAX_SHAPES:          # (variable shapes: the oldest layout goes)
+            del slot.folds[next(iter(slot.folds))]
         slot.folds[key] = find(x, B)
     return slot.folds[key]
 
 
 def unfolding(slot, forward):
     """A row-wise layer's fused forward, run on its input unfolded to (B, k, …) where it is folded."""
+    owner = slot.owner
+
     def run(x, *args, **kwargs):
+        # the common call (dim 0 is the batch) pays one comparison, not a call of fold_for
+        if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or x.shape[0] == owner._batch:
+            return forward(x, *args, **kwargs)
         fold = fold_for(slot, x)
         if fold is None:
             return forward(x, *args, **kwargs)

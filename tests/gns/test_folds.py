@@ -64,3 +64,29 @@ def test_rows_not_found_folded_still_raise():
         model(torch.randn(4, 3, 4)).sum().backward()
         with pytest.raises(RuntimeError, match="disagree on the batch size"):
             psg.sq_norms()
+
+
+def test_layernorm_over_the_rows_stops_the_walk():
+    """A LayerNorm normalizing over dim 0 too mixes the rows: the walk back from a folded Linear must not
+    cross it (else the norms would be read per example, silently wrong)."""
+    from elasticlab.gns import folds
+    h = torch.randn(3, 4, 5, requires_grad=True)
+    flat = h.reshape(12, 5)
+    assert folds.find(flat * 2, 3) == folds.Fold(3, 4, True)            # row-wise: found
+    mixed = torch.nn.functional.layer_norm(flat, (12, 5))               # rows mixed: not
+    assert folds.find(mixed, 3) is None
+    assert folds.find(torch.nn.functional.layer_norm(flat, (5,)), 3) == folds.Fold(3, 4, True)
+
+
+def test_layout_cache_is_bounded(monkeypatch):
+    """Variable input shapes (a sequence length per step) keep at most MAX_SHAPES layouts per layer."""
+    from elasticlab.gns import folds
+    monkeypatch.setattr(folds, "MAX_SHAPES", 3)
+    torch.manual_seed(0)
+    model = Folded()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        for T in (2, 3, 4, 6, 7, 8):                      # (T = B: both layouts fit, none found)
+            _loss(model(torch.randn(5, T, 4)), torch.randint(0, 3, (5,))).backward()
+            assert psg.sq_norms().shape == (5,)
+        sizes = [len(s.folds) for s in psg._slots]
+    assert max(sizes) == 3

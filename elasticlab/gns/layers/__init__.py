@@ -13,7 +13,8 @@
 - :mod:`.cells`: ``nn.RNNCell`` / ``nn.LSTMCell`` / ``nn.GRUCell`` (their two affine maps; a cell called at
   each step of a loop is summed over the steps, :mod:`elasticlab.gns.repeated`).
 - :mod:`.broadcast_params`: bare parameters of a module with children broadcast over the batch (a ViT's
-  class token and position embedding), followed to their broadcast.
+  class token and position embedding), followed to their broadcast; its taps, which take the per-example
+  gradients there, are :mod:`.broadcast_taps` (no rule of its own).
 - :mod:`.generic`: the fallback for leaf modules of no registered type (HF's RMSNorm classes): per-example
   gradients by torch.func, for layers that treat each example alone (checked once per input shape).
 Importing this package registers them all.

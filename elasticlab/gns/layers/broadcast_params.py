@@ -5,7 +5,9 @@ position embedding (Dosovitskiy et al. 2021, eq. 1: z₀ = [x_class; x_p¹E; …
 
 Such a parameter p reaches the examples through a broadcast: ``p.expand(B, …)`` (or ``repeat``, ``tile``,
 ``broadcast_to``, ``expand_as``), an elementwise op with a batched tensor (``x + p``), or as the additive
-``attn_mask`` of ``scaled_dot_product_attention``. Its per-example
+``attn_mask`` of ``scaled_dot_product_attention``; also on rows that fold the batch with windows (Swin's
+relative position bias on its B·nW windows' scores: each example's rows summed,
+:class:`~elasticlab.gns.layers.broadcast_taps.Rows`). Its per-example
 gradient is then example b's slice of the gradient of that broadcast's result, ∇p ℓ_b = ∂ℓ/∂e_b with
 e = p expanded along dim 0 (the op broadcasts the other dimensions, and autograd sums them, as it does for p).
 So during its module's forward, each needed bare parameter is seen as a tensor subclass (:class:`Followed`)
@@ -38,8 +40,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 
-from elasticlab.gns import kernels
+from elasticlab.gns import folds
 from elasticlab.gns.capture import batch_of
+from elasticlab.gns.layers.broadcast_taps import Rows, Step
 from elasticlab.gns.registry import Rule, register_fallback
 from elasticlab.gns.slot import recomputing
 
@@ -58,82 +61,6 @@ _ELEMENTWISE = {
 }
 
 
-class Step:
-    """One slot's per-example gradients of its followed parameters in the current step (``slot.follow``):
-    its bare parameters, or, for a covered layer called without the batch, its own parameters."""
-
-    def __init__(self, slot, layer: bool = False):
-        self.slot, self.layer = slot, layer
-        self.batch: int | None = None
-        self.acc: dict[str, torch.Tensor] = {}        # {param: (B, *p.shape)} summed so far
-        self.open = 0                                  # taps of the forward whose gradient has not come
-        self.calls = 0                                 # (a layer) its calls without the batch this step
-        self.shape: tuple = ()                         # (a layer) the output of its last such call
-
-    def reset(self) -> None:
-        """At each step's start (PerSampleGradNorms' forward pre-hook)."""
-        self.batch, self.acc, self.open, self.calls = None, {}, 0, 0
-
-    def refuse(self, f: Followed, func) -> None:
-        """A use of followed parameters with batched or trainable tensors that is not a broadcast."""
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-        for c_name, shown in (("_VariableFunctionsClass.", "torch."), ("TensorBase.", "Tensor."),
-                              ("_TensorBase.", "Tensor.")):
-            name = shown + name[len(c_name):] if name.startswith(c_name) else name
-        slot = self.slot
-        mod = f"{slot.name or '(root)'!r} ({type(slot.module).__name__})"
-        how = (f"is used by {name} with tensors that carry the batch or train, and not as a broadcast over "
-               "the batch (expand, repeat, an elementwise op), so the per-example gradient is not known")
-        for pn in _names(f):
-            slot.unmeasured.setdefault(pn, (
-                f"module {mod} ran without the batch (its output has shape {self.shape}, the batch "
-                f"{self.batch}), and that output {how}; expand its input over the batch, e.g. "
-                "pos.unsqueeze(0).expand(B, -1)") if self.layer else
-                f"bare parameter {slot.full(pn)!r} of module {mod} {how}")
-
-    def tap(self, f: Followed, live: bool, ndim: int) -> torch.Tensor:
-        """``f`` expanded to the batch along dim 0 (leading 1s put first where it has fewer dimensions than
-        the op's result, of ``ndim``), its gradient taken per example by a hook."""
-        B, shape = self.batch, tuple(f.shape)
-        e = f.reshape((1,) * (ndim - len(shape)) + shape) if ndim > len(shape) else f
-        e = e.expand(B, *e.shape[1:])
-        if live and e.requires_grad:
-            self.open += 1
-            e.register_hook(lambda g: self._take(f, shape, g))
-        return e
-
-    def _take(self, f: Followed, shape: tuple, g: torch.Tensor) -> None:
-        self.open -= 1
-        B = g.shape[0]
-        pe = g.detach().reshape(B, *shape)
-        slot = self.slot
-        if f._root is not None:
-            at = [(f._root, pe)]
-        else:                                          # made from its roots by other ops: their vjp, each
-            with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():    # example's (no hook of a
-                got = torch.autograd.grad(f, list(f._roots), pe, retain_graph=True,   # parameter runs: the
-                                          allow_unused=True, is_grads_batched=True)  # roots are aliases)
-            at = [(r._root, v) for r, v in zip(f._roots, got) if v is not None]
-        per: dict[str, torch.Tensor] = {}
-        for root, v in at:              # a parameter's alias: its own gradient; a layer's output: its vjp
-            for pn, w in (_layer_vjp(root, v) if root[0] == "call" else {root[1]: v}).items():
-                per[pn] = w if pn not in per else per[pn] + w
-        last = self.open <= 0                          # the step's last use: nothing more to hold
-        norms = {}
-        for pn, v in per.items():
-            v = v.to(kernels.acc_dtype(v.dtype))
-            have = self.acc.pop(pn, None) if last else self.acc.get(pn)
-            if have is not None and have.shape != v.shape:
-                raise RuntimeError(f"bare parameter {slot.full(pn)!r} was broadcast over batches of sizes "
-                                   f"{have.shape[0]} and {v.shape[0]} in one step: its per-example gradient "
-                                   "needs every use to see the same examples along dim 0")
-            total = v if have is None else have + v
-            if not last:
-                self.acc[pn] = total
-            norms[pn] = kernels.row_sq(total)
-        slot.record(norms, B)
-
-
 class Followed(torch.Tensor):
     """A needed bare parameter, or a tensor made from such parameters alone, inside its module's forward;
     also a layer's output on an input without the batch. A root (``_root``: ("param", name) for the alias of
@@ -142,21 +69,15 @@ class Followed(torch.Tensor):
     _root: tuple | None = None
     _roots: tuple = ()
     _live = True
+    _pending: tuple = ()          # Rows it was expanded to, their layout not yet known
 
 
-def _follow(t, step: Step, live: bool, root: tuple | None = None, roots: tuple = ()):
+def _follow(t, step: Step, live: bool, root: tuple | None = None, roots: tuple = (), pending: tuple = ()):
     if not (isinstance(t, torch.Tensor) and t.requires_grad):
         return t
     f = t.as_subclass(Followed)
-    f._step, f._live, f._root, f._roots = step, live, root, roots
+    f._step, f._live, f._root, f._roots, f._pending = step, live, root, roots, pending
     return f
-
-
-def _names(f: Followed) -> list[str]:
-    """The parameters a followed tensor comes from."""
-    roots = (f,) if f._root is not None else f._roots
-    return list(dict.fromkeys(pn for r in roots for pn in
-                              ((r._root[1],) if r._root[0] == "param" else r._root[4])))
 
 
 def _roots_of(fol: list) -> tuple:
@@ -164,31 +85,16 @@ def _roots_of(fol: list) -> tuple:
     return tuple({id(r): r for f in fol for r in ((f,) if f._root is not None else f._roots)}.values())
 
 
-def _layer_vjp(root: tuple, v: torch.Tensor) -> dict:
-    """{param: (B, *shape)}: the vjp of a layer's call (``root``: ("call", module, args, kwargs, need)) at
-    each example's cotangent of its output ``v`` (B, *output), by torch.func on the module's own forward at
-    a detached copy of its parameters, so that no hook on them runs (GNSMonitor's, DDP's)."""
-    from torch.func import functional_call, vjp, vmap
-
-    from elasticlab.gns.slot import Quiet
-    _, module, args, kwargs, need = root
-    params = {pn: module.get_parameter(pn).detach() for pn in need}
-    with torch.enable_grad(), Quiet():
-        _, pull = vjp(lambda p: functional_call(module, p, args, kwargs, strict=False, tie_weights=False),
-                      params)
-        return vmap(pull)(v)[0]
-
-
 def _dispatch(func, args: tuple, kwargs: dict):
     if getattr(func, "__name__", None) == "__get__":          # an attribute: .shape, .dtype, .T, .data
         out = func(*args, **kwargs)
-        return _follow(out, args[0]._step, args[0]._live, roots=_roots_of([args[0]])) \
-            if isinstance(out, torch.Tensor) else out
+        return _follow(out, args[0]._step, args[0]._live, roots=_roots_of([args[0]]),
+                       pending=args[0]._pending) if isinstance(out, torch.Tensor) else out
     flat, _ = tree_flatten((args, kwargs))
     fol = [a for a in flat if isinstance(a, Followed)]
     others = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, Followed)]
     step, live, B = fol[0]._step, all(f._live for f in fol), fol[0]._step.batch
-    roots = _roots_of(fol)
+    roots, pending = _roots_of(fol), tuple(r for f in fol for r in f._pending)
 
     def swap(new: dict):
         return tree_map(lambda a: new.get(id(a), a), (args, kwargs))
@@ -196,31 +102,96 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if func in _EXPANDS or func in _REPEATS:
         out = func(*args, **kwargs)
         f = args[0] if isinstance(args[0], Followed) else None
-        if f is not None and B and _fills(f.shape, out.shape, B):
+        if f is not None and B and _fills(f.shape, out.shape, B) and not pending:
             e = step.tap(f, live, out.dim())
             if func in _REPEATS:                       # the batch is made by the expand: repeat the rest
                 return e.repeat(1, *(o // n for o, n in zip(out.shape[1:], e.shape[1:])))
             new_args, new_kwargs = swap({id(f): e})
             return func(*new_args, **new_kwargs)
-        return tree_map(lambda t: _follow(t, step, live, roots=roots), out)
-    if not any(a.requires_grad or (B and a.dim() and a.shape[0] == B) for a in others):
-        out = func(*args, **kwargs)                    # made from followed tensors (and constants) alone
-        return tree_map(lambda t: _follow(t, step, live, roots=roots), out)
+        return tree_map(lambda t: _follow(t, step, live, roots=roots, pending=pending), out)
     inplace_on_param = func.__name__.endswith("_") or func.__name__.startswith("__i")
+    shape = None
     if func in _ELEMENTWISE and B and not (inplace_on_param and isinstance(args[0], Followed)):
         shape = torch.broadcast_shapes(*(a.shape for a in flat if isinstance(a, torch.Tensor)))
-        if all(_fills(f.shape, shape, B) for f in fol):
-            new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape)) for f in fol})
-            return func(*new_args, **new_kwargs)
+        if (folded := _to_rows(step, fol, others, shape, live, swap, func)) is not None:
+            return folded
+    if not any(a.requires_grad or (B and a.dim() and a.shape[0] == B) for a in others):
+        out = func(*args, **kwargs)                    # made from followed tensors (and constants) alone
+        return tree_map(lambda t: _follow(t, step, live, roots=roots, pending=pending), out)
     if func is F.scaled_dot_product_attention and B:   # an additive mask (T5's position bias), broadcast
         q, mask = args[0], kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        if isinstance(mask, Followed) and fol == [mask] and _fills(mask.shape, (q.shape[0],) * q.dim(), B):
-            new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim())})
-            return func(*new_args, **new_kwargs)
+        if isinstance(mask, Followed) and fol == [mask]:
+            if pending and mask.dim() and mask.shape[0] == q.shape[0] and _resolve(pending, q, B):
+                return func(*args, **kwargs)           # (its rows' taps take the gradient)
+            if not pending and _fills(mask.shape, (q.shape[0],) * q.dim(), B):
+                new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim())})
+                return func(*new_args, **new_kwargs)
+            if not pending and mask.dim() <= q.dim() and (fold := _rows_of(q, B)) is not None \
+                    and _fills(mask.shape, (B,) * q.dim(), B):
+                rows = Rows(q.shape[0], fold)         # (Swin's bias, (1, H, N, N), on (B·nW) windows)
+                new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim(), rows)})
+                return func(*new_args, **new_kwargs)
+    step.cancel(fol)
+    if shape is not None and all(_fills(f.shape, shape, B) for f in fol):
+        new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape)) for f in fol})
+        return func(*new_args, **new_kwargs)
     if live:
         for f in fol:
             step.refuse(f, func)
     return func(*args, **kwargs)
+
+
+def _rows_of(t: torch.Tensor, batch: int):
+    """The layout of ``t``'s rows where its dim 0 folds the batch with k > 1 windows or positions, read from
+    its graph (:func:`elasticlab.gns.folds.find`), else None."""
+    R = t.shape[0] if t.dim() else 0
+    if R <= batch or R % batch or t.grad_fn is None or not folds.ENABLED:
+        return None
+    return folds.find(t, batch)
+
+
+def _resolve(pending: tuple, t: torch.Tensor, batch: int) -> bool:
+    """The layout of rows expanded earlier, read from the batched tensor ``t`` the result meets."""
+    fold = _rows_of(t, batch)
+    if fold is None or any(r.fold not in (None, fold) or r.cancelled for r in pending):
+        return False
+    for r in pending:
+        r.fold = fold
+    return True
+
+
+def _to_rows(step: Step, fol: list, others: list, shape: tuple, live: bool, swap, func):
+    """An elementwise op whose result has R = k·B rows (k > 1): with a batched tensor of R rows whose layout
+    is found, the followed operands expanded to its rows (or their earlier expansion resolved); with
+    constants of R rows alone (Swin's shifted-window mask), expanded with the layout left to be read where
+    the result meets the batch. Else None."""
+    B, R = step.batch, shape[0] if shape else 0
+    if R <= B or R % B or not folds.ENABLED:
+        return None
+    batched = [a for a in others if a.requires_grad and a.dim() == len(shape) and a.shape[0] == R]
+    if batched:
+        fold = next((x for x in map(lambda a: _rows_of(a, B), batched) if x is not None), None)
+        if fold is None:
+            return None
+        new = {}
+        for f in fol:
+            if f._pending and f.dim() == len(shape) and f.shape[0] == R:
+                if not _resolve(f._pending, batched[0], B):
+                    return None
+            elif not f._pending and _fills(f.shape, (B,) * len(shape), B):
+                new[id(f)] = step.tap(f, live, len(shape), Rows(R, fold))
+            else:
+                return None
+        new_args, new_kwargs = swap(new)
+        return func(*new_args, **new_kwargs)
+    if any(a.requires_grad for a in others) or not any(a.dim() == len(shape) and a.shape[0] == R
+                                                        for a in others):
+        return None
+    if any(f._pending or not _fills(f.shape, (B,) * len(shape), B) for f in fol):
+        return None
+    rows = Rows(R)
+    new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape), rows) for f in fol})
+    return _follow(func(*new_args, **new_kwargs), step, live, roots=_roots_of(fol), pending=(rows,))
 
 
 def _fills(shape, out, batch: int) -> bool:
@@ -308,7 +279,7 @@ def unbatched(slot, inputs: tuple, output) -> bool:
 def follow_call(slot, inputs: tuple, output, live: bool):
     """A layer's output on an input without the batch, followed: its parameters' per-example gradients are
     taken where the output is broadcast over the batch, mapped back through the layer by a batched vjp
-    (:func:`_layer_vjp`, at the call's inputs, kept detached until then)."""
+    (``broadcast_taps._layer_vjp``, at the call's inputs, kept detached until then)."""
     step = slot.follow
     step.batch = slot.owner._batch
     kw = inputs[-1] if inputs and isinstance(inputs[-1], dict) else {}
