@@ -21,7 +21,7 @@ from elasticlab.gns.slot import Quiet, recomputing
 
 def install(owner, slot):
     """The hook on ``slot``'s module (its handle)."""
-    return slot.module.register_forward_hook(forward_hook(owner, slot), with_kwargs=True)
+    return slot.host.register_forward_hook(forward_hook(owner, slot), with_kwargs=True)
 
 
 def forward_hook(owner, slot):
@@ -61,7 +61,7 @@ def forward_hook(owner, slot):
             if slot.shared:                     # formed with its other calls when read
                 slot.pending.append((saved, g.detach()))
                 return
-            norms = slot.rule.norms(module, saved, g.detach(), slot.need)
+            norms = slot.rule.norms(module, saved, g.detach(), slot.call_need)
             slot.record(norms, saved[0].shape[0] if isinstance(saved[0], torch.Tensor) else g.shape[0])
         output.register_hook(on_grad)
     return hook

@@ -21,7 +21,9 @@ embedding on ``position_ids`` (1, T)) is followed to where its output is broadca
 (:mod:`.layers.broadcast_params`) instead of read by the rule. ``kwargs`` (hook rules): its ``inputs`` end
 with the call's keyword arguments as a dict, where there are any (:mod:`elasticlab.gns.hooks`). ``folds``: the
 layer is row-wise, so a call on the examples folded with their positions into dim 0 ((B·T, D), OPT) is read
-unfolded to (B, T, …) (:mod:`elasticlab.gns.folds`).
+unfolded to (B, T, …) (:mod:`elasticlab.gns.folds`). ``on_owner``: the module holds the originals of a
+parametrized tensor (a ``ParametrizationList``), and its rule runs on the calls of the layer that owns it,
+with ``need`` named from that layer (:mod:`.layers.parametrized`).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class Rule:
     unbatched: bool = False
     kwargs: bool = False
     folds: bool = False
+    on_owner: bool = False
 
 
 RULES: dict[type, Rule] = {}

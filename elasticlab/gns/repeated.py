@@ -96,7 +96,7 @@ def settle(slots) -> None:
                                    f"batches of sizes {sizes} in one forward: per-example norms of a "
                                    "repeated module need every call to see the same examples along dim 0")
             if s.rule.summed is not None:
-                norms = s.rule.summed(s.module, calls, s.need)
+                norms = s.rule.summed(s.host, calls, s.call_need)
             else:
                 from elasticlab.gns.layers.generic import summed_norms
                 norms = summed_norms(s.module, calls, s.need, what=(

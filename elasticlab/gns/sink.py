@@ -61,7 +61,7 @@ class Tap(torch.autograd.Function):
     def backward(ctx, g):
         tensors = iter(ctx.saved_tensors)
         inputs = tuple(next(tensors) if k else v for k, v in zip(ctx.kinds, ctx.values))
-        norms = ctx.norms(ctx.module, inputs, g.detach(), ctx.slot.need)
+        norms = ctx.norms(ctx.module, inputs, g.detach(), ctx.slot.call_need)
         return (g, deliver(ctx, norms, ctx.batch), None, None, None, None, None,
                 *([None] * len(ctx.saved_tensors)))
 

@@ -34,6 +34,7 @@ class Slot:
 
     def __init__(self, owner, name: str, module: nn.Module, rule, need: tuple[str, ...]):
         self.owner, self.name, self.module, self.rule, self.need = owner, name, module, rule, need
+        self.host, self.call_need = module, need     # the module whose calls it reads, its names there
         self.calls, self.batch = 0, 0
         self.norms: dict[str, torch.Tensor] = {}
         self.touched: set[str] = set()                    # needed params whose .grad was written, not run
@@ -168,7 +169,11 @@ def slots_of(owner, model: nn.Module, strict: bool, skipped: list[str]) -> list[
                 raise ValueError(uncovered(name, mod, full))
             skipped.extend(full)
         if covered:
-            slots.append(Slot(owner, name, mod, rule, covered))
+            slots.append(slot := Slot(owner, name, mod, rule, covered))
+            if rule.on_owner:                          # (a ParametrizationList: <owner>.parametrizations.<t>)
+                parts = name.split(".")
+                slot.host = model.get_submodule(".".join(parts[:-2]))
+                slot.call_need = tuple(".".join([*parts[-2:], pn]) for pn in covered)
     return slots
 
 

@@ -219,10 +219,13 @@ def test_subclass_with_own_forward_gets_the_generic_rule_not_its_base_classes():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_parametrized_weight_is_named_and_left_out_on_request(fused):
-    """weight_norm's originals (g, v) get no per-example norms (the Linear's rule sees the gradient of the
-    weight they make): strict names the parametrization; strict=False leaves them out and keeps the bias's
-    norms exact, fused too (before: a KeyError from the fused forward)."""
+def test_parametrized_weight_is_named_and_left_out_on_request(fused, monkeypatch):
+    """With the parametrized rule off (gns.layers.parametrized.ENABLED), weight_norm's originals (g, v) get no
+    per-example norms (the Linear's rule sees the gradient of the weight they make): strict names the
+    parametrization; strict=False leaves them out and keeps the bias's norms exact, fused too (before: a
+    KeyError from the fused forward)."""
+    from elasticlab.gns.layers import parametrized
+    monkeypatch.setattr(parametrized, "ENABLED", False)
     torch.manual_seed(0)
     lin = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3).double())
     model = nn.Sequential(lin)

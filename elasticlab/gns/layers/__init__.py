@@ -15,6 +15,8 @@
 - :mod:`.broadcast_params`: bare parameters of a module with children broadcast over the batch (a ViT's
   class token and position embedding), followed to their broadcast; its taps, which take the per-example
   gradients there, are :mod:`.broadcast_taps` (no rule of its own).
+- :mod:`.parametrized`: the originals of a parametrized tensor (weight_norm: wav2vec 2.0's positional
+  convolution), by torch.func on the calls of the layer that owns them.
 - :mod:`.generic`: the fallback for leaf modules of no registered type (HF's RMSNorm classes): per-example
   gradients by torch.func, for layers that treat each example alone (checked once per input shape).
 Importing this package registers them all.
@@ -34,6 +36,7 @@ from elasticlab.gns.layers import (  # noqa: F401  (each module registers its ru
     instancenorm,
     layernorm,
     linear,
+    parametrized,
     prelu,
     recurrent,
     rmsnorm,
