@@ -133,15 +133,26 @@ def test_a_module_called_twice_sums_its_calls():
 
 
 class MatmulUse(nn.Module):
-    """A bare weight used by a matmul with the batch: not a broadcast."""
+    """A bare weight used by an einsum with the batch: not a broadcast, nor a layer's op that is taken per
+    example (``matmul``: :func:`test_a_bare_weight_of_a_matmul_is_taken_per_example`)."""
 
-    def __init__(self):
+    def __init__(self, einsum=True):
         super().__init__()
         self.lin = nn.Linear(6, 8)
         self.w = nn.Parameter(torch.randn(8, 3))
+        self.einsum = einsum
 
     def forward(self, x):
-        return (self.lin(x) @ self.w).mean(1)
+        h = self.lin(x)
+        return (torch.einsum("btd,de->bte", h, self.w) if self.einsum else h @ self.w).mean(1)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_bare_weight_of_a_matmul_is_taken_per_example(fused):
+    """``h @ w`` with h's dim 0 the batch: each example's gradient of w is the vjp of the matmul on its rows
+    (Step.through)."""
+    torch.manual_seed(0)
+    check(MatmulUse(einsum=False).double(), *data(), fused=fused)
 
 
 def test_a_use_that_is_not_a_broadcast_is_named_or_left_out():
@@ -151,7 +162,7 @@ def test_a_use_that_is_not_a_broadcast_is_named_or_left_out():
     with PerSampleGradNorms(model, loss_reduction="sum") as psn:
         F.cross_entropy(model(x), y, reduction="sum").backward()
         with pytest.raises(RuntimeError, match=r"bare parameter 'w' of module '\(root\)' \(MatmulUse\) is "
-                                               r"used by .*matmul.* not as a broadcast over the batch"):
+                                               r"used by .*einsum.* not as a broadcast over the batch"):
             psn.sq_norms()
     want = per_example(model, model, x, y)
     with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
@@ -307,20 +318,29 @@ def test_one_embedding_with_and_without_the_batch_is_an_error():
 
 
 def test_a_batchless_output_used_otherwise_is_named():
-    """An embedding without the batch whose output meets the batch by a matmul: not a broadcast."""
+    """An embedding without the batch whose output meets the batch by an einsum: not a broadcast (by a matmul,
+    taken per example: the vjp of the matmul on each example's rows, then of the embedding)."""
     class Mixer(nn.Module):
-        def __init__(self):
+        def __init__(self, einsum=True):
             super().__init__()
-            self.mix, self.inp = nn.Embedding(6, 6), nn.Linear(4, 4)
+            self.mix, self.inp, self.einsum = nn.Embedding(6, 6), nn.Linear(4, 4), einsum
 
         def forward(self, x):                               # x (B, 6, 4)
-            return (self.mix(torch.arange(6)) @ self.inp(x)).mean(1)
+            e, h = self.mix(torch.arange(6)), self.inp(x)
+            return (torch.einsum("st,btd->bsd", e, h) if self.einsum else e @ h).mean(1)
 
-    model, x = Mixer().double(), torch.randn(5, 6, 4, dtype=torch.float64)
+    model, x = Mixer(einsum=False).double(), torch.randn(5, 6, 4, dtype=torch.float64)
+    want = example_param_sq_norms(model, (model(x[b:b + 1]).pow(2).sum() for b in range(5)))
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        model(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+    model = Mixer().double()
     with PerSampleGradNorms(model, loss_reduction="sum") as psn:
         model(x).pow(2).sum().backward()
         why = (r"module 'mix' \(Embedding\) ran without the batch \(its output has shape \(6, 6\), the "
-               r"batch 5\), and that output is used by .*matmul.*expand its input over the batch")
+               r"batch 5\), and that output is used by .*einsum.*expand its input over the batch")
         with pytest.raises(RuntimeError, match=why):
             psn.sq_norms()
 

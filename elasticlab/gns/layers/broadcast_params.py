@@ -19,9 +19,14 @@ gradient; one made from p by other ops is mapped back to p by one batched vjp (`
 per-example gradients, (B, *p.shape) in float32 held until the step's last one arrives, and the norm is
 that of the sum.
 
-Any other use of p together with a batched tensor (``x @ p``, a convolution with p as its weight, an in-place
-op on p) is not a broadcast, and this rule cannot take its per-example gradient: the readers raise
-(``strict``) naming the parameter and the op, or leave it out with a warning. Under ``torch.compile`` the
+p used as a layer's weight with an input whose dim 0 is the batch (``x @ p``, ``F.linear(x, p)``, a
+convolution with p as its weight) is taken per example by the vjp of that op on each example's input
+(vmap; B per-example gradients of p, chunked). So are the children's parameters that the module reads
+without calling the child (Mamba's mixer hands ``self.conv1d.weight`` to F.conv1d itself): lent to the
+module's forward as followed tensors while no child runs, and recorded in the child's slot. Any other use
+of p together with a batched tensor (an einsum, an in-place op on p) is not a broadcast, and this rule
+cannot take its per-example gradient: the readers raise (``strict``) naming the parameter and the op, or
+leave it out with a warning. Under ``torch.compile`` the
 module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again,
 and the layers below read their calls without the batch by their rules.
 
@@ -59,6 +64,9 @@ _ELEMENTWISE = {
     torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__, torch.Tensor.sub_,
     torch.Tensor.__imul__, torch.Tensor.mul_,
 }
+# a layer's ops, on weights and inputs whose dim 0 is the batch (each example's output its input's alone)
+_LAYER_OPS = {F.linear, F.conv1d, F.conv2d, F.conv3d}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
 
 
 class Followed(torch.Tensor):
@@ -131,6 +139,9 @@ def _dispatch(func, args: tuple, kwargs: dict):
                 rows = Rows(q.shape[0], fold)         # (Swin's bias, (1, H, N, N), on (B·nW) windows)
                 new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim(), rows)})
                 return func(*new_args, **new_kwargs)
+    if (func in _LAYER_OPS or func in _MATMULS) and B and not pending \
+            and (batched := _layer_inputs(func, args, fol, others, B)) is not None:
+        return step.through(func, args, kwargs, fol, batched, live)
     step.cancel(fol)
     if shape is not None and all(_fills(f.shape, shape, B) for f in fol):
         new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape)) for f in fol})
@@ -139,6 +150,22 @@ def _dispatch(func, args: tuple, kwargs: dict):
         for f in fol:
             step.refuse(f, func)
     return func(*args, **kwargs)
+
+
+def _layer_inputs(func, args: tuple, fol: list, others: list, B: int) -> list | None:
+    """The inputs carrying the batch of a layer's op on followed weights, where each example's output is its
+    input's alone: F.linear's and the convolutions' input (dim 0 the batch, the weights followed), a matmul's
+    left operand of 2+ dimensions or right operand of 3+ (dim 0 not contracted); else None."""
+    batched = [a for a in others if a.dim() and a.shape[0] == B]
+    if len(batched) != 1 or any(a.requires_grad and a is not batched[0] for a in others):
+        return None
+    x = batched[0]
+    if func in _LAYER_OPS:
+        return batched if args and args[0] is x and x.dim() >= 2 else None
+    if len(args) < 2 or not any(a is x for a in args[:2]):
+        return None
+    left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
+    return batched if (x is left and x.dim() >= 2) or (x is not left and x.dim() >= 3) else None
 
 
 def _rows_of(t: torch.Tensor, batch: int):
@@ -224,9 +251,27 @@ def own_params(module: nn.Module) -> tuple[str, ...]:
 
 
 def broadcast_forward(module: nn.Module, slot):
-    """The module's own forward with its needed bare parameters followed (eager, also under compile)."""
+    """The module's own forward with its needed bare parameters followed (eager, also under compile), and
+    its children's, lent to it while none of them runs: a parent that reads a child's weight without
+    calling the child (Mamba's mixer: F.conv1d on ``self.conv1d.weight``, ``self.dt_proj.weight @ …``) has
+    that use taken per example too (:meth:`~elasticlab.gns.layers.broadcast_taps.Step.through`), recorded
+    in the child's slot."""
     step, own = Step(slot), type(module).forward
     slot.follow = step
+    kids = _children_slots(module, slot)
+    lent: dict[int, dict] = {}          # id(child) -> {param: (itself, followed)} during the forward
+
+    def restore(child, args):           # a child's own call sees its own parameters
+        if (got := lent.get(id(child))) is not None:
+            child._parameters.update({pn: p for pn, (p, _) in got.items()})
+
+    def relend(child, args, output):
+        if (got := lent.get(id(child))) is not None:
+            child._parameters.update({pn: f for pn, (_, f) in got.items()})
+
+    for c, _ in kids:
+        slot.owner._handles += [c.register_forward_pre_hook(restore, prepend=True),
+                                c.register_forward_hook(relend)]
 
     @torch.compiler.disable
     def forward(*args, **kwargs):
@@ -242,11 +287,28 @@ def broadcast_forward(module: nn.Module, slot):
             if p is not None and p.requires_grad:
                 saved[pn] = p
                 module._parameters[pn] = _follow(p, step, live, root=("param", pn))
+        for c, cs in kids:
+            got = {pn: (p, _follow(p, step, live, root=("child", cs, pn))) for pn in cs.need
+                   if (p := c._parameters.get(pn)) is not None and p.requires_grad}
+            if got:
+                lent[id(c)] = got
+                relend(c, (), None)
         try:
             return own(module, *args, **kwargs)
         finally:
             module._parameters.update(saved)
+            for c, _ in kids:
+                restore(c, ())
+                lent.pop(id(c), None)
     return forward
+
+
+def _children_slots(module: nn.Module, slot) -> list[tuple]:
+    """(child, its slot) for the module's direct children that have a slot of their own (not one of a
+    tied pair, nor a parametrization's)."""
+    mine = {id(s.module): s for s in slot.owner._slots
+            if s.host is s.module and not s.tied and not s.rule.on_owner and s is not slot}
+    return [(c, mine[id(c)]) for c in module.children() if id(c) in mine]
 
 
 def unbatched(slot, inputs: tuple, output) -> bool:

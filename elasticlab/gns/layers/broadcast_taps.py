@@ -8,8 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch.func import vjp, vmap
+from torch.utils._pytree import tree_map
 
 from elasticlab.gns import kernels
+
+CHUNK_BYTES = 256 << 20          # per-example weight gradients of one op held at once, at most
 
 if TYPE_CHECKING:
     from elasticlab.gns.layers.broadcast_params import Followed
@@ -60,12 +64,13 @@ class Step:
         if folded:
             how = (f"is expanded to rows that fold the batch with windows or positions, but reaches {name}, "
                    "so which rows are which example's is not known")
-        for pn in _names(f):
-            slot.unmeasured.setdefault(pn, (
+        for s, pn in _names(f):
+            s.unmeasured.setdefault(pn, (
                 f"module {mod} ran without the batch (its output has shape {self.shape}, the batch "
                 f"{self.batch}), and that output {how}; expand its input over the batch, e.g. "
                 "pos.unsqueeze(0).expand(B, -1)") if self.layer else
-                f"bare parameter {slot.full(pn)!r} of module {mod} {how}")
+                f"bare parameter {slot.full(pn)!r} of module {mod} {how}" if s is slot else
+                f"parameter {s.full(pn)!r}, read by module {mod} without calling {s.name!r}, {how}")
 
     def tap(self, f: Followed, live: bool, ndim: int, rows: Rows | None = None) -> torch.Tensor:
         """``f`` expanded to the batch along dim 0 (leading 1s put first where it has fewer dimensions than
@@ -80,6 +85,41 @@ class Step:
                 rows.open = True
             e.register_hook(lambda g: self._take(f, shape, g, rows))
         return e
+
+    def through(self, func, args: tuple, kwargs: dict, fol: list, batched: list, live: bool):
+        """``func`` (a layer's op: F.linear, a convolution, a matmul) on followed weights ``fol`` and inputs
+        ``batched`` whose dim 0 is the batch: run as is, a hook on its output takes each example's gradient
+        of the weights, the vjp of the op on example b at its output gradient (vmap over the examples, as
+        the generic rule does), ∇W ℓ_b = J_W f(W, x_b)ᵀ δ_b."""
+        out = func(*args, **kwargs)
+        if not (live and isinstance(out, torch.Tensor) and out.requires_grad):
+            return out
+        holes = {id(a): _Hole(i) for i, a in enumerate((*fol, *batched))}
+        kept = [t.detach() for t in (*fol, *batched)]
+        rest = tree_map(lambda a: holes.get(id(a), a.detach()) if isinstance(a, torch.Tensor) else a,
+                        (args, kwargs))
+
+        def one(ws, *xs):                              # the op on one example (a batch of 1)
+            vals = [*ws, *(x.unsqueeze(0) for x in xs)]
+            a, k = tree_map(lambda r: vals[r.i] if isinstance(r, _Hole) else r, rest)
+            return func(*a, **k)
+
+        def grads(*xs_g):
+            *xs, g = xs_g
+            _, pull = vjp(lambda ws: one(ws, *xs), kept[:len(fol)])
+            return pull(g.unsqueeze(0))[0]
+
+        def take(g):
+            self.open -= 1
+            numel = sum(w.numel() for w in kept[:len(fol)]) * 4
+            with torch._C.DisableTorchFunctionSubclass():
+                per = vmap(grads, chunk_size=max(1, min(g.shape[0], CHUNK_BYTES // max(numel, 1))))(
+                    *kept[len(fol):], g.detach())
+            self.add(list(zip(fol, per)))
+
+        self.open += 1
+        out.register_hook(take)
+        return out
 
     def cancel(self, fol: list) -> None:
         """The expansions to rows of the tensors made from ``fol`` whose layout is not yet known: their
@@ -99,41 +139,73 @@ class Step:
                 self.refuse(f, "an op that never met the batch its rows fold", folded=True)
                 return
             g = rows.fold.sum_rows(g)                  # (R, …) → (B, …): each example's rows
-        B = g.shape[0]
-        pe = g.detach().reshape(B, *shape)
-        slot = self.slot
-        if f._root is not None:
-            at = [(f._root, pe)]
-        else:                                          # made from its roots by other ops: their vjp, each
-            with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():    # example's (no hook of a
-                got = torch.autograd.grad(f, list(f._roots), pe, retain_graph=True,   # parameter runs: the
-                                          allow_unused=True, is_grads_batched=True)  # roots are aliases)
-            at = [(r._root, v) for r, v in zip(f._roots, got) if v is not None]
-        per: dict[str, torch.Tensor] = {}
+        self.add([(f, g.detach().reshape(g.shape[0], *shape))])
+
+    def add(self, uses: list) -> None:
+        """Per-example gradients ``uses`` [(followed tensor, (B, *its shape))] of one tap: mapped back to the
+        parameters, added to the step's, and the norms of the sums recorded (in the slot of the module that
+        holds each parameter: this one's, or a child's whose weight it read)."""
+        B = uses[0][1].shape[0]
+        at = []
+        for f, pe in uses:
+            if f._root is not None:
+                at.append((f._root, pe))
+                continue
+            with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():    # made from its roots by
+                got = torch.autograd.grad(f, list(f._roots), pe, retain_graph=True,   # other ops: their vjp,
+                                          allow_unused=True, is_grads_batched=True)  # each example's (no hook
+            at += [(r._root, v) for r, v in zip(f._roots, got) if v is not None]    # of a parameter runs)
+        per: dict[tuple, torch.Tensor] = {}
         for root, v in at:              # a parameter's alias: its own gradient; a layer's output: its vjp
-            for pn, w in (_layer_vjp(root, v) if root[0] == "call" else {root[1]: v}).items():
-                per[pn] = w if pn not in per else per[pn] + w
+            for key, w in _to_params(self.slot, root, v).items():
+                per[key] = w if key not in per else per[key] + w
         last = self.open <= 0                          # the step's last use: nothing more to hold
-        norms = {}
-        for pn, v in per.items():
-            v = v.to(kernels.acc_dtype(v.dtype))
-            have = self.acc.pop(pn, None) if last else self.acc.get(pn)
+        norms: dict = {}
+        for (s, pn), v in per.items():
+            if s is not self.slot and s.calls:
+                s.unmeasured.setdefault(pn, (
+                    f"parameter {s.full(pn)!r} is used both by calling its module and read directly by "
+                    f"module {self.slot.name or '(root)'!r} ({type(self.slot.module).__name__}), and the two "
+                    "per-example gradients are taken apart, so the norm of their sum is not known"))
+                continue
+            v, key = v.to(kernels.acc_dtype(v.dtype)), (id(s), pn)
+            have = self.acc.pop(key, None) if last else self.acc.get(key)
             if have is not None and have.shape != v.shape:
-                raise RuntimeError(f"bare parameter {slot.full(pn)!r} was broadcast over batches of sizes "
+                raise RuntimeError(f"parameter {s.full(pn)!r} was broadcast over batches of sizes "
                                    f"{have.shape[0]} and {v.shape[0]} in one step: its per-example gradient "
                                    "needs every use to see the same examples along dim 0")
             total = v if have is None else have + v
             if not last:
-                self.acc[pn] = total
-            norms[pn] = kernels.row_sq(total)
-        slot.record(norms, B)
+                self.acc[key] = total
+            norms.setdefault(s, {})[pn] = kernels.row_sq(total)
+        for s, got in norms.items():
+            s.record(got, B)
 
 
-def _names(f: Followed) -> list[str]:
-    """The parameters a followed tensor comes from."""
-    roots = (f,) if f._root is not None else f._roots
-    return list(dict.fromkeys(pn for r in roots for pn in
-                              ((r._root[1],) if r._root[0] == "param" else r._root[4])))
+class _Hole:
+    """Where an op's argument goes in its per-example re-run (:meth:`Step.through`)."""
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _to_params(slot, root: tuple, v: torch.Tensor) -> dict:
+    """{(slot, param): (B, *shape)} of a root's per-example gradient ``v``: a bare parameter's own, a
+    child's parameter read directly (its slot's), a layer's call mapped back through the layer."""
+    if root[0] == "param":
+        return {(slot, root[1]): v}
+    if root[0] == "child":
+        return {(root[1], root[2]): v}
+    return {(slot, pn): w for pn, w in _layer_vjp(root, v).items()}
+
+
+def _names(f: Followed) -> list[tuple]:
+    """The (slot, parameter) pairs a followed tensor comes from."""
+    roots, slot = ((f,) if f._root is not None else f._roots), f._step.slot
+    return list(dict.fromkeys(pair for r in roots for pair in (
+        ((slot, r._root[1]),) if r._root[0] == "param" else ((r._root[1], r._root[2]),)
+        if r._root[0] == "child" else tuple((slot, pn) for pn in r._root[4]))))
 
 
 def _layer_vjp(root: tuple, v: torch.Tensor) -> dict:

@@ -1,0 +1,103 @@
+"""A module with bare parameters of its own that reads its children's weights without calling them (HF's
+MambaMixer: F.conv1d on ``self.conv1d.weight``, ``self.dt_proj.weight @ x``): those uses are taken per
+example by the parent's followed forward (gns.layers.broadcast_params, Step.through) and recorded in the
+children's slots. Against one backward per example in float64 (before: "the loss depends on [...] but their
+modules ... never ran")."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.reference import example_param_sq_norms
+
+
+class Mixer(nn.Module):
+    """Mamba's mixer in small: a child called (inp), a depthwise causal conv and a projection read directly,
+    a Linear read by F.linear, and bare parameters of its own (A_log, D) broadcast over the batch."""
+
+    def __init__(self, D=4, C=6, r=2, k=3, call_fc=False):
+        super().__init__()
+        self.inp = nn.Linear(3, C)
+        self.conv1d = nn.Conv1d(C, C, k, groups=C, padding=k - 1)
+        self.dt_proj = nn.Linear(r, C)
+        self.x_proj = nn.Linear(C, r)
+        self.fc = nn.Linear(C, D)
+        self.A_log = nn.Parameter(torch.randn(C))
+        self.D = nn.Parameter(torch.randn(C))
+        self.head = nn.Linear(D, 2)
+        self.call_fc = call_fc
+
+    def forward(self, x):
+        h = self.inp(x).transpose(1, 2)                               # (B, C, T)
+        T = h.shape[-1]
+        w = self.conv1d.weight.squeeze(1)                             # (C, k), as HF hands it on
+        h = F.silu(F.conv1d(h, w.unsqueeze(1), self.conv1d.bias, padding=w.shape[-1] - 1,
+                            groups=h.shape[1])[:, :, :T])
+        dt = self.dt_proj.weight @ self.x_proj(h.transpose(1, 2)).transpose(1, 2)    # (C, r) @ (B, r, T)
+        dt = F.softplus(dt + self.dt_proj.bias.to(h.dtype)[..., None])
+        y = h * torch.exp(-torch.exp(self.A_log)[None, :, None] * dt) + h * self.D[None, :, None]
+        y = y.transpose(1, 2)
+        out = self.fc(y) if self.call_fc else F.linear(y, self.fc.weight, self.fc.bias)
+        return self.head(torch.tanh(out).mean(1))
+
+
+def _loss(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_children_read_directly_match_per_example_backward(fused):
+    torch.manual_seed(0)
+    model = Mixer().double()
+    x, y = torch.randn(5, 7, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5)))
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        _loss(model(x), y).backward()
+        got = psg.param_sq_norms()
+        assert psg.left_out == []
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+    # the real gradients are untouched by the following
+    ref = Mixer().double()
+    ref.load_state_dict(model.state_dict())
+    _loss(ref(x), y).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_a_child_called_and_read_directly_is_named():
+    """fc both called and read by F.linear: the two per-example gradients are taken apart, and the norm of
+    their sum is not known: the readers raise naming fc's weight."""
+    class Both(Mixer):
+        def forward(self, x):
+            a = self.inp(x)
+            return self.head(torch.tanh(self.fc(a) + F.linear(a, self.fc.weight)).mean(1)) + 0 * self.D.sum()
+
+    model = Both().double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        _loss(model(torch.randn(5, 7, 3, dtype=torch.float64)), torch.randint(0, 2, (5,))).backward()
+        with pytest.raises(RuntimeError, match=r"'fc\.weight' is used both by calling its module"):
+            psg.param_sq_norms()
+
+
+def test_a_product_over_the_batch_is_refused():
+    """A child's weight multiplied with the batch along dim 0 (W (C, B) @ x (B, T)) mixes the examples: not a
+    layer's op per example, so the readers raise naming the weight."""
+    class Over(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.inp = nn.Linear(5, 4), nn.Linear(3, 6)
+            self.s = nn.Parameter(torch.ones(6))
+
+        def forward(self, x):
+            h = self.inp(x) * self.s                                  # (B, 6)
+            return (self.mix.weight @ h).sum(0)                       # (4, B) @ ... contracts over B
+
+    model = Over().double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        model(torch.randn(5, 3, dtype=torch.float64)).pow(2).sum().backward()
+        with pytest.raises(RuntimeError, match=r"'mix\.weight', read by module '\(root\)' \(Over\) without "
+                           "calling 'mix', is used by Tensor.matmul"):
+            psg.param_sq_norms()
