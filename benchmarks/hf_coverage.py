@@ -37,6 +37,13 @@ def _data():
     }
 
 
+def _eager_experts(model):
+    """The experts as a loop of F.linear per expert (grouped_mm takes no float64 on the CPU)."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model
+
+
 def cases(tr) -> dict:
     """{name: () -> (model, loss(model, data, index), reduction)}; the losses are means over the batch
     (reduction "mean") unless said."""
@@ -152,6 +159,14 @@ def cases(tr) -> dict:
         "mistral": lambda: (tr.MistralForCausalLM(tr.MistralConfig(vocab_size=V, **kv, **D)), *lm),
         "qwen2": lambda: (tr.Qwen2ForCausalLM(tr.Qwen2Config(vocab_size=V, **kv, **D)), *lm),
         "gemma": lambda: (tr.GemmaForCausalLM(tr.GemmaConfig(vocab_size=V, head_dim=8, **kv, **D)), *lm),
+        "mixtral": lambda: (
+            _eager_experts(
+                tr.MixtralForCausalLM(
+                    tr.MixtralConfig(vocab_size=V, num_local_experts=4, num_experts_per_tok=2, **kv, **D)
+                )
+            ),
+            *lm,
+        ),
         "phi": lambda: (
             tr.PhiForCausalLM(
                 tr.PhiConfig(
@@ -182,6 +197,19 @@ def cases(tr) -> dict:
         "bert": lambda: (
             tr.BertForSequenceClassification(
                 tr.BertConfig(vocab_size=V, max_position_embeddings=32, **NO_DROP, **D)
+            ),
+            *cls,
+        ),
+        "albert": lambda: (
+            tr.AlbertForSequenceClassification(
+                tr.AlbertConfig(
+                    vocab_size=V,
+                    embedding_size=8,
+                    max_position_embeddings=32,
+                    classifier_dropout_prob=0.0,
+                    **NO_DROP,
+                    **D,
+                )
             ),
             *cls,
         ),

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from elasticlab.gns import repeated
 from elasticlab.gns.capture import batched_input
 from elasticlab.gns.folds import grad_shapes
 
@@ -136,21 +137,28 @@ class Audit:
             self.notes[id(out.grad_fn)] = (slot, out.grad_fn, shape_in, tuple(out.shape))
 
     def wrap(self, slot, fwd):
-        """A fused forward ``fwd`` that notes its output on audited forwards (eager only; traced, it is
-        ``fwd``, with no guard on ``notes``). One argument passed as it is where ``fwd`` takes one."""
-        code = getattr(fwd, "__code__", None)
+        """A fused forward ``fwd`` that notes its output on audited forwards, and keeps its calls in the
+        owner's first step (:func:`elasticlab.gns.repeated.watch`) (eager only; traced, it is ``fwd``, with
+        no guard on ``notes``). One argument passed as it is where ``fwd`` takes one."""
+        code, owner = getattr(fwd, "__code__", None), slot.owner
         if code is not None and code.co_argcount == 1 and not code.co_flags & 0x0C:   # no *args, **kwargs
             def forward(x):
                 out = fwd(x)
-                if not torch.compiler.is_compiling() and self.notes is not None:
-                    self.note(slot, (x,), out)
+                if not torch.compiler.is_compiling():
+                    if self.notes is not None:
+                        self.note(slot, (x,), out)
+                    if owner._watch:
+                        repeated.watch(slot, (x,), out)
                 return out
             return forward
 
         def forward(*args, **kwargs):
             out = fwd(*args, **kwargs)
-            if not torch.compiler.is_compiling() and self.notes is not None:
-                self.note(slot, args, out)
+            if not torch.compiler.is_compiling():
+                if self.notes is not None:
+                    self.note(slot, args, out)
+                if owner._watch:
+                    repeated.watch(slot, args, out)
             return out
         return forward
 

@@ -97,6 +97,7 @@ class PerSampleGradNorms:
         self._forwards = Forwards()                        # several forwards, one backward (gns.forwards)
         self._repeated = False                             # some module ran twice in a step (gns.repeated)
         self._unfuse: set[int] = set()                     # fused slots found repeated: hooks next step
+        self._steps, self._watch = 0, False                # forwards begun; the first keeps fused calls
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -106,6 +107,8 @@ class PerSampleGradNorms:
         if module is not None and recomputing():
             return
         self._layer_cache = None
+        self._steps += module is not None                  # (the model's forwards, not __enter__'s call)
+        self._watch = self._steps <= 1                     # the first keeps fused calls: gns.repeated.watch
         if self._unfuse:
             repeated.to_hooks(self)
         for s in self._slots:

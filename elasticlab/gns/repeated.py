@@ -17,9 +17,11 @@ inputs and output gradient until the norms are read (:func:`settle`), then forms
   of the module's parameters, chunked).
 
 A fused layer's backward takes one call at a time, so a fused module found repeated moves to hooks at the
-next step (:func:`to_hooks`). The step where that was found gives NaN for it, which the estimators skip and
-count, and warns once; so does a step where one call's gradient was consumed alone before the next call ran
-(reentrant activation checkpointing around each call: later steps keep every call). Calls whose outputs the
+next step (:func:`to_hooks`). In the first step every fused call's input and output gradient are kept too
+(:func:`watch`), so a module found repeated there is exact from the first step; one found repeated only in
+a later step gives NaN for that step, which the estimators skip and count, and warns once; so does a step
+where one call's gradient was consumed alone before the next call ran (reentrant activation checkpointing
+around each call: later steps keep every call). Calls whose outputs the
 loss does not reach add nothing, as their gradient is zero. Refused (an error naming the module): a repeated
 module under ``torch.compile``, one whose rule has only a fused form and no summed one (nn.LSTM and its kin,
 nn.EmbeddingBag), one in a tied pair, and calls on batches of different sizes.
@@ -29,6 +31,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+
+from elasticlab.gns.folds import fold_for
 
 _COMPILED = ("the per-example norms of a module called several times are formed eagerly, from every call's "
              "gradient; run the model eagerly")
@@ -60,11 +64,33 @@ def again(slot) -> None:
     slot.owner._repeated = True
     slot.shared = True
     if slot.fused and slot.rule.norms is not None:     # (a fused-only rule's summed form keeps its calls)
-        slot.spoiled = "its fused backward takes one call at a time; it runs on hooks from the next step"
+        if not slot.owner._watch:                      # (the first step's calls are kept: :func:`watch`)
+            slot.spoiled = "its fused backward takes one call at a time; it runs on hooks from the next step"
         slot.owner._unfuse.add(slot.index)
     elif slot.norms:
         slot.spoiled = ("an earlier call's gradient was taken alone before this call ran (reentrant "
                         "activation checkpointing around each call); later steps keep every call's gradient")
+
+
+def watch(slot, args: tuple, out) -> None:
+    """In the first step of a :class:`~elasticlab.gns.PerSampleGradNorms`: a hook on a fused call's output
+    that keeps the call's inputs and output gradient where the module turned out repeated (its second call
+    came in the same forward), so that its norms are those of all its calls from the first step; for a
+    module called once, the hook returns at once. Later steps pay nothing: the modules found repeated run
+    on hooks (:func:`to_hooks`); one found repeated only in a later step gives NaN for that step."""
+    if slot.rule.norms is None or slot.tied or not (isinstance(out, torch.Tensor) and out.requires_grad) \
+            or not args or not isinstance(args[0], torch.Tensor) \
+            or torch._C._current_graph_task_id() != -1:       # (a recomputation in a backward: no call)
+        return
+    fold = fold_for(slot, args[0]) if slot.rule.folds else None
+
+    def keep(g):
+        if slot.shared and not slot.spoiled:
+            R = g.shape[0]
+            saved = tuple(fold.unfold(t) if fold is not None and isinstance(t, torch.Tensor) and t.dim()
+                          and t.shape[0] == R else t for t in args)
+            slot.pending.append((saved, (fold.unfold(g) if fold is not None else g).detach()))
+    out.register_hook(keep)
 
 
 def mixed(slot) -> None:
@@ -77,7 +103,10 @@ def mixed(slot) -> None:
 
 def settle(slots) -> None:
     """Before the norms are read: each repeated module's norms from all its calls of the step, or NaN for
-    a spoiled step (with one warning per module)."""
+    a spoiled step (with one warning per module). The fused modules found repeated get their own forward
+    back first (:func:`to_hooks`): the torch.func form of a rule without a summed one runs it."""
+    if slots and slots[0].owner._unfuse and slots[0].owner._active:   # (after __exit__: restored there)
+        to_hooks(slots[0].owner)
     for s in slots:
         if s.mixed:
             raise RuntimeError(
