@@ -56,3 +56,28 @@ def randomise_affine(model):
             if name.endswith(("weight", "bias")) and p.dim() == 1:
                 p.normal_()
     return model
+
+
+def on_device(model, x, y, loss_fn, device, autocast, B=None):
+    """A model's norms in float32 (or bf16 autocast) on ``device`` against one float64 backward per example on
+    the CPU: exact to float32; under autocast, each parameter's median relative error under 2%."""
+    from elasticlab.gns.reference import example_param_sq_norms
+    B = B or x.shape[0]
+    model = model.double()
+    ref = example_param_sq_norms(model, (loss_fn(model(x[b:b + 1]), y[b:b + 1]) for b in range(B)))
+    model, x, y = model.float().to(device), x.float().to(device), y.to(device)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        loss_fn(out.float(), y).backward()
+        got = psn.param_sq_norms()
+    assert set(got) == set(ref)
+    scale = max(float(v.max()) for v in ref.values())
+    for k, want in ref.items():
+        g = got[k].double().cpu()
+        if float(want.max()) < 1e-12 * scale:      # (zero but for rounding: an attention's key bias)
+            assert float(g.max()) < 1e-3 * scale, k
+        elif autocast:
+            assert float(((g - want).abs() / want.clamp_min(1e-30)).median()) < 0.02, k
+        else:
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-8, msg=k)

@@ -5,6 +5,7 @@ parametrization ... no rule maps them back")."""
 import pytest
 import torch
 import torch.nn.functional as F
+from layer_check import on_device
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
@@ -83,3 +84,12 @@ def test_weight_norm_under_a_mean_reduced_loss():
         got = psg.param_sq_norms()
     k = "conv.parametrizations.weight.original1"
     torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_the_device_under_autocast(device, autocast):
+    """A weight-normed grouped convolution in float32 or bf16 autocast on the device."""
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 6, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
+    on_device(PosConv(), x, y, _loss, device, autocast)

@@ -6,6 +6,7 @@ modules ... never ran")."""
 import pytest
 import torch
 import torch.nn.functional as F
+from layer_check import on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms
@@ -101,3 +102,12 @@ def test_a_product_over_the_batch_is_refused():
         with pytest.raises(RuntimeError, match=r"'mix\.weight', read by module '\(root\)' \(Over\) without "
                            "calling 'mix', is used by Tensor.matmul"):
             psg.param_sq_norms()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_the_device_under_autocast(device, autocast):
+    """Children's weights read by the parent in float32 or bf16 autocast on the device."""
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 7, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
+    on_device(Mixer(), x, y, _loss, device, autocast)

@@ -6,6 +6,7 @@ without the batch ... and that output is used by scaled_dot_product_attention"."
 import pytest
 import torch
 import torch.nn.functional as F
+from layer_check import on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms
@@ -127,3 +128,13 @@ def test_rows_whose_layout_is_not_found_are_named():
         _loss(model(torch.randn(5, 6, 3, dtype=torch.float64)), torch.randint(0, 2, (5,))).backward()
         with pytest.raises(RuntimeError, match="bias"):
             psg.param_sq_norms()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_the_device_under_autocast(device, autocast):
+    """Shifted windows by SDPA in float32 or bf16 autocast on the device (CUDA: the efficient attention's
+    backward node, which folds.find follows by its query)."""
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 6, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
+    on_device(WindowAttention(shifted=True), x, y, _loss, device, autocast)

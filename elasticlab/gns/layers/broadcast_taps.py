@@ -94,6 +94,8 @@ class Step:
         out = func(*args, **kwargs)
         if not (live and isinstance(out, torch.Tensor) and out.requires_grad):
             return out
+        dev = batched[0].device.type                   # (under autocast, re-run as the forward ran)
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         holes = {id(a): _Hole(i) for i, a in enumerate((*fol, *batched))}
         kept = [t.detach() for t in (*fol, *batched)]
         rest = tree_map(lambda a: holes.get(id(a), a.detach()) if isinstance(a, torch.Tensor) else a,
@@ -102,7 +104,8 @@ class Step:
         def one(ws, *xs):                              # the op on one example (a batch of 1)
             vals = [*ws, *(x.unsqueeze(0) for x in xs)]
             a, k = tree_map(lambda r: vals[r.i] if isinstance(r, _Hole) else r, rest)
-            return func(*a, **k)
+            with torch.autocast(dev, dtype=cast or torch.bfloat16, enabled=cast is not None):
+                return func(*a, **k)
 
         def grads(*xs_g):
             *xs, g = xs_g

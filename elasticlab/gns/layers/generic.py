@@ -90,6 +90,17 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None
     seen.add(sig)
 
 
+def _widened(tensors: list, params: dict) -> list:
+    """Inputs in bf16 or fp16 (a layer after an autocast matmul) in the parameters' wider dtype, for the
+    re-runs in the backward, where autocast is off (and under vmap would not cast): the per-example
+    gradients are then formed in that dtype from the inputs as they were."""
+    wide = next((p.dtype for p in params.values() if p.dtype in (torch.float32, torch.float64)), None)
+    if wide is None:
+        return tensors
+    return [t.to(wide) if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
+            for t in tensors]
+
+
 def generic_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dict:
     """Hook rule: ‖∇θ ℓ_b‖² per example of each needed parameter, from the vjp of the module's forward on
     example b (vmap over the batch, in chunks of at most :data:`CHUNK_BYTES` of per-example gradients)."""
@@ -108,11 +119,13 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
                    for a in items)
         one = _per_example_forward(module, dk, n, keys)
         with Quiet():
-            _verify(module, inputs, dk, one, what)
+            _verify(module, tuple(_widened(list(inputs), dict(module.named_parameters(recurse=False)))),
+                    dk, one, what)
         ones.append((one, len(items)))
         flat += [*items, d]
         dims += [*dk, 0]
     params = {n: module.get_parameter(n).detach() for n in need}
+    flat = _widened(flat, params)
     numel = sum(p.numel() * max(p.element_size(), 4) for p in params.values())
     chunk = max(1, min(B, CHUNK_BYTES // max(numel, 1)))
 
