@@ -115,8 +115,8 @@ class PerSampleGradNorms:
             s.calls, s.fwd_calls, s.norms, s.on_block, s._sink_batch = 0, 0, {}, False, 0
             if s.touched:
                 s.touched = set()
-            if s.pending or s.spoiled or s.mixed or s.unmeasured:
-                s.pending, s.spoiled, s.mixed, s.unmeasured = [], None, False, {}
+            if s.pending or s.spoiled or s.mixed or s.unmeasured or s.watched:
+                s.pending, s.spoiled, s.mixed, s.unmeasured, s.watched = [], None, False, {}, []
             if s.follow is not None:
                 s.follow.reset()
         if self._probes:
@@ -144,6 +144,8 @@ class PerSampleGradNorms:
             return
         self._audit.end(output)
         self._forwards.end(output)
+        if self._watch:
+            repeated.release(self._slots)
         for t in self._ties:
             t.check()
         for s in self._slots:

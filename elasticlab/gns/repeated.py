@@ -83,14 +83,26 @@ def watch(slot, args: tuple, out) -> None:
             or torch._C._current_graph_task_id() != -1:       # (a recomputation in a backward: no call)
         return
     fold = fold_for(slot, args[0]) if slot.rule.folds else None
+    box = [args]                        # (emptied after the forward unless the module turned out repeated:
+    slot.watched.append(box)            # :func:`release`, so that no input is held longer than its graph)
 
     def keep(g):
-        if slot.shared and not slot.spoiled:
-            R = g.shape[0]
+        if box and slot.shared and not slot.spoiled:
+            R, kept = g.shape[0], box.pop()
             saved = tuple(fold.unfold(t) if fold is not None and isinstance(t, torch.Tensor) and t.dim()
-                          and t.shape[0] == R else t for t in args)
+                          and t.shape[0] == R else t for t in kept)
             slot.pending.append((saved, (fold.unfold(g) if fold is not None else g).detach()))
     out.register_hook(keep)
+
+
+def release(slots) -> None:
+    """After the watched forward: the inputs kept by :func:`watch` of the modules called once are let go."""
+    for s in slots:
+        if s.watched:
+            if not s.shared:
+                for box in s.watched:
+                    box.clear()
+            s.watched = []
 
 
 def mixed(slot) -> None:

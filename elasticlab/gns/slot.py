@@ -51,6 +51,7 @@ class Slot:
         self.fwd_calls = 0          # calls counted in this step's forward (set after it, for recomputation)
         self.shared = False         # seen called more than once in a step: the calls are kept (gns.repeated)
         self.pending: list[tuple[tuple, torch.Tensor]] = []   # (inputs, output gradient) of this step's calls
+        self.watched: list[list] = []       # the first step's fused calls' inputs, until its forward ends
         self.spoiled: str | None = None     # why this step's norms cannot be formed (NaN), or None
         self.warned = False
         self.traced = False         # its first call of the step ran under torch.compile

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from elasticlab.gns import GNSMonitor, PerSampleGradNorms
+from elasticlab.gns import GNSMonitor, PerSampleGradNorms, repeated
 from elasticlab.gns.reference import func_param_sq_norms, loop_param_sq_norms
 
 B = 6
@@ -515,3 +515,24 @@ def test_a_module_called_outside_and_inside_a_checkpointed_segment(reentrant):
             got = psn.param_sq_norms()
             for k in ref:
                 torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=0, msg=k)
+
+
+def test_the_first_step_lets_go_of_the_calls_of_modules_called_once(monkeypatch):
+    """The first step's fused calls are kept only while the forward runs: after it, those of modules called
+    once are emptied (no input held past its graph), those of a repeated module wait for its backward."""
+    torch.manual_seed(0)
+    model = Later().double()
+    model.twice = True
+    x, y = torch.randn(B, 5, dtype=torch.float64), torch.randint(0, 3, (B,))
+    boxes, release = {}, repeated.release
+
+    def spy(slots):
+        boxes.update({s.name: list(s.watched) for s in slots})
+        release(slots)
+    monkeypatch.setattr(repeated, "release", spy)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        out = model(x)
+        assert [len(b) for b in boxes["lin"]] == [1, 1] and [len(b) for b in boxes["head"]] == [0]
+        loss_fn(out, y).backward()
+        assert [len(b) for b in boxes["lin"]] == [0, 0]          # (taken by the backward's hooks)
+        assert not torch.isnan(psn.sq_norms()).any()
