@@ -194,6 +194,35 @@ def cases(tr) -> dict:
             ),
             *lm,
         ),
+        "mamba2": lambda: (
+            tr.Mamba2ForCausalLM(
+                tr.Mamba2Config(
+                    vocab_size=V,
+                    hidden_size=16,
+                    num_hidden_layers=2,
+                    num_heads=4,
+                    head_dim=8,
+                    state_size=8,
+                    n_groups=1,
+                    expand=2,
+                    chunk_size=4,
+                )
+            ),
+            *lm,
+        ),
+        "rwkv": lambda: (
+            tr.RwkvForCausalLM(
+                tr.RwkvConfig(
+                    vocab_size=V,
+                    hidden_size=16,
+                    num_hidden_layers=2,
+                    attention_hidden_size=16,
+                    intermediate_size=32,
+                    context_length=32,
+                )
+            ),
+            *lm,
+        ),
         "bert": lambda: (
             tr.BertForSequenceClassification(
                 tr.BertConfig(vocab_size=V, max_position_embeddings=32, **NO_DROP, **D)
@@ -209,6 +238,22 @@ def cases(tr) -> dict:
                     classifier_dropout_prob=0.0,
                     **NO_DROP,
                     **D,
+                )
+            ),
+            *cls,
+        ),
+        "funnel": lambda: (
+            tr.FunnelForSequenceClassification(
+                tr.FunnelConfig(
+                    vocab_size=V,
+                    block_sizes=[1, 1],
+                    d_model=16,
+                    n_head=2,
+                    d_head=8,
+                    d_inner=32,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                    activation_dropout=0.0,
                 )
             ),
             *cls,
@@ -296,6 +341,30 @@ def cases(tr) -> dict:
                     conv_kernel=(10, 3),
                     num_conv_pos_embeddings=4,
                     num_conv_pos_embedding_groups=2,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                    activation_dropout=0.0,
+                    feat_proj_dropout=0.0,
+                    layerdrop=0.0,
+                    mask_time_prob=0.0,
+                    num_labels=2,
+                    **D,
+                )
+            ),
+            lambda m, d, i: m(input_values=d["audio"][i], labels=d["labels"][i]).loss,
+            "mean",
+        ),
+        "wavlm": lambda: (
+            tr.WavLMForSequenceClassification(
+                tr.WavLMConfig(
+                    vocab_size=V,
+                    conv_dim=(8, 8),
+                    conv_stride=(5, 2),
+                    conv_kernel=(10, 3),
+                    num_conv_pos_embeddings=4,
+                    num_conv_pos_embedding_groups=2,
+                    num_buckets=8,
+                    max_bucket_distance=16,
                     hidden_dropout=0.0,
                     attention_dropout=0.0,
                     activation_dropout=0.0,

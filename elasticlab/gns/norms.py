@@ -138,7 +138,8 @@ class PerSampleGradNorms:
 
     def _end_forward(self, module, args, output):
         """After the model's forward: the broadcast audit (gns.broadcast); a one-shot probe on each needed
-        parameter of a module that did not run, noting (no host sync) whether the backward writes its grad.
+        parameter of a module that did not run (or whose norms come from taps on followed tensors), noting
+        (no host sync) whether the backward writes its grad.
         Not after a recomputation in a backward."""
         if recomputing():
             return
@@ -150,7 +151,9 @@ class PerSampleGradNorms:
             t.check()
         for s in self._slots:
             s.fwd_calls = s.calls
-            if s.calls == 0:
+            # probed too: the followed parameters, whose norms come from taps (layers.broadcast_params) that
+            # a use the following missed would leave unfired
+            if s.calls == 0 or s.rule.sums_calls or s.follow is not None and s.follow.calls:
                 for pname in s.need:
                     p = getattr(s.module, pname, None)
                     if isinstance(p, torch.Tensor) and p.requires_grad:
@@ -159,7 +162,8 @@ class PerSampleGradNorms:
 
     def _left_out(self) -> list[tuple[Slot, str]]:
         """(slot, parameter) pairs the loss depended on in the last step with no norm of them recorded."""
-        return [(s, pn) for s in self._slots if s.touched for pn in sorted(s.touched) if pn not in s.norms]
+        return [(s, pn) for s in self._slots if s.touched for pn in sorted(s.touched)
+                if pn not in s.norms and pn not in s.unmeasured]        # (those refused for their own why)
 
     @property
     def left_out(self) -> list[str]:
@@ -190,10 +194,16 @@ class PerSampleGradNorms:
             return odd
         names = tuple(s.full(pn) for s, pn in lost)
         mods = sorted({f"{s.name or '(root)'!r} ({type(s.module).__name__})" for s, _ in lost})
-        why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
-               f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "
-               "module (e.g. F.linear(x, module.weight), or a parent that reads a child's weight), so no "
-               "rule saw their per-example gradients")
+        if all(s.calls for s, _ in lost):      # followed parameters whose taps no gradient reached
+            why = (f"the loss depends on {list(names)}, which were followed through the forward of "
+                   f"{', '.join(mods)} (layers.broadcast_params), but no use of them that reaches the loss "
+                   "was taken per example (one the following does not see: a tensor op outside "
+                   "__torch_function__), so their per-example gradients are not known")
+        else:
+            why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
+                   f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "
+                   "module (e.g. F.linear(x, module.weight), or a parent that reads a child's weight), so no "
+                   "rule saw their per-example gradients")
         self._refuse(names, why, "Call the module, register a rule for the parent that uses them, freeze "
                      "them, or pass strict=False to leave them out (listed in left_out)",
                      "the per-example norms and of grad_sq_norm (PerSampleGradNorms.left_out)")

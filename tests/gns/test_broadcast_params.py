@@ -133,26 +133,29 @@ def test_a_module_called_twice_sums_its_calls():
 
 
 class MatmulUse(nn.Module):
-    """A bare weight used by an einsum with the batch: not a broadcast, nor a layer's op that is taken per
-    example (``matmul``: :func:`test_a_bare_weight_of_a_matmul_is_taken_per_example`)."""
+    """A bare weight used by a tensordot with the batch: not a broadcast, nor a layer's op that is taken per
+    example (``matmul``, ``einsum``: :func:`test_a_bare_weight_of_a_matmul_is_taken_per_example`)."""
 
-    def __init__(self, einsum=True):
+    def __init__(self, op="tensordot"):
         super().__init__()
         self.lin = nn.Linear(6, 8)
         self.w = nn.Parameter(torch.randn(8, 3))
-        self.einsum = einsum
+        self.op = op
 
     def forward(self, x):
         h = self.lin(x)
-        return (torch.einsum("btd,de->bte", h, self.w) if self.einsum else h @ self.w).mean(1)
+        out = {"tensordot": lambda: torch.tensordot(h, self.w, dims=1), "matmul": lambda: h @ self.w,
+               "einsum": lambda: torch.einsum("btd,de->bte", h, self.w)}[self.op]()
+        return out.mean(1)
 
 
+@pytest.mark.parametrize("op", ["matmul", "einsum"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_bare_weight_of_a_matmul_is_taken_per_example(fused):
-    """``h @ w`` with h's dim 0 the batch: each example's gradient of w is the vjp of the matmul on its rows
-    (Step.through)."""
+def test_a_bare_weight_of_a_matmul_is_taken_per_example(fused, op):
+    """``h @ w`` or ``einsum("btd,de->bte", h, w)`` with h's dim 0 the batch: each example's gradient of w is
+    the vjp of the op on its rows (Step.through)."""
     torch.manual_seed(0)
-    check(MatmulUse(einsum=False).double(), *data(), fused=fused)
+    check(MatmulUse(op).double(), *data(), fused=fused)
 
 
 def test_a_use_that_is_not_a_broadcast_is_named_or_left_out():
@@ -162,7 +165,7 @@ def test_a_use_that_is_not_a_broadcast_is_named_or_left_out():
     with PerSampleGradNorms(model, loss_reduction="sum") as psn:
         F.cross_entropy(model(x), y, reduction="sum").backward()
         with pytest.raises(RuntimeError, match=r"bare parameter 'w' of module '\(root\)' \(MatmulUse\) is "
-                                               r"used by .*einsum.* not as a broadcast over the batch"):
+                                               r"used by .*tensordot.* not as a broadcast over the batch"):
             psn.sq_norms()
     want = per_example(model, model, x, y)
     with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
@@ -318,18 +321,18 @@ def test_one_embedding_with_and_without_the_batch_is_an_error():
 
 
 def test_a_batchless_output_used_otherwise_is_named():
-    """An embedding without the batch whose output meets the batch by an einsum: not a broadcast (by a matmul,
-    taken per example: the vjp of the matmul on each example's rows, then of the embedding)."""
+    """An embedding without the batch whose output meets the batch by a tensordot: not a broadcast (by a
+    matmul, taken per example: the vjp of the matmul on each example's rows, then of the embedding)."""
     class Mixer(nn.Module):
-        def __init__(self, einsum=True):
+        def __init__(self, matmul=False):
             super().__init__()
-            self.mix, self.inp, self.einsum = nn.Embedding(6, 6), nn.Linear(4, 4), einsum
+            self.mix, self.inp, self.matmul = nn.Embedding(6, 6), nn.Linear(4, 4), matmul
 
         def forward(self, x):                               # x (B, 6, 4)
             e, h = self.mix(torch.arange(6)), self.inp(x)
-            return (torch.einsum("st,btd->bsd", e, h) if self.einsum else e @ h).mean(1)
+            return (e @ h if self.matmul else torch.tensordot(h, e, dims=([1], [1]))).mean(1)
 
-    model, x = Mixer(einsum=False).double(), torch.randn(5, 6, 4, dtype=torch.float64)
+    model, x = Mixer(matmul=True).double(), torch.randn(5, 6, 4, dtype=torch.float64)
     want = example_param_sq_norms(model, (model(x[b:b + 1]).pow(2).sum() for b in range(5)))
     with PerSampleGradNorms(model, loss_reduction="sum") as psn:
         model(x).pow(2).sum().backward()
@@ -340,7 +343,7 @@ def test_a_batchless_output_used_otherwise_is_named():
     with PerSampleGradNorms(model, loss_reduction="sum") as psn:
         model(x).pow(2).sum().backward()
         why = (r"module 'mix' \(Embedding\) ran without the batch \(its output has shape \(6, 6\), the "
-               r"batch 5\), and that output is used by .*einsum.*expand its input over the batch")
+               r"batch 5\), and that output is used by .*tensordot.*expand its input over the batch")
         with pytest.raises(RuntimeError, match=why):
             psn.sq_norms()
 

@@ -111,3 +111,49 @@ def test_on_the_device_under_autocast(device, autocast):
     torch.manual_seed(3)
     x, y = torch.randn(16, 7, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
     on_device(Mixer(), x, y, _loss, device, autocast)
+
+
+class RelShift(nn.Module):
+    """Funnel's relative attention in small: a bare kernel by einsum with the batch, its product reshaped and
+    sliced (views), then scaled in place through the view."""
+
+    def __init__(self, D=4, H=2, d=3):
+        super().__init__()
+        self.q, self.head = nn.Linear(3, H * d), nn.Linear(H * 5, 2)
+        self.r_kernel = nn.Parameter(torch.randn(D, H, d))
+        self.H, self.d = H, d
+        self.register_buffer("r", torch.randn(6, D))
+
+    def forward(self, x):
+        B, T = x.shape[:2]
+        q = self.q(x).view(B, T, self.H, self.d)
+        r_head = torch.einsum("td,dnh->tnh", self.r, self.r_kernel)       # (made from the kernel alone)
+        att = torch.einsum("binh,tnh->bnit", q, r_head)                     # (B, H, T, 6): a view
+        att = att.reshape(B, self.H, -1)[:, :, : T * 5].view(B, self.H, T, 5)
+        att *= 0.5                                                          # in place, through the views
+        return self.head(torch.tanh(att).mean(2).flatten(1))
+
+
+def test_einsum_with_in_place_ops_on_its_product():
+    torch.manual_seed(5)
+    model = RelShift().double()
+    x, y = torch.randn(5, 4, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5)))
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        _loss(model(x), y).backward()
+        got = psg.param_sq_norms()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+
+
+def test_a_followed_use_no_tap_took_is_an_error(monkeypatch):
+    """Were a use of a followed parameter to reach the loss untaken (here: Step.through made to hook
+    nothing), the parameter's .grad is probed, and the readers raise naming it rather than leave it out."""
+    from elasticlab.gns.layers.broadcast_taps import Step
+    monkeypatch.setattr(Step, "through", lambda self, func, args, kwargs, *rest: func(*args, **kwargs))
+    model = RelShift().double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        _loss(model(torch.randn(5, 4, 3, dtype=torch.float64)), torch.randint(0, 2, (5,))).backward()
+        with pytest.raises(RuntimeError, match=r"\['r_kernel'\], which were followed through the forward"):
+            psg.param_sq_norms()

@@ -20,11 +20,12 @@ per-example gradients, (B, *p.shape) in float32 held until the step's last one a
 that of the sum.
 
 p used as a layer's weight with an input whose dim 0 is the batch (``x @ p``, ``F.linear(x, p)``, a
-convolution with p as its weight) is taken per example by the vjp of that op on each example's input
-(vmap; B per-example gradients of p, chunked). So are the children's parameters that the module reads
+convolution with p as its weight, an einsum whose batch letter leads the output: Funnel's
+``einsum("binh,dnh->bind", q, r_kernel)``) is taken per example by the vjp of that op on each example's
+input (vmap; B per-example gradients of p, chunked). So are the children's parameters that the module reads
 without calling the child (Mamba's mixer hands ``self.conv1d.weight`` to F.conv1d itself): lent to the
 module's forward as followed tensors while no child runs, and recorded in the child's slot. Any other use
-of p together with a batched tensor (an einsum, an in-place op on p) is not a broadcast, and this rule
+of p together with a batched tensor (a tensordot, an in-place op on p) is not a broadcast, and this rule
 cannot take its per-example gradient: the readers raise (``strict``) naming the parameter and the op, or
 leave it out with a warning. Under ``torch.compile`` the
 module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again,
@@ -65,7 +66,7 @@ _ELEMENTWISE = {
     torch.Tensor.__imul__, torch.Tensor.mul_,
 }
 # a layer's ops, on weights and inputs whose dim 0 is the batch (each example's output its input's alone)
-_LAYER_OPS = {F.linear, F.conv1d, F.conv2d, F.conv3d}
+_LAYER_OPS = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.einsum}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
 
 
@@ -155,8 +156,11 @@ def _dispatch(func, args: tuple, kwargs: dict):
 def _layer_inputs(func, args: tuple, fol: list, others: list, B: int) -> list | None:
     """The inputs carrying the batch of a layer's op on followed weights, where each example's output is its
     input's alone: F.linear's and the convolutions' input (dim 0 the batch, the weights followed), a matmul's
-    left operand of 2+ dimensions or right operand of 3+ (dim 0 not contracted); else None."""
+    left operand of 2+ dimensions or right operand of 3+ (dim 0 not contracted), an einsum's operands whose
+    batch letter leads the output; else None."""
     batched = [a for a in others if a.dim() and a.shape[0] == B]
+    if func is torch.einsum:
+        return _einsum_inputs(args, fol, batched, others)
     if len(batched) != 1 or any(a.requires_grad and a is not batched[0] for a in others):
         return None
     x = batched[0]
@@ -166,6 +170,29 @@ def _layer_inputs(func, args: tuple, fol: list, others: list, B: int) -> list | 
         return None
     left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
     return batched if (x is left and x.dim() >= 2) or (x is not left and x.dim() >= 3) else None
+
+
+def _einsum_inputs(args: tuple, fol: list, batched: list, others: list) -> list | None:
+    """An einsum's operands carrying the batch (Funnel's ``einsum("binh,dnh->bind", q, r_kernel)``): each
+    with the batch first under one letter that leads the output and no followed operand's term has; else
+    None (an ellipsis, or the batch contracted)."""
+    eq, ops = args[0], list(args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str) or "..." in eq or "->" not in eq:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    terms = ins.split(",")
+    if len(terms) != len(ops) or not out or not batched:
+        return None
+    term = {id(a): t for a, t in zip(ops, terms)}
+    b = out[0]
+    if any(id(a) not in term for a in (*fol, *batched)) or any(b in term[id(f)] for f in fol):
+        return None
+    if any(term[id(x)][:1] != b for x in batched):
+        return None
+    rest = [a for a in others if all(a is not x for x in batched)]
+    return None if any(a.requires_grad or b in term.get(id(a), "") for a in rest) else batched
 
 
 def _rows_of(t: torch.Tensor, batch: int):

@@ -120,8 +120,11 @@ class Step:
                     *kept[len(fol):], g.detach())
             self.add(list(zip(fol, per)))
 
-        self.open += 1
-        out.register_hook(take)
+        if out._is_view():             # (an einsum's reshaped product: in-place ops later on a view of it,
+            out = out.clone()          # as Funnel's relative shift makes, route the gradient past a view's
+        self.open += 1                 # node; a base's own node, hooked here, always runs)
+        nr = out.output_nr
+        out.grad_fn.register_prehook(lambda gs: None if gs[nr] is None else take(gs[nr]))
         return out
 
     def cancel(self, fol: list) -> None:
