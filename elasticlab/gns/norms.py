@@ -107,7 +107,7 @@ class PerSampleGradNorms:
         if module is not None and recomputing():
             return
         self._layer_cache = None
-        self._steps += module is not None                  # (the model's forwards, not __enter__'s call)
+        self._steps += module is not None and torch.is_grad_enabled()   # (the model's forwards that train)
         self._watch = self._steps <= 1                     # the first keeps fused calls: gns.repeated.watch
         if self._unfuse:
             repeated.to_hooks(self)

@@ -536,3 +536,21 @@ def test_the_first_step_lets_go_of_the_calls_of_modules_called_once(monkeypatch)
         loss_fn(out, y).backward()
         assert [len(b) for b in boxes["lin"]] == [0, 0]          # (taken by the backward's hooks)
         assert not torch.isnan(psn.sq_norms()).any()
+
+
+def test_a_first_forward_without_gradients_leaves_the_watch_to_the_first_that_trains():
+    """An evaluation under no_grad before training does not spend the first step's watch: the first forward
+    with gradients keeps the fused calls, so ALBERT-like sharing is exact from it."""
+    torch.manual_seed(0)
+    model = Shared().double()
+    x, y = torch.randint(0, 11, (B, 5)), torch.randint(0, 3, (B,))
+    ref = func_param_sq_norms(model, loss_fn, x, y)
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        with torch.no_grad():
+            model(x)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            loss_fn(model(x), y).backward()
+            got = psn.param_sq_norms()
+    assert not [m for m in w if "times in one forward" in str(m.message)]
+    assert_matches(got, ref, 1e-9)
