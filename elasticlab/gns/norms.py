@@ -152,8 +152,9 @@ class PerSampleGradNorms:
         for s in self._slots:
             s.fwd_calls = s.calls
             # probed too: the followed parameters, whose norms come from taps (layers.broadcast_params) that
-            # a use the following missed would leave unfired
-            if s.calls == 0 or s.rule.sums_calls or s.follow is not None and s.follow.calls:
+            # a use the following missed would leave unfired; in the first step, every one (a hook on an
+            # output whose gradient an in-place op on a view of it reroutes never fires)
+            if s.calls == 0 or self._watch or s.rule.sums_calls or s.follow is not None and s.follow.calls:
                 for pname in s.need:
                     p = getattr(s.module, pname, None)
                     if isinstance(p, torch.Tensor) and p.requires_grad:
@@ -194,11 +195,16 @@ class PerSampleGradNorms:
             return odd
         names = tuple(s.full(pn) for s, pn in lost)
         mods = sorted({f"{s.name or '(root)'!r} ({type(s.module).__name__})" for s, _ in lost})
-        if all(s.calls for s, _ in lost):      # followed parameters whose taps no gradient reached
+        if all(s.calls for s, _ in lost) and all(s.rule.sums_calls or s.follow for s, _ in lost):
             why = (f"the loss depends on {list(names)}, which were followed through the forward of "
                    f"{', '.join(mods)} (layers.broadcast_params), but no use of them that reaches the loss "
                    "was taken per example (one the following does not see: a tensor op outside "
                    "__torch_function__), so their per-example gradients are not known")
+        elif all(s.calls for s, _ in lost):     # ran, but the rule's hook got no gradient
+            why = (f"the loss depends on {list(names)}, and {', '.join(mods)} ran, but no per-example norm "
+                   "of them was recorded in the backward: its rule did not form them, or the gradient of its "
+                   "output never reached the rule's hook (an in-place op on a view of that output sends it "
+                   "past the hook)")
         else:
             why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
                    f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "

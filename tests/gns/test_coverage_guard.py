@@ -187,7 +187,12 @@ def test_a_rule_that_misses_a_parameter_it_covers_is_an_error_naming_it(monkeypa
     m = nn.Sequential(Scale2(), nn.Linear(3, 2))
     x = torch.randn(4, 3)
     with PerSampleGradNorms(m, fused=False) as n:
-        m(x).pow(2).sum().backward()
+        m(x).pow(2).sum().backward()                     # the first step: b's .grad is probed
+        for read in (n.param_sq_norms, n.grad_sq_norm):
+            with pytest.raises(RuntimeError, match=r"\['0\.b'\], and '0' \(Scale2\) ran, but no per-example"):
+                read()
+        m.zero_grad()
+        m(x).pow(2).sum().backward()                     # later steps: the readers of ‖ḡ‖² find it
         assert set(n.param_sq_norms()) == {"0.a", "1.weight", "1.bias"}
         want = r"no per-example norm of \['0\.b'\] was recorded, though the gradient is nonzero: module '0' "
         for read in (n.grad_sq_norm, n.layer_grad_sq_norms):
@@ -509,3 +514,30 @@ def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered(monkeypatch):
     monkeypatch.setattr(broadcast_params, "ENABLED", False)
     with pytest.raises(ValueError, match=r"module '\(root\)' of type Head \(parameters \['scale'\]\)"):
         PerSampleGradNorms(model)
+
+
+class InPlaceOnView(nn.Module):
+    """A Linear on (B, T, D) (its output a view), then scaled in place through another view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        v = h.reshape(h.shape[0], -1)[:, :6]
+        v *= 0.5
+        return self.b(torch.tanh(h)).mean(1)
+
+
+def test_a_hook_the_gradient_bypasses_is_an_error_at_the_first_step():
+    """Hooks: an in-place op on a view of a layer's output routes its gradient past the hook on the output,
+    so the layer's norms are never formed; the first step's probes on every needed parameter make that an
+    error naming them (before: the norms of 'a' were silently missing)."""
+    torch.manual_seed(0)
+    m = InPlaceOnView().double()
+    with PerSampleGradNorms(m, loss_reduction="sum", fused=False) as n:
+        m(torch.randn(5, 3, 3, dtype=torch.float64)).pow(2).sum().backward()
+        with pytest.raises(RuntimeError, match=r"\['a\.bias', 'a\.weight'\], and 'a' \(Linear\) ran, but no "
+                                               r"per-example norm .* never reached the rule's hook"):
+            n.param_sq_norms()
