@@ -74,6 +74,22 @@ def cases(tr) -> dict:
         decoder_start_token_id=0,
     )
     kv = dict(num_key_value_heads=1, max_position_embeddings=32)
+    audio = dict(  # wav2vec 2.0's feature encoder and positional convolution, small; dropout off
+        vocab_size=V,
+        conv_dim=(8, 8),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        feat_proj_dropout=0.0,
+        layerdrop=0.0,
+        mask_time_prob=0.0,
+        num_labels=2,
+        **D,
+    )
     return {
         "gpt2": lambda: (
             tr.GPT2LMHeadModel(
@@ -334,46 +350,14 @@ def cases(tr) -> dict:
         ),
         "wav2vec2": lambda: (
             tr.Wav2Vec2ForSequenceClassification(
-                tr.Wav2Vec2Config(
-                    vocab_size=V,
-                    conv_dim=(8, 8),
-                    conv_stride=(5, 2),
-                    conv_kernel=(10, 3),
-                    num_conv_pos_embeddings=4,
-                    num_conv_pos_embedding_groups=2,
-                    hidden_dropout=0.0,
-                    attention_dropout=0.0,
-                    activation_dropout=0.0,
-                    feat_proj_dropout=0.0,
-                    layerdrop=0.0,
-                    mask_time_prob=0.0,
-                    num_labels=2,
-                    **D,
-                )
+                tr.Wav2Vec2Config(**audio)
             ),
             lambda m, d, i: m(input_values=d["audio"][i], labels=d["labels"][i]).loss,
             "mean",
         ),
         "wavlm": lambda: (
             tr.WavLMForSequenceClassification(
-                tr.WavLMConfig(
-                    vocab_size=V,
-                    conv_dim=(8, 8),
-                    conv_stride=(5, 2),
-                    conv_kernel=(10, 3),
-                    num_conv_pos_embeddings=4,
-                    num_conv_pos_embedding_groups=2,
-                    num_buckets=8,
-                    max_bucket_distance=16,
-                    hidden_dropout=0.0,
-                    attention_dropout=0.0,
-                    activation_dropout=0.0,
-                    feat_proj_dropout=0.0,
-                    layerdrop=0.0,
-                    mask_time_prob=0.0,
-                    num_labels=2,
-                    **D,
-                )
+                tr.WavLMConfig(num_buckets=8, max_bucket_distance=16, **audio)
             ),
             lambda m, d, i: m(input_values=d["audio"][i], labels=d["labels"][i]).loss,
             "mean",

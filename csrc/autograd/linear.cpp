@@ -24,6 +24,10 @@ struct LinearNorms : public torch::autograd::Function<LinearNorms> {
       bc = cast(bias, *dtype);
     }
     at::Tensor out = at::linear(xc, wc, bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt);
+    // A sequence input's output is a view of the 2-D product at::linear forms; returned from a custom
+    // function, an in-place op on it (h += r) would be refused. The product is seen by nothing else, so the
+    // output takes its storage as a tensor of its own.
+    if (out.is_view()) out = at::_unsafe_view(out, out.sizes());
     ctx->save_for_backward({xc, wc});
     ctx->saved_data["norms"] = norms;
     ctx->saved_data["form"] = form;

@@ -51,6 +51,13 @@ class Fold:
             return t.reshape(self.batch, self.per, *t.shape[1:]).sum(1)
         return t.reshape(self.per, self.batch, *t.shape[1:]).sum(0)
 
+    def unfold_call(self, saved: tuple, g: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+        """A hooked call's saved inputs and output gradient unfolded to (batch, per, …): those of its R rows
+        (other inputs, such as a weight, as they are)."""
+        R = g.shape[0]
+        return (tuple(self.unfold(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == R else t
+                      for t in saved), self.unfold(g))
+
     def refold(self, t: torch.Tensor) -> torch.Tensor:
         """(batch, per, …) → (R, …), the inverse of :meth:`unfold`."""
         if self.major:
@@ -159,3 +166,64 @@ def unfolding(slot, forward):
             return forward(x, *args, **kwargs)
         return fold.refold(forward(fold.unfold(x), *args, **kwargs))
     return run
+
+
+_GATHERS = {"IndexBackward0", "IndexSelectBackward0"}
+
+
+def row_examples(t: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """The example of each row of ``t`` (dim 0 neither the batch nor a fold of it read as one: rows gathered
+    from the examples' positions, a mixture of experts' tokens routed to one expert, Fedus et al. 2022,
+    eq. 1), as a (rows,) index, or None where it is not found. Followed back through views, row-wise ops, a
+    Linear's matmul and splits of other dimensions to a gather along dim 0 (``h[idx]``, ``index_select``),
+    whose rows are its source's rows at the index, and from there to the view that folded the batch with
+    its positions (:func:`find`'s layouts) or to a tensor whose dim 0 is the batch."""
+    return _rows_of(t.grad_fn, tuple(t.shape), batch, 0, False)
+
+
+def _rows_of(node, out: tuple, batch: int, hops: int, gathered: bool) -> torch.Tensor | None:
+    if node is None or hops > MAX_HOPS or not out:
+        return None
+    R = out[0]
+    if gathered and R == batch:                    # (the source of a gather: dim 0 the batch)
+        return torch.arange(batch)
+    name = node.name()
+    kids = [(c, s) for c, i in node.next_functions if c is not None and (s := _shape(c, i)) is not None]
+    if name in _GATHERS and kids:
+        if name == "IndexBackward0":
+            idx = getattr(node, "_saved_indices", ())
+            if len(idx) != 1 or idx[0] is None or idx[0].dim() != 1:
+                return None
+            idx = idx[0]
+        else:
+            if getattr(node, "_saved_dim", 1) != 0:
+                return None
+            idx = node._saved_index
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().squeeze(1)
+        c, S = kids[0]
+        src = _rows_of(c, S, batch, hops + 1, True)
+        return None if src is None else src.to(idx.device)[idx]
+    if name in _VIEWS and kids:
+        c, S = kids[0]
+        if len(S) > 1 and S[0] == S[1] == batch and math.prod(S[:2]) == R:
+            return None                                                  # (both layouts fit)
+        if len(S) > 1 and S[0] == batch and math.prod(S[:2]) == R and math.prod(S) == math.prod(out):
+            return torch.arange(batch).repeat_interleave(S[1])          # (B, k, …) → rows b·k + j
+        if len(S) > 1 and S[1] == batch and math.prod(S[:2]) == R and math.prod(S) == math.prod(out):
+            return torch.arange(batch).repeat(S[0])                      # (k, B, …) → rows j·B + b
+        if S and S[0] == R and math.prod(S) == math.prod(out):
+            return _rows_of(c, S, batch, hops + 1, gathered)
+        return None
+    if name in _ROWWISE and _keeps_rows(node, out):
+        same = [(c, s) for c, s in kids if s == out]
+        return _rows_of(*same[0], batch, hops + 1, gathered) if same else None
+    if name in ("SplitBackward0", "SplitWithSizesBackward0") and kids:
+        dim = getattr(node, "_saved_dim", 0)
+        dim = dim - 2 ** 64 if dim >= 2 ** 63 else dim
+        c, S = kids[0]
+        return _rows_of(c, S, batch, hops + 1, gathered) if dim % len(S) != 0 and S[0] == R else None
+    if name in ("MmBackward0", "AddmmBackward0") and kids:
+        c, s = kids[-2] if name == "AddmmBackward0" else kids[0]
+        return _rows_of(c, s, batch, hops + 1, gathered) if s and s[0] == R else None
+    return None

@@ -11,6 +11,7 @@ ones (the generic rule: forwards that read tensors passed by keyword, Whisper's 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from elasticlab.gns.capture import kept, pack_again
 from elasticlab.gns.folds import fold_for
@@ -31,6 +32,12 @@ def forward_hook(owner, slot):
         inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args
         unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
         counted = slot.called(unb)
+        if slot.rule.outputs and isinstance(output, (tuple, list)) and Join.takes(output):
+            if counted:
+                return Join.hooked(slot, module, inputs, output)
+            if recomputing():
+                pack_again(inputs)
+            return
         if not (isinstance(output, torch.Tensor) and output.requires_grad):
             return
         if unb:
@@ -48,20 +55,87 @@ def forward_hook(owner, slot):
         first = inputs[0] if inputs else None
         if not (isinstance(first, torch.Tensor) or slot.rule.kwargs and isinstance(first, dict)):
             raise ValueError(f"module {slot.name!r}: expected a tensor input")
-        get = kept(inputs)
-        fold = fold_for(slot, first) if slot.rule.folds else None   # rows (B·T, …): read as (B, T, …)
+        fresh = None
+        if not compiling and output._is_view() and isinstance(module, nn.Linear):
+            # a sequence Linear's output is a view of F.linear's 2-D product, which nothing else sees: an
+            # in-place op on it (or on a view of it) would move its history past this hook, so the hook goes
+            # on a tensor of its own (the same storage), returned in its place
+            output = fresh = torch.ops.aten._unsafe_view(output, output.shape)
 
-        def on_grad(g):
-            saved = get()
-            if fold is not None:
-                R = g.shape[0]
-                saved = tuple(fold.unfold(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == R
-                              else t for t in saved)
-                g = fold.unfold(g)
-            if slot.shared:                     # formed with its other calls when read
-                slot.pending.append((saved, g.detach()))
-                return
-            norms = slot.rule.norms(module, saved, g.detach(), slot.call_need)
-            slot.record(norms, saved[0].shape[0] if isinstance(saved[0], torch.Tensor) else g.shape[0])
-        output.register_hook(on_grad)
+        output.register_hook(on_grad(slot, module, inputs))
+        return fresh
     return hook
+
+
+def on_grad(slot, module, inputs):
+    """The tensor hook of one call: its rule on the kept inputs and the output's gradient (a tuple of them,
+    :class:`Join`). Rows that fold the batch ((B·T, …)) are read unfolded to (B, T, …) for a row-wise rule
+    (``Rule.folds``), or handed with their layout to a rule that reads them so (``Rule.rows``)."""
+    get = kept(inputs)
+    first = inputs[0] if inputs else None
+    fold = fold_for(slot, first) if slot.rule.folds or slot.rule.rows else None
+
+    def run(g):
+        saved = get()
+        if fold is not None and slot.rule.folds:
+            saved, g = fold.unfold_call(saved, g)
+        g = tuple(None if t is None else t.detach() for t in g) if isinstance(g, tuple) else g.detach()
+        if slot.shared:                     # formed with its other calls when read
+            if isinstance(g, tuple) or (fold is not None and slot.rule.rows):
+                for pn in slot.call_need:
+                    slot.unmeasured.setdefault(pn, (
+                        f"module {slot.name!r} ({type(module).__name__}) is called more than once in a "
+                        "forward, on rows that fold the batch or with a tuple output, which its calls' sum "
+                        "does not take yet"))
+                return
+            slot.pending.append((saved, g))
+            return
+        if fold is not None and slot.rule.rows:
+            norms, B = slot.rule.norms(module, saved, g, slot.call_need, fold=fold), fold.batch
+        else:
+            norms = slot.rule.norms(module, saved, g, slot.call_need)
+            B = saved[0].shape[0] if isinstance(saved[0], torch.Tensor) else _first(g).shape[0]
+        slot.record(norms, B)
+    return run
+
+
+def _first(g):
+    return next(t for t in g if t is not None) if isinstance(g, tuple) else g
+
+
+class Join(torch.autograd.Function):
+    """The tensors of a tuple output that carry a gradient, passed on as copies, so that the backward hands
+    all their gradients to one callback (``Rule.outputs``; zeros for an output the loss did not reach)."""
+
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        ctx.run = run
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.run(grads)
+        return (None, *grads)
+
+    @staticmethod
+    def takes(output) -> bool:
+        return not torch.compiler.is_compiling() and any(
+            isinstance(o, torch.Tensor) and o.requires_grad for o in output)
+
+    @staticmethod
+    def hooked(slot, module, inputs, output):
+        """``output`` with its gradient-carrying tensors joined: the rule gets a tuple of the output's
+        gradients, None where an output carries none (integer indices)."""
+        at = [i for i, o in enumerate(output) if isinstance(o, torch.Tensor) and o.requires_grad]
+        run = on_grad(slot, module, inputs)
+
+        def spread(grads):
+            got = dict(zip(at, grads))
+            run(tuple(got.get(i) for i in range(len(output))))
+        joined = Join.apply(spread, *(output[i] for i in at))
+        new = list(output)
+        for i, t in zip(at, joined):
+            new[i] = t
+        if isinstance(output, list) or type(output) is tuple:
+            return type(output)(new)
+        return type(output)(*new)                                   # (a namedtuple)

@@ -23,7 +23,12 @@ with the call's keyword arguments as a dict, where there are any (:mod:`elasticl
 layer is row-wise, so a call on the examples folded with their positions into dim 0 ((B·T, D), OPT) is read
 unfolded to (B, T, …) (:mod:`elasticlab.gns.folds`). ``on_owner``: the module holds the originals of a
 parametrized tensor (a ``ParametrizationList``), and its rule runs on the calls of the layer that owns it,
-with ``need`` named from that layer (:mod:`.layers.parametrized`).
+with ``need`` named from that layer (:mod:`.layers.parametrized`). ``rows`` (hook rules): a call on rows that
+fold the batch is handed to ``norms`` as is, with ``fold=`` its layout, for the rule to read each example's
+rows together (the generic rule, which checks that they are row-wise: a mixture of experts' router on
+(B·T, D)). ``outputs`` (hook rules): a call whose output is a tuple of tensors (a router's logits, weights
+and indices) gets ``grad_output`` as a tuple, None where an output carries no gradient and zeros where the
+loss did not reach it.
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ class Rule:
     kwargs: bool = False
     folds: bool = False
     on_owner: bool = False
+    rows: bool = False
+    outputs: bool = False
 
 
 RULES: dict[type, Rule] = {}

@@ -88,10 +88,10 @@ def watch(slot, args: tuple, out) -> None:
 
     def keep(g):
         if box and slot.shared and not slot.spoiled:
-            R, kept = g.shape[0], box.pop()
-            saved = tuple(fold.unfold(t) if fold is not None and isinstance(t, torch.Tensor) and t.dim()
-                          and t.shape[0] == R else t for t in kept)
-            slot.pending.append((saved, (fold.unfold(g) if fold is not None else g).detach()))
+            saved = box.pop()
+            if fold is not None:
+                saved, g = fold.unfold_call(saved, g)
+            slot.pending.append((saved, g.detach()))
     out.register_hook(keep)
 
 

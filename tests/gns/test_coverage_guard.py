@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import RULES, PerSampleGradNorms
+from elasticlab.gns import RULES, PerSampleGradNorms, kernels
 from elasticlab.gns.layers import broadcast_params
-from elasticlab.gns.reference import func_param_sq_norms, func_sq_norms
+from elasticlab.gns.reference import func_param_sq_norms, func_sq_norms, loop_param_sq_norms
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 
@@ -517,27 +517,40 @@ def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered(monkeypatch):
 
 
 class InPlaceOnView(nn.Module):
-    """A Linear on (B, T, D) (its output a view), then scaled in place through another view of it."""
+    """A Linear on (B, T, D) (F.linear's output a view of its 2-D product), then changed in place: ``how``."""
 
-    def __init__(self):
+    def __init__(self, how):
         super().__init__()
-        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.a, self.b, self.how = nn.Linear(3, 4), nn.Linear(4, 2), how
 
     def forward(self, x):
         h = self.a(x)
-        v = h.reshape(h.shape[0], -1)[:, :6]
-        v *= 0.5
+        self.how(h)
         return self.b(torch.tanh(h)).mean(1)
 
 
-def test_a_hook_the_gradient_bypasses_is_an_error_at_the_first_step():
-    """Hooks: an in-place op on a view of a layer's output routes its gradient past the hook on the output,
-    so the layer's norms are never formed; the first step's probes on every needed parameter make that an
-    error naming them (before: the norms of 'a' were silently missing)."""
+def _scale_a_view(h):
+    v = h.reshape(h.shape[0], -1)[:, :6]
+    v *= 0.5
+
+
+@pytest.mark.parametrize("fused", ["C++", "Python", False])
+@pytest.mark.parametrize("how", [_scale_a_view, lambda h: h.add_(1.0), lambda h: h[:, 0].mul_(2.0)],
+                         ids=["view-of-view", "itself", "slice"])
+def test_in_place_ops_on_a_sequence_linears_output(fused, how, monkeypatch):
+    """An in-place op on a sequence Linear's output or on a view of it: fused (the C++ autograd function, or
+    the Python one without the kernels), before, PyTorch refused it ("a view created inside a custom
+    Function"); hooks, its gradient went past the hook on the output (an error naming 'a'). The output is
+    now a tensor of its own: norms equal one backward per example."""
+    if fused == "Python":
+        monkeypatch.setattr(kernels, "USE_KERNELS", False)
+    fused = bool(fused)
     torch.manual_seed(0)
-    m = InPlaceOnView().double()
-    with PerSampleGradNorms(m, loss_reduction="sum", fused=False) as n:
-        m(torch.randn(5, 3, 3, dtype=torch.float64)).pow(2).sum().backward()
-        with pytest.raises(RuntimeError, match=r"\['a\.bias', 'a\.weight'\], and 'a' \(Linear\) ran, but no "
-                                               r"per-example norm .* never reached the rule's hook"):
-            n.param_sq_norms()
+    m, x = InPlaceOnView(how).double(), torch.randn(5, 3, 3, dtype=torch.float64)
+    with PerSampleGradNorms(m, loss_reduction="sum", fused=fused) as n:
+        m(x).pow(2).sum().backward()
+        got = n.param_sq_norms()
+    want = loop_param_sq_norms(m, lambda out, y: out.pow(2).sum(), x, x)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)

@@ -140,6 +140,9 @@ def _dispatch(func, args: tuple, kwargs: dict):
                 rows = Rows(q.shape[0], fold)         # (Swin's bias, (1, H, N, N), on (B·nW) windows)
                 new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim(), rows)})
                 return func(*new_args, **new_kwargs)
+    if (func is F.linear or func in _MATMULS) and B and not pending \
+            and (got := _gathered_input(func, args, others, step.slot.owner._batch or B)) is not None:
+        return step.through(func, args, kwargs, fol, [got[0]], live, rows=got)
     if (func in _LAYER_OPS or func in _MATMULS) and B and not pending \
             and (batched := _layer_inputs(func, args, fol, others, B)) is not None:
         return step.through(func, args, kwargs, fol, batched, live)
@@ -170,6 +173,23 @@ def _layer_inputs(func, args: tuple, fol: list, others: list, B: int) -> list | 
         return None
     left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
     return batched if (x is left and x.dim() >= 2) or (x is not left and x.dim() >= 3) else None
+
+
+def _gathered_input(func, args: tuple, others: list, B: int) -> tuple | None:
+    """(x, the example of each of its rows) where a row-wise layer's op on followed weights (F.linear, a
+    matmul with x on the left) takes an input x whose rows were gathered from the examples (a mixture of
+    experts: the tokens routed to one expert, ``gate_up_proj[e]`` its weight), read from x's graph
+    (:func:`elasticlab.gns.folds.row_examples`), and the batch ``B`` (the model's: the module may be called
+    on the tokens folded into dim 0, Mixtral's experts); else None."""
+    trained = [a for a in others if a.requires_grad]
+    if len(trained) != 1 or not args:
+        return None
+    x = trained[0]
+    left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
+    if x is not left or x.dim() < 2 or x.shape[0] == B or not folds.ENABLED:
+        return None                     # (first: the module's call may fold the batch, and a gather of it
+    ex = folds.row_examples(x, B)       # have as many rows by chance)
+    return None if ex is None or ex.numel() != x.shape[0] else (x, ex, B)
 
 
 def _einsum_inputs(args: tuple, fol: list, batched: list, others: list) -> list | None:

@@ -13,8 +13,6 @@ from torch.utils._pytree import tree_map
 
 from elasticlab.gns import kernels
 
-CHUNK_BYTES = 256 << 20          # per-example weight gradients of one op held at once, at most
-
 if TYPE_CHECKING:
     from elasticlab.gns.layers.broadcast_params import Followed
 
@@ -40,7 +38,7 @@ class Step:
     def __init__(self, slot, layer: bool = False):
         self.slot, self.layer = slot, layer
         self.batch: int | None = None
-        self.acc: dict[str, torch.Tensor] = {}        # {param: (B, *p.shape)} summed so far
+        self.acc: dict[tuple, torch.Tensor] = {}      # {(id of slot, param): (B, *p.shape)} summed so far
         self.open = 0                                  # taps of the forward whose gradient has not come
         self.calls = 0                                 # (a layer) its calls without the batch this step
         self.shape: tuple = ()                         # (a layer) the output of its last such call
@@ -64,6 +62,9 @@ class Step:
         if folded:
             how = (f"is expanded to rows that fold the batch with windows or positions, but reaches {name}, "
                    "so which rows are which example's is not known")
+        if "grouped_mm" in name:
+            how += ("; a mixture of experts' grouped matmul is not read per example, a loop of F.linear over "
+                    "the experts is (Hugging Face: model.set_experts_implementation('eager'))")
         for s, pn in _names(f):
             s.unmeasured.setdefault(pn, (
                 f"module {mod} ran without the batch (its output has shape {self.shape}, the batch "
@@ -86,11 +87,15 @@ class Step:
             e.register_hook(lambda g: self._take(f, shape, g, rows))
         return e
 
-    def through(self, func, args: tuple, kwargs: dict, fol: list, batched: list, live: bool):
+    def through(self, func, args: tuple, kwargs: dict, fol: list, batched: list, live: bool,
+                rows: tuple | None = None):
         """``func`` (a layer's op: F.linear, a convolution, a matmul) on followed weights ``fol`` and inputs
         ``batched`` whose dim 0 is the batch: run as is, a hook on its output takes each example's gradient
         of the weights, the vjp of the op on example b at its output gradient (vmap over the examples, as
-        the generic rule does), ∇W ℓ_b = J_W f(W, x_b)ᵀ δ_b."""
+        the generic rule does), ∇W ℓ_b = J_W f(W, x_b)ᵀ δ_b. With ``rows`` (x, the example of each of its
+        rows, the batch: a row-wise op's input gathered from the examples, tokens routed to one expert),
+        example b's input is its rows, and the vjp runs once per example that has any (the others'
+        gradients are zero)."""
         out = func(*args, **kwargs)
         if not (live and isinstance(out, torch.Tensor) and out.requires_grad):
             return out
@@ -101,8 +106,8 @@ class Step:
         rest = tree_map(lambda a: holes.get(id(a), a.detach()) if isinstance(a, torch.Tensor) else a,
                         (args, kwargs))
 
-        def one(ws, *xs):                              # the op on one example (a batch of 1)
-            vals = [*ws, *(x.unsqueeze(0) for x in xs)]
+        def one(ws, *xs):                              # the op on one example (a batch of 1, or its rows)
+            vals = [*ws, *(xs if rows is not None else (x.unsqueeze(0) for x in xs))]
             a, k = tree_map(lambda r: vals[r.i] if isinstance(r, _Hole) else r, rest)
             with torch.autocast(dev, dtype=cast or torch.bfloat16, enabled=cast is not None):
                 return func(*a, **k)
@@ -110,14 +115,17 @@ class Step:
         def grads(*xs_g):
             *xs, g = xs_g
             _, pull = vjp(lambda ws: one(ws, *xs), kept[:len(fol)])
-            return pull(g.unsqueeze(0))[0]
+            return pull(g if rows is not None else g.unsqueeze(0))[0]
 
         def take(g):
+            from elasticlab.gns.layers.generic import chunk_size  # (its fallback registers after this one's)
             self.open -= 1
-            numel = sum(w.numel() for w in kept[:len(fol)]) * 4
+            if rows is not None:
+                self.add(list(zip(fol, _by_rows(grads, kept, len(fol), rows[1:], g.detach()))))
+                return
             with torch._C.DisableTorchFunctionSubclass():
-                per = vmap(grads, chunk_size=max(1, min(g.shape[0], CHUNK_BYTES // max(numel, 1))))(
-                    *kept[len(fol):], g.detach())
+                per = vmap(grads, chunk_size=chunk_size(g.shape[0], kept[:len(fol)]))(*kept[len(fol):],
+                                                                                      g.detach())
             self.add(list(zip(fol, per)))
 
         if out._is_view():             # (an einsum's reshaped product: in-place ops later on a view of it,
@@ -186,6 +194,19 @@ class Step:
             norms.setdefault(s, {})[pn] = kernels.row_sq(total)
         for s, got in norms.items():
             s.record(got, B)
+
+
+def _by_rows(grads, kept: list, n: int, rows: tuple, g: torch.Tensor) -> list:
+    """(B, *shape) per-example gradients of the ``n`` followed weights in ``kept``, each example's the vjp
+    ``grads`` at its rows alone (``rows``: the example of each row of the op's input and output, and B)."""
+    ex, B = rows
+    per = [torch.zeros((B, *w.shape), dtype=kernels.acc_dtype(w.dtype), device=w.device) for w in kept[:n]]
+    with torch._C.DisableTorchFunctionSubclass():
+        for b in ex.unique().tolist():                          # (one host read: the examples present)
+            at = (ex == b).nonzero().squeeze(1)
+            for p, v in zip(per, grads(*(x[at] for x in kept[n:]), g[at])):
+                p[b] = v
+    return per
 
 
 class _Hole:

@@ -51,18 +51,23 @@ def _split(inputs: tuple) -> tuple[list, int, tuple[str, ...]]:
     return list(inputs), len(inputs), ()
 
 
-def _per_example_forward(module: nn.Module, dims: tuple, n_args: int, keys: tuple):
-    """``one(params, *flat)``: the module's forward on one example (batched inputs given a batch of 1), with
-    ``params`` in place of its own; ``flat`` its positional arguments, then the values of ``keys``."""
+def _per_example_forward(module: nn.Module, dims: tuple, n_args: int, keys: tuple, rows: bool = False,
+                         picks: tuple | None = None):
+    """``one(params, *flat)``: the module's forward on one example (batched inputs given a batch of 1, or,
+    with ``rows``, as that example's rows), with ``params`` in place of its own; ``flat`` its positional
+    arguments, then the values of ``keys``. ``picks``: of a tuple output, the positions kept."""
     def one(params, *flat):
-        flat = [a.unsqueeze(0) if d == 0 else a for a, d in zip(flat, dims)]
-        return functional_call(module, params, tuple(flat[:n_args]), dict(zip(keys, flat[n_args:])),
-                               strict=False, tie_weights=False)
+        flat = [a.unsqueeze(0) if d == 0 and not rows else a for a, d in zip(flat, dims)]
+        out = functional_call(module, params, tuple(flat[:n_args]), dict(zip(keys, flat[n_args:])),
+                              strict=False, tie_weights=False)
+        return out if picks is None else tuple(out[i] for i in picks)
     return one
 
 
-def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None = None) -> None:
-    """Its output on the batch against its output on each example alone, once per input signature."""
+def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None = None,
+            fold=None) -> None:
+    """Its output on the batch against its output on each example alone (with ``fold``, on each example's
+    rows), once per input signature."""
     sig = signature(inputs, None)
     seen = _checked.setdefault(module, set())
     if sig in seen:
@@ -71,14 +76,18 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None
     flat, n, keys = _split(inputs)
     with torch.no_grad():
         full = type(module).forward(module, *flat[:n], **dict(zip(keys, flat[n:])))
+        full = list(full) if isinstance(full, (tuple, list)) else [full]
         try:
-            each = vmap(lambda *a: one({}, *a).squeeze(0), in_dims=dims)(*flat)
+            each = vmap(lambda *a: one({}, *a), in_dims=dims)(*_unfolded(flat, dims, fold))
         except RuntimeError as e:                            # random operations, data-dependent control flow
             why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
         else:
-            rtol, atol = (3e-2, 1e-3) if full.dtype in (torch.bfloat16, torch.float16) else (1e-3, 1e-5)
-            atol *= max(float(full.abs().max()) if full.numel() else 0.0, 1.0)
-            if each.shape != full.shape or not torch.allclose(each, full, rtol=rtol, atol=atol):
+            each = list(each) if isinstance(each, (tuple, list)) else [each]
+            if fold is None:
+                each = [e.squeeze(1) if e.dim() > 1 else e for e in each]
+            else:
+                each = [fold.refold(e) if e.dim() > 1 else e for e in each]
+            if not _same(full, each):
                 why = "its output for an example depends on the other examples of the batch"
     if why is not None:
         what = what or (f"{type(module).__name__} has no per-example gradient-norm rule, and the generic one "
@@ -88,6 +97,27 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None
             "elasticlab.gns.layers.generic.ENABLED = False before making PerSampleGradNorms (then "
             "strict=False leaves them out)")
     seen.add(sig)
+
+
+def _same(full: list, each: list) -> bool:
+    """The floating tensors of a module's output on the batch and as formed per example agree."""
+    pairs = [(f, e) for f, e in zip(full, each) if isinstance(f, torch.Tensor) and f.is_floating_point()]
+    if len(full) != len(each) or not pairs:
+        return False
+    for f, e in pairs:
+        rtol, atol = (3e-2, 1e-3) if f.dtype in (torch.bfloat16, torch.float16) else (1e-3, 1e-5)
+        atol *= max(float(f.abs().max()) if f.numel() else 0.0, 1.0)
+        if e.shape != f.shape or not torch.allclose(e.to(f.dtype), f, rtol=rtol, atol=atol):
+            return False
+    return True
+
+
+def _unfolded(flat: list, dims: tuple, fold) -> list:
+    """A call's flat inputs with those of the fold's rows (dim 0 of ``fold``'s R rows) unfolded to
+    (B, k, …); as they are without a fold."""
+    if fold is None:
+        return flat
+    return [fold.unfold(a) if d == 0 else a for a, d in zip(flat, dims)]
 
 
 def _widened(tensors: list, params: dict) -> list:
@@ -101,41 +131,55 @@ def _widened(tensors: list, params: dict) -> list:
             for t in tensors]
 
 
-def generic_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dict:
+def chunk_size(batch: int, params) -> int:
+    """Examples per vmap chunk so that their per-example gradients of ``params`` (in float32 at least) stay
+    under :data:`CHUNK_BYTES` (one example whatever its size)."""
+    numel = sum(p.numel() * max(p.element_size(), 4) for p in params)
+    return max(1, min(batch, CHUNK_BYTES // max(numel, 1)))
+
+
+def generic_norms(module: nn.Module, inputs: tuple, d, need, fold=None) -> dict:
     """Hook rule: ‖∇θ ℓ_b‖² per example of each needed parameter, from the vjp of the module's forward on
     example b (vmap over the batch, in chunks of at most :data:`CHUNK_BYTES` of per-example gradients)."""
-    return summed_norms(module, [(inputs, d)], need)
+    return summed_norms(module, [(inputs, d)], need, fold=fold)
 
 
-def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) -> dict:
+def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, fold=None) -> dict:
     """‖Σ_k ∇θ ℓ_{b,k}‖² per example over the module's calls ``calls`` [(inputs, output gradient)] of one
     forward (one call: :func:`generic_norms`; several: :mod:`elasticlab.gns.repeated`): each call's vjp on
-    example b, summed, then the norm; vmap over the batch in chunks. ``what`` heads a verification error."""
-    B = calls[0][1].shape[0]
+    example b, summed, then the norm; vmap over the batch in chunks. ``what`` heads a verification error.
+    An output gradient may be a tuple (of a tuple output; None where an output carries none). With ``fold``
+    (a call on rows that fold the batch: a mixture of experts' router on (B·T, D)), example b's input is
+    its rows, checked to give the rows of the output on the batch (the module is then row-wise)."""
+    d0 = calls[0][1]
+    R = next(t for t in d0 if t is not None).shape[0] if isinstance(d0, tuple) else d0.shape[0]
+    B = R if fold is None else fold.batch
     flat, dims, ones = [], [], []
     for inputs, d in calls:
         items, n, keys = _split(inputs)
-        dk = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else None
+        dk = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == R else None
                    for a in items)
-        one = _per_example_forward(module, dk, n, keys)
+        picks = None if not isinstance(d, tuple) else tuple(i for i, t in enumerate(d) if t is not None)
+        gs = [d] if picks is None else [d[i] for i in picks]
+        one = _per_example_forward(module, dk, n, keys, rows=fold is not None, picks=picks)
         with Quiet():
             _verify(module, tuple(_widened(list(inputs), dict(module.named_parameters(recurse=False)))),
-                    dk, one, what)
-        ones.append((one, len(items)))
-        flat += [*items, d]
-        dims += [*dk, 0]
+                    dk, _per_example_forward(module, dk, n, keys, rows=fold is not None), what, fold)
+        ones.append((one, len(items), len(gs), picks is not None))
+        flat += _unfolded([*items, *gs], (*dk, *(0,) * len(gs)), fold)
+        dims += [*dk, *(0,) * len(gs)]
     params = {n: module.get_parameter(n).detach() for n in need}
     flat = _widened(flat, params)
-    numel = sum(p.numel() * max(p.element_size(), 4) for p in params.values())
-    chunk = max(1, min(B, CHUNK_BYTES // max(numel, 1)))
+    chunk = chunk_size(B, params.values())
+    lift = (lambda t: t) if fold is not None else (lambda t: t.unsqueeze(0))
 
     def grads(*a):
         total, i = None, 0
-        for one, n in ones:
-            args, g = a[i:i + n], a[i + n]
-            i += n + 1
+        for one, n, m, tupled in ones:
+            args, g = a[i:i + n], a[i + n:i + n + m]
+            i += n + m
             _, pull = vjp(lambda p: one(p, *args), params)          # noqa: B023  (called at once)
-            gk = pull(g.unsqueeze(0))[0]
+            gk = pull(tuple(map(lift, g)) if tupled else lift(g[0]))[0]
             total = gk if total is None else {k: total[k] + gk[k] for k in total}
         return total
 
@@ -144,4 +188,5 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None) 
     return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
 
 
-register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True, kwargs=True), applies)
+register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True, kwargs=True, rows=True,
+                       outputs=True), applies)

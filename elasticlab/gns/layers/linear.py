@@ -128,7 +128,12 @@ class _LinearNorms(torch.autograd.Function):
         # ‖a_b‖² of 2-D inputs now, while x is still in cache from the layer that made it.
         ctx.x_sq = kernels.row_sq(xc) if xc.dim() == 2 and ctx.needs_input_grad[1] else None
         ctx.save_for_backward(xc, wc)
-        return out
+        # a sequence input's output is a view of F.linear's 2-D product, which nothing else sees: made a
+        # tensor of its own, an in-place op on it (h += r) is not refused as one on a custom Function's view
+        # (not under compile, whose graph has no such views and breaks on the query)
+        if torch.compiler.is_compiling() or not out._is_view():
+            return out
+        return torch.ops.aten._unsafe_view(out, out.shape)
 
     @staticmethod
     @once_differentiable

@@ -1,0 +1,194 @@
+"""A mixture of experts (Shazeer et al. 2017; Fedus et al. 2022, eq. 1; Hugging Face's Mixtral in small): a
+router (a leaf module on the tokens folded to (B·T, D), returning logits, weights and indices: the generic
+rule with its rows read per example and a tuple output) and experts whose (E, out, in) weights are used by
+F.linear, expert by expert, on the tokens routed to each (rows gathered from the examples' positions,
+``folds.row_examples``, taken per example by ``Step.through``). Against one backward per example in
+float64 (before: the experts' weights were refused by name, and the router's norms were never formed)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from layer_check import on_device
+from torch import nn
+
+from elasticlab.gns import PerSampleGradNorms, folds
+from elasticlab.gns.reference import example_param_sq_norms
+
+
+class Router(nn.Module):
+    def __init__(self, D, E, k):
+        super().__init__()
+        self.weight, self.k = nn.Parameter(torch.randn(E, D) / D ** 0.5), k
+
+    def forward(self, h):
+        logits = F.linear(h.reshape(-1, h.shape[-1]), self.weight)
+        top, idx = torch.topk(logits.softmax(-1), self.k, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return logits, top, idx
+
+
+class Experts(nn.Module):
+    def __init__(self, D, H, E):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(E, 2 * H, D) / D ** 0.5)
+        self.down = nn.Parameter(torch.randn(E, D, H) / H ** 0.5)
+        self.act = nn.SiLU()
+
+    def forward(self, h, idx, w):
+        out = torch.zeros_like(h)
+        for e in range(self.up.shape[0]):
+            tok, pos = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            a, b = F.linear(h[tok], self.up[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(a) * b, self.down[e]) * w[tok, pos, None]
+            out.index_add_(0, tok, y)
+        return out
+
+
+class MoE(nn.Module):
+    """Embedding Linear, then the sparse block on (B·T, D) with a residual, then a head; ``flat``: the block
+    takes the tokens of a (B, D) input (no positions: the gather's source rows are the examples)."""
+
+    def __init__(self, D=4, H=3, E=4, k=2, flat=False):
+        super().__init__()
+        self.inp, self.gate, self.experts = nn.Linear(3, D), Router(D, E, k), Experts(D, H, E)
+        self.head, self.flat = nn.Linear(D, 2), flat
+
+    def forward(self, x):
+        h = self.inp(x)
+        rows = h.reshape(-1, h.shape[-1])
+        _, w, idx = self.gate(rows)
+        rows = rows + self.experts(rows, idx, w)
+        return self.head(torch.tanh(rows.reshape(h.shape)) if self.flat else
+                         torch.tanh(rows.reshape(h.shape)).mean(1))
+
+
+def _loss(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def _check(model, x, y, fused):
+    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(x.shape[0])))
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        _loss(model(x), y).backward()
+        got = psg.param_sq_norms()
+        assert psg.left_out == []
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("shape", [(5, 7, 4, 2), (3, 1, 4, 1), (2, 6, 8, 2)], ids=["B5T7E4k2", "T1", "E8"])
+def test_moe_norms_match_per_example_backward(fused, shape):
+    """Experts some examples' tokens never reach (E8 on 12 tokens), one token per example (T1), top-1."""
+    B, T, E, k = shape
+    torch.manual_seed(0)
+    model = MoE(E=E, k=k).double()
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randint(0, 2, (B,))
+    _check(model, x, y, fused)
+    # the real gradients are untouched
+    ref = MoE(E=E, k=k).double()
+    ref.load_state_dict(model.state_dict())
+    _loss(ref(x), y).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_moe_on_rows_that_are_the_examples():
+    """Tokens gathered from a (B, D) batch: the gather's source rows are the examples themselves."""
+    torch.manual_seed(1)
+    _check(MoE(flat=True).double(), torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,)), True)
+
+
+def test_row_examples_reads_the_gather():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 2, requires_grad=True)
+    rows = x.reshape(-1, 2)
+    idx = torch.tensor([11, 0, 5, 4])
+    assert folds.row_examples(rows[idx], 3).tolist() == [2, 0, 1, 1]
+    t = x.transpose(0, 1).reshape(-1, 2)                           # (T, B) rows: j·B + b
+    assert folds.row_examples(t.index_select(0, idx) * 2, 3).tolist() == [2, 0, 2, 1]
+    assert folds.row_examples(torch.randn(4, 2, requires_grad=True), 3) is None     # no graph to read
+    sq = torch.randn(3, 3, 2, requires_grad=True).reshape(-1, 2)   # (B, B): both layouts fit
+    assert folds.row_examples(sq[idx[1:]], 3) is None
+
+
+def test_a_router_that_mixes_the_examples_is_refused():
+    """The generic rule reads a folded call per example only where that gives the rows of the call on the
+    batch: a router normalising over all tokens mixes the examples, an error naming it."""
+    class Mixing(Router):
+        def forward(self, h):
+            logits, top, idx = super().forward(h)
+            return logits, top * (1 + top.mean(0)), idx                # (a mean over all tokens)
+
+    torch.manual_seed(0)
+    model = MoE().double()
+    model.gate = Mixing(4, 4, 2).double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        with pytest.raises(RuntimeError, match=r"Mixing has no per-example gradient-norm rule.*depends on "
+                                               "the other examples"):
+            _loss(model(torch.randn(3, 5, 3, dtype=torch.float64)), torch.randint(0, 2, (3,))).backward()
+            psg.param_sq_norms()
+
+
+def test_a_tuple_output_of_the_examples():
+    """A leaf module of no registered type on (B, D) returning two outputs, both reaching the loss, one
+    not: the generic rule gets their gradients together."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return x @ self.a, torch.tanh(x @ self.a) * self.b.sum(), (x * 2).sum(1)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.two, self.head = Two(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            u, v, _ = self.two(x)
+            return self.head(u * v)
+
+    torch.manual_seed(0)
+    _check(Net().double(), torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,)), True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_moe_on_the_device(device):
+    """In float32 on the device against float64 on the CPU (not under autocast: bf16 may route tokens to
+    other experts than float64 does, so the two are not the same function)."""
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 7, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
+    on_device(MoE(), x, y, _loss, device, False)
+
+
+def test_grouped_experts_are_refused_with_the_way_out():
+    """Experts by one grouped matmul (Hugging Face's default ``grouped_mm`` implementation) are not read per
+    example: the error names the weight and the eager loop of F.linear that is."""
+    class Grouped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.act = nn.Parameter(torch.randn(2, 8, 4)), nn.Identity()
+
+        def forward(self, h):
+            offs = torch.tensor([h.shape[0] // 2, h.shape[0]], dtype=torch.int32)
+            return self.act(F.grouped_mm(h, self.w, offs=offs))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.experts, self.head = nn.Linear(3, 8), Grouped(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.head(self.experts(h.reshape(-1, 8)).reshape(*h.shape[:2], 4).mean(1))
+
+    model = Net()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        model(torch.randn(4, 6, 3)).sum().backward()
+        with pytest.raises(RuntimeError,
+                           match=r"'experts\.w' .* torch._grouped_mm .*set_experts_implementation"):
+            psg.param_sq_norms()
