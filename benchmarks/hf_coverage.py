@@ -74,6 +74,7 @@ def cases(tr) -> dict:
         decoder_start_token_id=0,
     )
     kv = dict(num_key_value_heads=1, max_position_embeddings=32)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     audio = dict(  # wav2vec 2.0's feature encoder and positional convolution, small; dropout off
         vocab_size=V,
         conv_dim=(8, 8),
@@ -179,6 +180,43 @@ def cases(tr) -> dict:
             _eager_experts(
                 tr.MixtralForCausalLM(
                     tr.MixtralConfig(vocab_size=V, num_local_experts=4, num_experts_per_tok=2, **kv, **D)
+                )
+            ),
+            *lm,
+        ),
+        "qwen2_moe": lambda: (
+            _eager_experts(
+                tr.Qwen2MoeForCausalLM(
+                    tr.Qwen2MoeConfig(vocab_size=V, shared_expert_intermediate_size=8, decoder_sparse_step=1,
+                                      **moe, **kv, **D)
+                )
+            ),
+            *lm,
+        ),
+        "olmoe": lambda: (
+            _eager_experts(
+                tr.OlmoeForCausalLM(
+                    tr.OlmoeConfig(vocab_size=V, num_experts=4, num_experts_per_tok=2, **kv, **D)
+                )
+            ),
+            *lm,
+        ),
+        "deepseek_v3": lambda: (
+            _eager_experts(
+                tr.DeepseekV3ForCausalLM(
+                    tr.DeepseekV3Config(vocab_size=V, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=0, moe_intermediate_size=8,
+                                        q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                                        qk_nope_head_dim=4, v_head_dim=8, **kv, **D)
+                )
+            ),
+            *lm,
+        ),
+        "gpt_oss": lambda: (
+            _eager_experts(
+                tr.GptOssForCausalLM(
+                    tr.GptOssConfig(vocab_size=V, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                    sliding_window=8, **kv, **D)
                 )
             ),
             *lm,

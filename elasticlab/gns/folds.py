@@ -215,9 +215,10 @@ def _rows_of(node, out: tuple, batch: int, hops: int, gathered: bool) -> torch.T
         if S and S[0] == R and math.prod(S) == math.prod(out):
             return _rows_of(c, S, batch, hops + 1, gathered)
         return None
-    if name in _ROWWISE and _keeps_rows(node, out):
-        same = [(c, s) for c, s in kids if s == out]
-        return _rows_of(*same[0], batch, hops + 1, gathered) if same else None
+    if name in _ROWWISE and _keeps_rows(node, out):    # (the operands whose rows are read must agree)
+        got = [r for c, s in kids if s == out
+               and (r := _rows_of(c, s, batch, hops + 1, gathered)) is not None]
+        return got[0] if got and all(torch.equal(got[0], r) for r in got[1:]) else None
     if name in ("SplitBackward0", "SplitWithSizesBackward0") and kids:
         dim = getattr(node, "_saved_dim", 0)
         dim = dim - 2 ** 64 if dim >= 2 ** 63 else dim

@@ -62,18 +62,20 @@ def forward_hook(owner, slot):
             # on a tensor of its own (the same storage), returned in its place
             output = fresh = torch.ops.aten._unsafe_view(output, output.shape)
 
-        output.register_hook(on_grad(slot, module, inputs))
+        output.register_hook(on_grad(slot, module, inputs, output))
         return fresh
     return hook
 
 
-def on_grad(slot, module, inputs):
+def on_grad(slot, module, inputs, output=None):
     """The tensor hook of one call: its rule on the kept inputs and the output's gradient (a tuple of them,
     :class:`Join`). Rows that fold the batch ((B·T, …)) are read unfolded to (B, T, …) for a row-wise rule
     (``Rule.folds``), or handed with their layout to a rule that reads them so (``Rule.rows``)."""
     get = kept(inputs)
     first = inputs[0] if inputs else None
     fold = fold_for(slot, first) if slot.rule.folds or slot.rule.rows else None
+    if fold is None and slot.rule.rows and output is not None:      # (only its output folds: a router on
+        fold = fold_for(slot, output)                                # (B, T, D) giving (B·T, E) logits)
 
     def run(g):
         saved = get()
@@ -127,7 +129,7 @@ class Join(torch.autograd.Function):
         """``output`` with its gradient-carrying tensors joined: the rule gets a tuple of the output's
         gradients, None where an output carries none (integer indices)."""
         at = [i for i, o in enumerate(output) if isinstance(o, torch.Tensor) and o.requires_grad]
-        run = on_grad(slot, module, inputs)
+        run = on_grad(slot, module, inputs, output[at[0]])
 
         def spread(grads):
             got = dict(zip(at, grads))

@@ -252,6 +252,60 @@ def test_compiled_model_matches_eager(backend):
                 torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
+class Block(nn.Module):
+    def __init__(self, D):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.fc(torch.tanh(self.ln(x)))
+
+
+class TimmViT(ViT):
+    """timm's layout: the bare parameters at the root, read in a helper method, the blocks a child."""
+
+    def __init__(self, D=8, N=4, P=6, classes=3):
+        super().__init__(D, N, P, classes)
+        self.blocks = nn.Sequential(Block(D), Block(D))
+
+    def _pos_embed(self, x):
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self._pos_embed(self.patch(x)))).mean(1))
+
+
+@pytest.mark.parametrize("eager_parent", [True, False])
+def test_compiled_root_with_bare_parameters_compiles_its_children(eager_parent, monkeypatch):
+    """The root holds the bare parameters (timm's ViT): its own forward and helper methods run eagerly, and
+    its children (patch, blocks, norm, head) are compiled, each a graph of its own (before: the whole model
+    ran eagerly, nothing captured). The norms are eager's, over two steps; with EagerParent off, nothing is
+    captured and the norms are the same."""
+    from torch._dynamo.utils import counters
+
+    from elasticlab.gns.layers import eager_parent as ep
+    monkeypatch.setattr(ep, "ENABLED", eager_parent)
+    torch.manual_seed(0)
+    model = TimmViT().double()
+    x, y = data()
+    want = per_example(model, model, x, y)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(compiled(x), y, reduction="sum").backward()
+            got = psn.param_sq_norms()
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+    captured = counters["stats"]["calls_captured"]
+    assert captured > 0 if eager_parent else captured == 0
+    breaks = [k for k in counters["graph_break"] if "set_eval_frame" in k]
+    assert breaks == []
+    torch._dynamo.reset()
+
+
 class Positions(nn.Module):
     """Token embeddings plus a positional nn.Embedding on an index without the batch, in the ways models
     write it: HF's ``position_ids`` (1, T), ``arange(T)``, and T5's relative-position bias ((q, k) buckets

@@ -11,6 +11,7 @@ from layer_check import on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, folds
+from elasticlab.gns.layers import generic
 from elasticlab.gns.reference import example_param_sq_norms
 
 
@@ -76,6 +77,7 @@ def _check(model, x, y, fused):
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+    return psg
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -191,4 +193,113 @@ def test_grouped_experts_are_refused_with_the_way_out():
         model(torch.randn(4, 6, 3)).sum().backward()
         with pytest.raises(RuntimeError,
                            match=r"'experts\.w' .* torch._grouped_mm .*set_experts_implementation"):
+            psg.param_sq_norms()
+
+
+def test_each_experts_weight_is_held_as_its_slice():
+    """gate_up_proj[e] is held as (B, out, in), not mapped back to the whole (B, E, out, in): the step keeps a
+    part per expert used, and the norm is their sum. An expert applied twice in a step (a second pass) sums
+    its two per-example gradients before the norm (exact against one backward per example)."""
+    class Twice(Experts):
+        def forward(self, h, idx, w):
+            return super().forward(super().forward(h, idx, w) + h, idx, w)
+
+    torch.manual_seed(2)
+    model = MoE(E=3).double()
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    psg = _check(model, x, y, True)
+    step = next(s for s in psg._slots if s.name == "experts").follow
+    assert sorted(step.parts[id(step.slot), "up"]) == sorted({int(e) for e in model.gate(
+        model.inp(x).reshape(-1, 4))[2].unique()})
+    assert step.acc == {}                                  # let go at the step's last use
+    twice = MoE(E=3).double()
+    twice.experts = Twice(4, 3, 3).double()
+    _check(twice, x, y, True)
+
+
+def test_a_weight_used_whole_and_by_slices_is_named():
+    class Both(Experts):
+        def forward(self, h, idx, w):
+            return super().forward(h, idx, w) + 0.1 * F.linear(h, self.down.sum(0).t()).sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = MoE().double()
+    model.experts = Both(4, 3, 4).double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        _loss(model(torch.randn(3, 5, 3, dtype=torch.float64)), torch.randint(0, 2, (3,))).backward()
+        with pytest.raises(RuntimeError, match=r"'experts\.down' is used in one step both whole and by its "
+                                               "slices"):
+            psg.param_sq_norms()
+
+
+
+def test_rows_of_two_gathers_that_disagree_are_not_read():
+    x = torch.randn(2, 3, 2, requires_grad=True)
+    rows = x.reshape(-1, 2)
+    a, b = rows[torch.tensor([0, 4])], rows[torch.tensor([1, 5])]
+    assert folds.row_examples(a + a, 2).tolist() == [0, 1]
+    assert folds.row_examples(a + b, 2).tolist() == [0, 1]                 # (the same examples)
+    assert folds.row_examples(a + rows[torch.tensor([5, 0])], 2) is None   # a row of each: mixed
+
+
+class LeafExperts(nn.Module):
+    """Experts with no child module (GPT-OSS's): the generic rule, whose forward vmap cannot run (a loop
+    over the experts present, ``torch.where`` on the routing), so the examples are taken one at a time,
+    each on its own tokens."""
+
+    def __init__(self, D, H, E):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(E, D, H) / D ** 0.5)
+        self.down = nn.Parameter(torch.randn(E, H, D) / H ** 0.5)
+
+    def forward(self, h, idx, w):
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            tok, pos = torch.where(idx == e)
+            y = torch.tanh(h[tok] @ self.up[e]) @ self.down[e] * w[tok, pos, None]
+            out = out.index_add(0, tok, y)
+        return out
+
+
+class SequenceRouter(Router):
+    """Called on (B, T, D), its logits on the B·T tokens (DeepSeek-V3's): only the output folds."""
+
+    def forward(self, h):
+        return super().forward(h)
+
+
+class LeafMoE(MoE):
+    def __init__(self, E=4, k=2):
+        super().__init__(E=E, k=k)
+        self.experts, self.gate = LeafExperts(4, 3, E), SequenceRouter(4, E, k)
+
+    def forward(self, x):
+        h = self.inp(x)
+        _, w, idx = self.gate(h)
+        rows = h.reshape(-1, h.shape[-1])
+        return self.head(torch.tanh((rows + self.experts(rows, idx, w)).reshape(h.shape)).mean(1))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_leaf_experts_by_a_loop_over_the_examples(fused):
+    torch.manual_seed(4)
+    model = LeafMoE().double()
+    _check(model, torch.randn(4, 6, 3, dtype=torch.float64), torch.randint(0, 2, (4,)), fused)
+    assert list(generic._checked[model.experts].values()) == [True]         # (taken by the loop)
+    assert list(generic._checked[model.gate].values()) == [False]           # (vmap: only its output folds)
+
+
+def test_random_ops_are_still_refused_not_looped():
+    """The loop is for data-dependent control flow only: a forward that draws random numbers (a router's
+    jitter) stays an error naming the module."""
+    class Jitter(Router):
+        def forward(self, h):
+            return super().forward(h * torch.empty_like(h).uniform_(0.9, 1.1))
+
+    torch.manual_seed(0)
+    model = MoE().double()
+    model.gate = Jitter(4, 4, 2).double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        with pytest.raises(RuntimeError, match=r"Jitter has no per-example gradient-norm rule.*random"):
+            _loss(model(torch.randn(3, 5, 3, dtype=torch.float64)), torch.randint(0, 2, (3,))).backward()
             psg.param_sq_norms()

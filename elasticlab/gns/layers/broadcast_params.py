@@ -28,8 +28,9 @@ module's forward as followed tensors while no child runs, and recorded in the ch
 of p together with a batched tensor (a tensordot, an in-place op on p) is not a broadcast, and this rule
 cannot take its per-example gradient: the readers raise (``strict``) naming the parameter and the op, or
 leave it out with a warning. Under ``torch.compile`` the
-module's forward runs eagerly (with its children). :data:`ENABLED` off makes such parameters uncovered again,
-and the layers below read their calls without the batch by their rules.
+module's own forward runs eagerly, and its children, called from it, are compiled each on its own
+(:mod:`.eager_parent`: a timm ViT's blocks and head). :data:`ENABLED` off makes such parameters uncovered
+again, and the layers below read their calls without the batch by their rules.
 
 The same following serves a covered layer called without the batch whose rule allows it (``Rule.unbatched``:
 nn.Embedding on HF's ``position_ids`` of shape (1, T), on ``arange(T)``, on T5's relative-position buckets;
@@ -48,7 +49,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from elasticlab.gns import folds
 from elasticlab.gns.capture import batch_of
+from elasticlab.gns.layers import layer_uses
 from elasticlab.gns.layers.broadcast_taps import Rows, Step
+from elasticlab.gns.layers.eager_parent import EagerParent, disable
 from elasticlab.gns.registry import Rule, register_fallback
 from elasticlab.gns.slot import recomputing
 
@@ -65,9 +68,7 @@ _ELEMENTWISE = {
     torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__, torch.Tensor.sub_,
     torch.Tensor.__imul__, torch.Tensor.mul_,
 }
-# a layer's ops, on weights and inputs whose dim 0 is the batch (each example's output its input's alone)
-_LAYER_OPS = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.einsum}
-_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+_LAYER_OPS, _MATMULS = layer_uses.LAYER_OPS, layer_uses.MATMULS
 
 
 class Followed(torch.Tensor):
@@ -79,6 +80,7 @@ class Followed(torch.Tensor):
     _roots: tuple = ()
     _live = True
     _pending: tuple = ()          # Rows it was expanded to, their layout not yet known
+    _slice: tuple | None = None   # (a root, i) for root[i]: an expert's weight of (E, out, in)
 
 
 def _follow(t, step: Step, live: bool, root: tuple | None = None, roots: tuple = (), pending: tuple = ()):
@@ -126,7 +128,10 @@ def _dispatch(func, args: tuple, kwargs: dict):
             return folded
     if not any(a.requires_grad or (B and a.dim() and a.shape[0] == B) for a in others):
         out = func(*args, **kwargs)                    # made from followed tensors (and constants) alone
-        return tree_map(lambda t: _follow(t, step, live, roots=roots, pending=pending), out)
+        out = tree_map(lambda t: _follow(t, step, live, roots=roots, pending=pending), out)
+        if isinstance(out, Followed) and (sl := layer_uses.slice_of(func, args)) is not None:
+            out._slice = sl
+        return out
     if func is F.scaled_dot_product_attention and B:   # an additive mask (T5's position bias), broadcast
         q, mask = args[0], kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         if isinstance(mask, Followed) and fol == [mask]:
@@ -141,10 +146,10 @@ def _dispatch(func, args: tuple, kwargs: dict):
                 new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim(), rows)})
                 return func(*new_args, **new_kwargs)
     if (func is F.linear or func in _MATMULS) and B and not pending \
-            and (got := _gathered_input(func, args, others, step.slot.owner._batch or B)) is not None:
+            and (got := layer_uses.gathered_input(func, args, others, step.slot.owner._batch or B)):
         return step.through(func, args, kwargs, fol, [got[0]], live, rows=got)
     if (func in _LAYER_OPS or func in _MATMULS) and B and not pending \
-            and (batched := _layer_inputs(func, args, fol, others, B)) is not None:
+            and (batched := layer_uses.layer_inputs(func, args, fol, others, B)) is not None:
         return step.through(func, args, kwargs, fol, batched, live)
     step.cancel(fol)
     if shape is not None and all(_fills(f.shape, shape, B) for f in fol):
@@ -154,65 +159,6 @@ def _dispatch(func, args: tuple, kwargs: dict):
         for f in fol:
             step.refuse(f, func)
     return func(*args, **kwargs)
-
-
-def _layer_inputs(func, args: tuple, fol: list, others: list, B: int) -> list | None:
-    """The inputs carrying the batch of a layer's op on followed weights, where each example's output is its
-    input's alone: F.linear's and the convolutions' input (dim 0 the batch, the weights followed), a matmul's
-    left operand of 2+ dimensions or right operand of 3+ (dim 0 not contracted), an einsum's operands whose
-    batch letter leads the output; else None."""
-    batched = [a for a in others if a.dim() and a.shape[0] == B]
-    if func is torch.einsum:
-        return _einsum_inputs(args, fol, batched, others)
-    if len(batched) != 1 or any(a.requires_grad and a is not batched[0] for a in others):
-        return None
-    x = batched[0]
-    if func in _LAYER_OPS:
-        return batched if args and args[0] is x and x.dim() >= 2 else None
-    if len(args) < 2 or not any(a is x for a in args[:2]):
-        return None
-    left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
-    return batched if (x is left and x.dim() >= 2) or (x is not left and x.dim() >= 3) else None
-
-
-def _gathered_input(func, args: tuple, others: list, B: int) -> tuple | None:
-    """(x, the example of each of its rows) where a row-wise layer's op on followed weights (F.linear, a
-    matmul with x on the left) takes an input x whose rows were gathered from the examples (a mixture of
-    experts: the tokens routed to one expert, ``gate_up_proj[e]`` its weight), read from x's graph
-    (:func:`elasticlab.gns.folds.row_examples`), and the batch ``B`` (the model's: the module may be called
-    on the tokens folded into dim 0, Mixtral's experts); else None."""
-    trained = [a for a in others if a.requires_grad]
-    if len(trained) != 1 or not args:
-        return None
-    x = trained[0]
-    left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
-    if x is not left or x.dim() < 2 or x.shape[0] == B or not folds.ENABLED:
-        return None                     # (first: the module's call may fold the batch, and a gather of it
-    ex = folds.row_examples(x, B)       # have as many rows by chance)
-    return None if ex is None or ex.numel() != x.shape[0] else (x, ex, B)
-
-
-def _einsum_inputs(args: tuple, fol: list, batched: list, others: list) -> list | None:
-    """An einsum's operands carrying the batch (Funnel's ``einsum("binh,dnh->bind", q, r_kernel)``): each
-    with the batch first under one letter that leads the output and no followed operand's term has; else
-    None (an ellipsis, or the batch contracted)."""
-    eq, ops = args[0], list(args[1:])
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = list(ops[0])
-    if not isinstance(eq, str) or "..." in eq or "->" not in eq:
-        return None
-    ins, out = eq.replace(" ", "").split("->")
-    terms = ins.split(",")
-    if len(terms) != len(ops) or not out or not batched:
-        return None
-    term = {id(a): t for a, t in zip(ops, terms)}
-    b = out[0]
-    if any(id(a) not in term for a in (*fol, *batched)) or any(b in term[id(f)] for f in fol):
-        return None
-    if any(term[id(x)][:1] != b for x in batched):
-        return None
-    rest = [a for a in others if all(a is not x for x in batched)]
-    return None if any(a.requires_grad or b in term.get(id(a), "") for a in rest) else batched
 
 
 def _rows_of(t: torch.Tensor, batch: int):
@@ -319,9 +265,14 @@ def broadcast_forward(module: nn.Module, slot):
     for c, _ in kids:
         slot.owner._handles += [c.register_forward_pre_hook(restore, prepend=True),
                                 c.register_forward_hook(relend)]
+    eager = EagerParent(module, slot.owner._handles)
 
-    @torch.compiler.disable
+    @disable
     def forward(*args, **kwargs):
+        with eager:
+            return followed(*args, **kwargs)
+
+    def followed(*args, **kwargs):
         live = slot.called()
         if not live and not (torch.is_grad_enabled() and recomputing()):
             return own(module, *args, **kwargs)        # no gradient comes of this call
@@ -371,6 +322,10 @@ def unbatched(slot, inputs: tuple, output) -> bool:
         return False
     if output.dim() and output.shape[0] == B:
         return False
+    if slot.rule.rows and not torch.compiler.is_compiling() and any(
+            folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
+            if isinstance(t, torch.Tensor)):
+        return False                   # (a call on rows that fold the batch: its rule reads them so)
     if torch.compiler.is_compiling():          # not followed: the readers raise (a traced flag, replayed)
         for pn in slot.need:
             slot.unmeasured[pn] = (

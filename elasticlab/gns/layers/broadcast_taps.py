@@ -38,14 +38,15 @@ class Step:
     def __init__(self, slot, layer: bool = False):
         self.slot, self.layer = slot, layer
         self.batch: int | None = None
-        self.acc: dict[tuple, torch.Tensor] = {}      # {(id of slot, param): (B, *p.shape)} summed so far
+        self.acc: dict[tuple, torch.Tensor] = {}      # {(id of slot, param, i): (B, *shape)} summed so far
+        self.parts: dict[tuple, dict] = {}             # {(id of slot, param): {i: (B,) ‖sum‖²}}
         self.open = 0                                  # taps of the forward whose gradient has not come
         self.calls = 0                                 # (a layer) its calls without the batch this step
         self.shape: tuple = ()                         # (a layer) the output of its last such call
 
     def reset(self) -> None:
         """At each step's start (PerSampleGradNorms' forward pre-hook)."""
-        self.batch, self.acc, self.open, self.calls = None, {}, 0, 0
+        self.batch, self.acc, self.parts, self.open, self.calls = None, {}, {}, 0, 0
 
     def refuse(self, f: Followed, func, folded: bool = False) -> None:
         """A use of followed parameters with batched or trainable tensors that is not a broadcast (or, with
@@ -158,31 +159,43 @@ class Step:
     def add(self, uses: list) -> None:
         """Per-example gradients ``uses`` [(followed tensor, (B, *its shape))] of one tap: mapped back to the
         parameters, added to the step's, and the norms of the sums recorded (in the slot of the module that
-        holds each parameter: this one's, or a child's whose weight it read)."""
+        holds each parameter: this one's, or a child's whose weight it read). A slice ``p[i]`` along dim 0
+        (an expert's weight) is held as itself, (B, *p[i].shape): the squared norm of p's per-example gradient
+        is the sum over its slices', the slices being disjoint."""
         B = uses[0][1].shape[0]
         at = []
         for f, pe in uses:
             if f._root is not None:
-                at.append((f._root, pe))
+                at.append((f._root, pe, None))
+                continue
+            if f._slice is not None:
+                at.append((f._slice[0]._root, pe, f._slice[1]))
                 continue
             with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():    # made from its roots by
                 got = torch.autograd.grad(f, list(f._roots), pe, retain_graph=True,   # other ops: their vjp,
                                           allow_unused=True, is_grads_batched=True)  # each example's (no hook
-            at += [(r._root, v) for r, v in zip(f._roots, got) if v is not None]    # of a parameter runs)
+            at += [(r._root, v, None) for r, v in zip(f._roots, got) if v is not None]  # of a parameter runs)
         per: dict[tuple, torch.Tensor] = {}
-        for root, v in at:              # a parameter's alias: its own gradient; a layer's output: its vjp
-            for key, w in _to_params(self.slot, root, v).items():
-                per[key] = w if key not in per else per[key] + w
+        for root, v, i in at:           # a parameter's alias: its own gradient; a layer's output: its vjp
+            for (s, pn), w in _to_params(self.slot, root, v).items():
+                per[s, pn, i] = w if (s, pn, i) not in per else per[s, pn, i] + w
         last = self.open <= 0                          # the step's last use: nothing more to hold
         norms: dict = {}
-        for (s, pn), v in per.items():
+        for (s, pn, i), v in per.items():
+            parts = self.parts.setdefault((id(s), pn), {})
+            if parts and (i is None) != (None in parts):
+                s.unmeasured.setdefault(pn, (
+                    f"parameter {s.full(pn)!r} is used in one step both whole and by its slices along dim 0 "
+                    f"(module {self.slot.name or '(root)'!r}, {type(self.slot.module).__name__}), which are "
+                    "taken apart, so the norm of their sum is not known"))
+                continue
             if s is not self.slot and s.calls:
                 s.unmeasured.setdefault(pn, (
                     f"parameter {s.full(pn)!r} is used both by calling its module and read directly by "
                     f"module {self.slot.name or '(root)'!r} ({type(self.slot.module).__name__}), and the two "
                     "per-example gradients are taken apart, so the norm of their sum is not known"))
                 continue
-            v, key = v.to(kernels.acc_dtype(v.dtype)), (id(s), pn)
+            v, key = v.to(kernels.acc_dtype(v.dtype)), (id(s), pn, i)
             have = self.acc.pop(key, None) if last else self.acc.get(key)
             if have is not None and have.shape != v.shape:
                 raise RuntimeError(f"parameter {s.full(pn)!r} was broadcast over batches of sizes "
@@ -191,7 +204,11 @@ class Step:
             total = v if have is None else have + v
             if not last:
                 self.acc[key] = total
-            norms.setdefault(s, {})[pn] = kernels.row_sq(total)
+            parts[i] = kernels.row_sq(total)
+            norms.setdefault(s, {})[pn] = parts[i] if len(parts) == 1 else \
+                torch.stack(list(parts.values())).sum(0)
+        if last:                                       # (every use has come: the others' sums too)
+            self.acc.clear()
         for s, got in norms.items():
             s.record(got, B)
 

@@ -8,7 +8,12 @@ wider dtype. Exact, with the memory of B per-example gradients of the module's o
 Valid only for a module that treats each example alone and deterministically. Before the first backward of
 each input shape, the module's output on the batch is compared with its output on each example alone
 (``vmap``, which also refuses random operations inside the forward): a module that mixes examples (batch
-statistics) or draws random numbers is an error naming it, with the ways out. A call whose output does not
+statistics) or draws random numbers is an error naming it, with the ways out. A forward that vmap cannot
+run for its data-dependent control flow (a mixture of experts' loop over the experts its tokens reach,
+GPT-OSS's) takes the examples one at a time by a Python loop, checked the same way. A call on rows that
+fold the batch ((B·T, D), in its inputs or only in its output; ``Rule.rows``) runs on each example's rows,
+so a row-wise module (a router) is read exactly; a tuple output (``Rule.outputs``) gives the vjp its
+gradient-carrying outputs together. A call whose output does not
 carry the batch (BART's positional embedding, handed its positions by keyword) is followed to where that
 output is broadcast over the batch instead (``Rule.unbatched``, :mod:`.broadcast_params`). The call's
 keyword arguments are passed too (``Rule.kwargs``: Whisper's positional embedding reads its positions so).
@@ -29,7 +34,7 @@ from elasticlab.gns.slot import Quiet
 ENABLED = True                   # off: modules of no registered type are uncovered again (strict: an error)
 CHUNK_BYTES = 256 << 20          # per-example gradients held at once, at most (one example whatever its size)
 
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # module -> input signatures verified
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # module -> {signature: by a loop}
 
 
 def applies(module: nn.Module) -> bool:
@@ -51,42 +56,85 @@ def _split(inputs: tuple) -> tuple[list, int, tuple[str, ...]]:
     return list(inputs), len(inputs), ()
 
 
-def _per_example_forward(module: nn.Module, dims: tuple, n_args: int, keys: tuple, rows: bool = False,
+_BATCH, _ROWS = 1, 2             # an argument's dim 0: the batch (one example: a batch of 1), or folded rows
+
+
+def _kinds(items: list, B: int, R: int) -> tuple:
+    """For each of a call's arguments: :data:`_BATCH` where dim 0 is the batch, :data:`_ROWS` where it is the
+    R rows that fold it (R > B), else None (shared by the examples)."""
+    def kind(a):
+        if not (isinstance(a, torch.Tensor) and a.dim() > 0):
+            return None
+        return _BATCH if a.shape[0] == B else _ROWS if R != B and a.shape[0] == R else None
+    return tuple(kind(a) for a in items)
+
+
+def _per_example_forward(module: nn.Module, kinds: tuple, n_args: int, keys: tuple,
                          picks: tuple | None = None):
-    """``one(params, *flat)``: the module's forward on one example (batched inputs given a batch of 1, or,
-    with ``rows``, as that example's rows), with ``params`` in place of its own; ``flat`` its positional
-    arguments, then the values of ``keys``. ``picks``: of a tuple output, the positions kept."""
+    """``one(params, *flat)``: the module's forward on one example (its arguments of :data:`_BATCH` given as
+    a batch of 1, those of :data:`_ROWS` as that example's rows), with ``params`` in place of its own;
+    ``flat`` its positional arguments, then the values of ``keys``. ``picks``: of a tuple output, the
+    positions kept."""
     def one(params, *flat):
-        flat = [a.unsqueeze(0) if d == 0 and not rows else a for a, d in zip(flat, dims)]
+        flat = [a.unsqueeze(0) if k == _BATCH else a for a, k in zip(flat, kinds)]
         out = functional_call(module, params, tuple(flat[:n_args]), dict(zip(keys, flat[n_args:])),
                               strict=False, tie_weights=False)
         return out if picks is None else tuple(out[i] for i in picks)
     return one
 
 
-def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None = None,
-            fold=None) -> None:
-    """Its output on the batch against its output on each example alone (with ``fold``, on each example's
-    rows), once per input signature."""
+def _examples(flat: list, kinds: tuple, fold) -> list:
+    """A call's flat arguments with their examples along dim 0: those of :data:`_ROWS` unfolded to
+    (B, k, …)."""
+    return [fold.unfold(a) if k == _ROWS else a for a, k in zip(flat, kinds)]
+
+
+def _each(one, flat: list, kinds: tuple, fold, loop: bool):
+    """``one({}, ...)`` on each example, stacked along dim 0 (vmap, or with ``loop`` a Python loop)."""
+    dims = tuple(0 if k else None for k in kinds)
+    per = _examples(flat, kinds, fold)
+    if not loop:
+        return vmap(lambda *a: one({}, *a), in_dims=dims)(*per)
+    B = next(a.shape[0] for a, k in zip(per, kinds) if k)
+    outs = [one({}, *(a[b] if k else a for a, k in zip(per, kinds))) for b in range(B)]
+    if isinstance(outs[0], (tuple, list)):
+        return [torch.stack([o[i] for o in outs]) if isinstance(outs[0][i], torch.Tensor) else outs[0][i]
+                for i in range(len(outs[0]))]
+    return torch.stack(outs)
+
+
+def _verify(module: nn.Module, inputs: tuple, kinds: tuple, one, what: str | None = None,
+            fold=None) -> bool:
+    """Its output on the batch against its output on each example alone (an example's rows where the call
+    folds them), once per input signature; True where the examples are taken one at a time by a Python
+    loop (a forward with data-dependent control flow, which vmap does not run: the experts of a mixture
+    of experts, each run on the tokens routed to it)."""
     sig = signature(inputs, None)
-    seen = _checked.setdefault(module, set())
+    seen = _checked.setdefault(module, {})
     if sig in seen:
-        return
-    why = None
+        return seen[sig]
+    why, loop = None, False
     flat, n, keys = _split(inputs)
+    B, R = (fold.batch, fold.batch * fold.per) if fold is not None else (None, None)
     with torch.no_grad():
         full = type(module).forward(module, *flat[:n], **dict(zip(keys, flat[n:])))
         full = list(full) if isinstance(full, (tuple, list)) else [full]
         try:
-            each = vmap(lambda *a: one({}, *a), in_dims=dims)(*_unfolded(flat, dims, fold))
-        except RuntimeError as e:                            # random operations, data-dependent control flow
-            why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
-        else:
+            each = _each(one, flat, kinds, fold, False)
+        except RuntimeError as e:
+            if "random" in str(e):                           # random operations inside the forward
+                why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
+            else:                                            # data-dependent control flow: one at a time
+                loop = True
+                try:
+                    each = _each(one, flat, kinds, fold, True)
+                except RuntimeError as e2:
+                    why = f"its forward does not run on one example at a time ({e2})"
+        if why is None:
             each = list(each) if isinstance(each, (tuple, list)) else [each]
-            if fold is None:
-                each = [e.squeeze(1) if e.dim() > 1 else e for e in each]
-            else:
-                each = [fold.refold(e) if e.dim() > 1 else e for e in each]
+            each = [e if not isinstance(e, torch.Tensor) or e.dim() < 2 else
+                    fold.refold(e) if fold is not None and f.dim() and f.shape[0] == R and R != B else
+                    e.squeeze(1) for e, f in zip(each, full)]
             if not _same(full, each):
                 why = "its output for an example depends on the other examples of the batch"
     if why is not None:
@@ -96,7 +144,8 @@ def _verify(module: nn.Module, inputs: tuple, dims: tuple, one, what: str | None
             f"{what} {why}. Register a rule with elasticlab.gns.register_rule, freeze its parameters, or set "
             "elasticlab.gns.layers.generic.ENABLED = False before making PerSampleGradNorms (then "
             "strict=False leaves them out)")
-    seen.add(sig)
+    seen[sig] = loop
+    return loop
 
 
 def _same(full: list, each: list) -> bool:
@@ -110,14 +159,6 @@ def _same(full: list, each: list) -> bool:
         if e.shape != f.shape or not torch.allclose(e.to(f.dtype), f, rtol=rtol, atol=atol):
             return False
     return True
-
-
-def _unfolded(flat: list, dims: tuple, fold) -> list:
-    """A call's flat inputs with those of the fold's rows (dim 0 of ``fold``'s R rows) unfolded to
-    (B, k, …); as they are without a fold."""
-    if fold is None:
-        return flat
-    return [fold.unfold(a) if d == 0 else a for a, d in zip(flat, dims)]
 
 
 def _widened(tensors: list, params: dict) -> list:
@@ -147,44 +188,51 @@ def generic_norms(module: nn.Module, inputs: tuple, d, need, fold=None) -> dict:
 def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, fold=None) -> dict:
     """‖Σ_k ∇θ ℓ_{b,k}‖² per example over the module's calls ``calls`` [(inputs, output gradient)] of one
     forward (one call: :func:`generic_norms`; several: :mod:`elasticlab.gns.repeated`): each call's vjp on
-    example b, summed, then the norm; vmap over the batch in chunks. ``what`` heads a verification error.
-    An output gradient may be a tuple (of a tuple output; None where an output carries none). With ``fold``
-    (a call on rows that fold the batch: a mixture of experts' router on (B·T, D)), example b's input is
-    its rows, checked to give the rows of the output on the batch (the module is then row-wise)."""
+    example b, summed, then the norm; vmap over the batch in chunks (or a loop over the examples where the
+    forward's control flow depends on the data). ``what`` heads a verification error. An output gradient
+    may be a tuple (of a tuple output; None where an output carries none). With ``fold``, the layout of
+    the call's rows that fold the batch (in its inputs or its output: a mixture of experts' router and
+    experts on (B·T, D)), example b's input or output is its rows, checked to give the rows of the call on
+    the batch (the module is then row-wise)."""
     d0 = calls[0][1]
-    R = next(t for t in d0 if t is not None).shape[0] if isinstance(d0, tuple) else d0.shape[0]
-    B = R if fold is None else fold.batch
-    flat, dims, ones = [], [], []
+    B = fold.batch if fold is not None else (
+        next(t for t in d0 if t is not None) if isinstance(d0, tuple) else d0).shape[0]
+    R = B * fold.per if fold is not None else B
+    flat, kinds, ones, loop = [], [], [], False
     for inputs, d in calls:
         items, n, keys = _split(inputs)
-        dk = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == R else None
-                   for a in items)
+        ik = _kinds(items, B, R)
         picks = None if not isinstance(d, tuple) else tuple(i for i, t in enumerate(d) if t is not None)
         gs = [d] if picks is None else [d[i] for i in picks]
-        one = _per_example_forward(module, dk, n, keys, rows=fold is not None, picks=picks)
+        gk = _kinds(gs, B, R)
+        own = dict(module.named_parameters(recurse=False))
         with Quiet():
-            _verify(module, tuple(_widened(list(inputs), dict(module.named_parameters(recurse=False)))),
-                    dk, _per_example_forward(module, dk, n, keys, rows=fold is not None), what, fold)
-        ones.append((one, len(items), len(gs), picks is not None))
-        flat += _unfolded([*items, *gs], (*dk, *(0,) * len(gs)), fold)
-        dims += [*dk, *(0,) * len(gs)]
+            loop |= _verify(module, tuple(_widened(list(inputs), own)), ik,
+                            _per_example_forward(module, ik, n, keys), what, fold)
+        ones.append((_per_example_forward(module, ik, n, keys, picks), len(items), gk, picks is not None))
+        flat += [*items, *gs]
+        kinds += [*ik, *gk]
     params = {n: module.get_parameter(n).detach() for n in need}
-    flat = _widened(flat, params)
-    chunk = chunk_size(B, params.values())
-    lift = (lambda t: t) if fold is not None else (lambda t: t.unsqueeze(0))
+    flat = _examples(_widened(flat, params), tuple(kinds), fold)
 
     def grads(*a):
         total, i = None, 0
-        for one, n, m, tupled in ones:
-            args, g = a[i:i + n], a[i + n:i + n + m]
-            i += n + m
+        for one, n, gk, tupled in ones:
+            args, g = a[i:i + n], a[i + n:i + n + len(gk)]
+            i += n + len(gk)
+            g = tuple(t.unsqueeze(0) if k == _BATCH else t for t, k in zip(g, gk))
             _, pull = vjp(lambda p: one(p, *args), params)          # noqa: B023  (called at once)
-            gk = pull(tuple(map(lift, g)) if tupled else lift(g[0]))[0]
-            total = gk if total is None else {k: total[k] + gk[k] for k in total}
+            got = pull(g if tupled else g[0])[0]
+            total = got if total is None else {k: total[k] + got[k] for k in total}
         return total
 
     with torch.enable_grad(), Quiet():
-        per = vmap(grads, in_dims=tuple(dims), chunk_size=chunk)(*flat)
+        if loop:
+            rows = [grads(*(a[b] if k else a for a, k in zip(flat, kinds))) for b in range(B)]
+            per = {n: torch.stack([r[n] for r in rows]) for n in params}
+        else:
+            per = vmap(grads, in_dims=tuple(0 if k else None for k in kinds),
+                       chunk_size=chunk_size(B, params.values()))(*flat)
     return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
 
 

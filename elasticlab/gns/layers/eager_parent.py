@@ -1,0 +1,61 @@
+"""Under ``torch.compile``, a module whose own forward follows its bare parameters
+(:mod:`.broadcast_params`: a ViT's root with its class token and position embedding) runs that forward
+eagerly, since TorchDynamo cannot trace the :class:`~.broadcast_params.Followed` tensors; but its children
+(the transformer blocks, the head), called from it with ordinary tensors, are still compiled, each as a
+graph of its own. :class:`EagerParent` does this with TorchDynamo's frame callback: the parent's forward
+is skipped by ``torch.compiler.disable(recursive=False)``, which leaves the callback in place; inside it the
+callback is set aside, so the parent's own code and helper methods run eagerly, and given back for each
+child's call (forward pre- and post-hooks), so the child's forward is compiled by the same
+``torch.compile`` (its backend and options). Without a compile callback (eager training) it does nothing.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:                                      # (TorchDynamo's frame callback: private, present since torch 2.0)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_eval_frame
+except ImportError:                       # pragma: no cover  (then the whole forward runs eagerly)
+    get_eval_frame_callback = set_eval_frame = None
+
+ENABLED = True                            # off: the parent's forward runs eagerly with all its children
+
+
+def disable(fn):
+    """The parent's forward, skipped by TorchDynamo but with its callback left in place (then set aside by
+    :class:`EagerParent`); without the callback's API, skipped with everything it calls."""
+    return torch.compiler.disable(fn, recursive=set_eval_frame is None)
+
+
+class EagerParent:
+    """A context for one module's forward: eager but for its direct children's calls (see the module)."""
+
+    def __init__(self, module: nn.Module, handles: list):
+        self.callback, self.inside = None, 0
+        for c in module.children():
+            handles += [c.register_forward_pre_hook(self._child_in, prepend=True),
+                        c.register_forward_hook(self._child_out, always_call=True)]
+
+    def __enter__(self):
+        cb = get_eval_frame_callback() if set_eval_frame is not None and not self.inside else None
+        if cb:                                          # under torch.compile: set aside for the forward
+            self.callback = cb
+            set_eval_frame(None)
+        self.inside += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.inside -= 1
+        if not self.inside and self.callback is not None:
+            cb, self.callback = self.callback, None
+            set_eval_frame(cb)
+
+    @torch.compiler.disable(recursive=False)        # (not traced: the callback is set inside)
+    def _child_in(self, child, args):
+        if self.callback is not None and ENABLED:
+            set_eval_frame(self.callback)
+
+    @torch.compiler.disable(recursive=False)
+    def _child_out(self, child, args, output):
+        if self.callback is not None and ENABLED:
+            set_eval_frame(None)
