@@ -38,6 +38,13 @@ def forward_hook(owner, slot):
             if recomputing():
                 pack_again(inputs)
             return
+        if slot.rule.outputs and isinstance(output, (tuple, list)) and torch.compiler.is_compiling():
+            for pn in slot.need:                # (a traced side effect, replayed)
+                slot.unmeasured[pn] = (
+                    f"module {slot.name!r} ({type(module).__name__}) returns a tuple, whose gradients the "
+                    "generic rule does not take together under torch.compile yet: measure the model "
+                    "uncompiled")
+            return
         if not (isinstance(output, torch.Tensor) and output.requires_grad):
             return
         if unb:

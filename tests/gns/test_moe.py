@@ -303,3 +303,56 @@ def test_random_ops_are_still_refused_not_looped():
         with pytest.raises(RuntimeError, match=r"Jitter has no per-example gradient-norm rule.*random"):
             _loss(model(torch.randn(3, 5, 3, dtype=torch.float64)), torch.randint(0, 2, (3,))).backward()
             psg.param_sq_norms()
+
+
+def test_a_tuple_output_under_compile_is_named():
+    """Under torch.compile a tuple output is not joined: the readers raise naming the router, not a missing
+    norm with no reason."""
+    torch.manual_seed(0)
+    model = MoE().double()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        _loss(run(torch.randn(3, 5, 3, dtype=torch.float64)), torch.randint(0, 2, (3,))).backward()
+        with pytest.raises(RuntimeError, match=r"module 'gate' \(Router\) returns a tuple, .* under "
+                                               "torch.compile"):
+            psg.param_sq_norms()
+    torch._dynamo.reset()
+
+
+def test_bench_moe_runs_and_its_model_is_exact():
+    """benchmarks/bench_moe.py at a tiny size: every method runs and reports; its model's norms (fused) equal
+    one backward per example."""
+    import json
+    import os
+    import subprocess
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "bench_moe.py")
+    out = subprocess.run([sys.executable, bench, "--batch", "3", "--seq", "4", "--dim", "8", "--hidden", "6",
+                          "--experts", "3", "--rounds", "1", "--steps", "1", "--threads", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert set(got["ratio"]) == {"plain", "psgn", "psgn-hooks", "loop"} and got["ratio"]["plain"] == 1.0
+    sys.path.insert(0, os.path.dirname(bench))
+    try:
+        from bench_moe import MoE as BenchMoE
+    finally:
+        sys.path.remove(os.path.dirname(bench))
+    torch.manual_seed(0)
+    _check(BenchMoE(8, 6, 3, 2, 2).double(), torch.randn(3, 4, 8, dtype=torch.float64),
+           torch.randint(0, 10, (3,)), True)
+
+
+def test_an_expert_given_as_many_tokens_as_examples():
+    """An expert routed exactly B tokens (and one routed all B·T): its input's dim 0 equals a batch size by
+    chance, and is still read as gathered rows (before: taken as the batch, then refused)."""
+    class Fixed(nn.Module):
+        def forward(self, h):
+            R = h.shape[0]                             # (rows b·T + t: each example's first token)
+            idx = torch.where(torch.arange(R) % 5 == 0, 0, 1)[:, None]
+            return None, torch.ones(R, 2, dtype=h.dtype), torch.cat([idx, torch.full_like(idx, 2)], 1)
+
+    torch.manual_seed(0)
+    model = MoE(E=3, k=2).double()
+    model.gate = Fixed()
+    x, y = torch.randn(3, 5, 3, dtype=torch.float64), torch.randint(0, 2, (3,))
+    _check(model, x, y, True)

@@ -146,7 +146,8 @@ def _dispatch(func, args: tuple, kwargs: dict):
                 new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim(), rows)})
                 return func(*new_args, **new_kwargs)
     if (func is F.linear or func in _MATMULS) and B and not pending \
-            and (got := layer_uses.gathered_input(func, args, others, step.slot.owner._batch or B)):
+            and (got := layer_uses.gathered_input(func, args, others, step.slot.owner._batch or B,
+                                                  B != (step.slot.owner._batch or B))):
         return step.through(func, args, kwargs, fol, [got[0]], live, rows=got)
     if (func in _LAYER_OPS or func in _MATMULS) and B and not pending \
             and (batched := layer_uses.layer_inputs(func, args, fol, others, B)) is not None:

@@ -107,6 +107,8 @@ class Step:
         rest = tree_map(lambda a: holes.get(id(a), a.detach()) if isinstance(a, torch.Tensor) else a,
                         (args, kwargs))
 
+        roles = _linear_roles(func, args, kwargs, fol) if rows is not None else None
+
         def one(ws, *xs):                              # the op on one example (a batch of 1, or its rows)
             vals = [*ws, *(xs if rows is not None else (x.unsqueeze(0) for x in xs))]
             a, k = tree_map(lambda r: vals[r.i] if isinstance(r, _Hole) else r, rest)
@@ -122,7 +124,7 @@ class Step:
             from elasticlab.gns.layers.generic import chunk_size  # (its fallback registers after this one's)
             self.open -= 1
             if rows is not None:
-                self.add(list(zip(fol, _by_rows(grads, kept, len(fol), rows[1:], g.detach()))))
+                self.add(list(zip(fol, _by_rows(grads, kept, len(fol), rows[1:], g.detach(), roles))))
                 return
             with torch._C.DisableTorchFunctionSubclass():
                 per = vmap(grads, chunk_size=chunk_size(g.shape[0], kept[:len(fol)]))(*kept[len(fol):],
@@ -213,17 +215,44 @@ class Step:
             s.record(got, B)
 
 
-def _by_rows(grads, kept: list, n: int, rows: tuple, g: torch.Tensor) -> list:
-    """(B, *shape) per-example gradients of the ``n`` followed weights in ``kept``, each example's the vjp
-    ``grads`` at its rows alone (``rows``: the example of each row of the op's input and output, and B)."""
+def _by_rows(grads, kept: list, n: int, rows: tuple, g: torch.Tensor, roles: tuple | None) -> list:
+    """(B, *shape) per-example gradients of the ``n`` followed weights in ``kept``, each example's from its
+    rows alone (``rows``: the example of each row of the op's input and output, and B): F.linear's by its
+    products, ∇W ℓ_b = Σ_{r of b} g_r x_rᵀ and ∇b ℓ_b = Σ_{r of b} g_r (``roles``), else the vjp ``grads``.
+    The rows are sorted by example once (one host read: how many each has)."""
     ex, B = rows
-    per = [torch.zeros((B, *w.shape), dtype=kernels.acc_dtype(w.dtype), device=w.device) for w in kept[:n]]
+    order = torch.argsort(ex, stable=True)
+    counts = torch.bincount(ex, minlength=B).tolist()
+    xs, g = [x[order] for x in kept[n:]], g[order]
+    per = [torch.empty((B, *w.shape), dtype=kernels.acc_dtype(w.dtype), device=w.device) for w in kept[:n]]
     with torch._C.DisableTorchFunctionSubclass():
-        for b in ex.unique().tolist():                          # (one host read: the examples present)
-            at = (ex == b).nonzero().squeeze(1)
-            for p, v in zip(per, grads(*(x[at] for x in kept[n:]), g[at])):
-                p[b] = v
+        start = 0
+        for b, c in enumerate(counts):
+            if not c:                                   # (an example none of whose rows came here)
+                for p in per:
+                    p[b] = 0
+            else:
+                at = slice(start, start + c)
+                if roles is not None:
+                    gb, xb = g[at].to(per[0].dtype), xs[0][at].to(per[0].dtype)
+                    got = [gb.t().mm(xb) if r == "weight" else gb.sum(0) for r in roles]
+                else:
+                    got = grads(*(x[at] for x in xs), g[at])
+                for p, v in zip(per, got):
+                    p[b] = v
+            start += c
     return per
+
+
+def _linear_roles(func, args: tuple, kwargs: dict, fol: list) -> tuple | None:
+    """("weight" | "bias" for each followed tensor) where ``func`` is F.linear on a 2-D input whose weight
+    and bias are all that is followed, else None."""
+    import torch.nn.functional as F
+    if func is not F.linear or len(args) < 2 or args[0].dim() != 2:
+        return None
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    roles = tuple("weight" if f is args[1] else "bias" if f is bias else None for f in fol)
+    return None if None in roles else roles
 
 
 class _Hole:

@@ -32,9 +32,12 @@ class EagerParent:
 
     def __init__(self, module: nn.Module, handles: list):
         self.callback, self.inside = None, 0
+        # (not traced, since the callback is set inside; wrapped here, not at import, which would load Dynamo)
+        child_in, child_out = (torch.compiler.disable(f, recursive=False) for f in (self._child_in,
+                                                                                      self._child_out))
         for c in module.children():
-            handles += [c.register_forward_pre_hook(self._child_in, prepend=True),
-                        c.register_forward_hook(self._child_out, always_call=True)]
+            handles += [c.register_forward_pre_hook(child_in, prepend=True),
+                        c.register_forward_hook(child_out, always_call=True)]
 
     def __enter__(self):
         cb = get_eval_frame_callback() if set_eval_frame is not None and not self.inside else None
@@ -50,12 +53,10 @@ class EagerParent:
             cb, self.callback = self.callback, None
             set_eval_frame(cb)
 
-    @torch.compiler.disable(recursive=False)        # (not traced: the callback is set inside)
     def _child_in(self, child, args):
         if self.callback is not None and ENABLED:
             set_eval_frame(self.callback)
 
-    @torch.compiler.disable(recursive=False)
     def _child_out(self, child, args, output):
         if self.callback is not None and ENABLED:
             set_eval_frame(None)

@@ -49,20 +49,21 @@ def layer_inputs(func, args: tuple, fol: list, others: list, B: int) -> list | N
     return batched if (x is left and x.dim() >= 2) or (x is not left and x.dim() >= 3) else None
 
 
-def gathered_input(func, args: tuple, others: list, B: int) -> tuple | None:
+def gathered_input(func, args: tuple, others: list, B: int, folded: bool = False) -> tuple | None:
     """(x, the example of each of its rows) where a row-wise layer's op on followed weights (F.linear, a
     matmul with x on the left) takes an input x whose rows were gathered from the examples (a mixture of
     experts: the tokens routed to one expert, ``gate_up_proj[e]`` its weight), read from x's graph
     (:func:`elasticlab.gns.folds.row_examples`), and the batch ``B`` (the model's: the module may be called
-    on the tokens folded into dim 0, Mixtral's experts); else None."""
+    on the tokens folded into dim 0, Mixtral's experts); else None. ``folded``: the module was called on
+    rows that fold the batch, so an input of B rows is a gather that has as many by chance."""
     trained = [a for a in others if a.requires_grad]
     if len(trained) != 1 or not args:
         return None
     x = trained[0]
     left = args[1] if func is torch.Tensor.__rmatmul__ else args[0]
-    if x is not left or x.dim() < 2 or x.shape[0] == B or not folds.ENABLED:
-        return None                     # (first: the module's call may fold the batch, and a gather of it
-    ex = folds.row_examples(x, B)       # have as many rows by chance)
+    if x is not left or x.dim() < 2 or (x.shape[0] == B and not folded) or not folds.ENABLED:
+        return None
+    ex = folds.row_examples(x, B)
     return None if ex is None or ex.numel() != x.shape[0] else (x, ex, B)
 
 
