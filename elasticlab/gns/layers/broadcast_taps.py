@@ -233,13 +233,13 @@ def _by_rows(grads, kept: list, n: int, rows: tuple, g: torch.Tensor, roles: tup
                     p[b] = 0
             else:
                 at = slice(start, start + c)
-                if roles is not None:
+                if roles is not None:                   # (written in place: no copy of G_b)
                     gb, xb = g[at].to(per[0].dtype), xs[0][at].to(per[0].dtype)
-                    got = [gb.t().mm(xb) if r == "weight" else gb.sum(0) for r in roles]
+                    for p, r in zip(per, roles):
+                        torch.mm(gb.t(), xb, out=p[b]) if r == "weight" else torch.sum(gb, 0, out=p[b])
                 else:
-                    got = grads(*(x[at] for x in xs), g[at])
-                for p, v in zip(per, got):
-                    p[b] = v
+                    for p, v in zip(per, grads(*(x[at] for x in xs), g[at])):
+                        p[b] = v
             start += c
     return per
 
