@@ -5,7 +5,9 @@ to each (each example's share taken by its rows, ``folds.row_examples``), top-k 
 residuals.
 
 Methods, timed interleaved in one run: ``plain`` (forward + backward), ``psgn`` (``PerSampleGradNorms``,
-``sq_norms()`` read each step), ``psgn-hooks`` (hooks only, ``fused=False``), and ``loop`` (one backward per
+``sq_norms()`` read each step; the experts' norms by the Gram form over each example's rows where it is the
+cheaper, :mod:`elasticlab.gns.layers.row_grams`), ``psgn-hooks`` (hooks only, ``fused=False``),
+``psgn-products`` (each example's gradient of each expert formed instead), and ``loop`` (one backward per
 example, the way without elasticlab: torch.func's vmap does not run the routing's data-dependent loop). Each
 round times ``--steps`` steps of one method (wall clock); the median over ``--rounds`` rounds of the mean
 step is reported with the ratio to plain. Last line: ``RESULT {json}``.
@@ -26,6 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns.layers import row_grams
 
 
 class Router(nn.Module):
@@ -100,14 +103,19 @@ def main() -> None:
 
     contexts = {"psgn": PerSampleGradNorms(model), "psgn-hooks": PerSampleGradNorms(model, fused=False)}
 
-    def with_norms(name):
+    def with_norms(name, form="auto"):
         def step():
-            plain()
-            contexts[name].sq_norms()
+            row_grams.FORM = form
+            try:
+                plain()
+                contexts[name].sq_norms()
+            finally:
+                row_grams.FORM = "auto"
         return step
 
+    contexts["psgn-products"] = PerSampleGradNorms(model)
     methods = {"plain": plain, "psgn": with_norms("psgn"), "psgn-hooks": with_norms("psgn-hooks"),
-               "loop": loop}
+               "psgn-products": with_norms("psgn-products", "products"), "loop": loop}
     times: dict[str, list[float]] = {m: [] for m in methods}
     for _ in tqdm(range(a.rounds), desc="rounds"):
         for name, step in methods.items():
@@ -125,7 +133,7 @@ def main() -> None:
                     ctx.__exit__(None, None, None)
     med = {m: statistics.median(v) for m, v in times.items()}
     for m, v in med.items():
-        print(f"{m:11s} {v * 1e3:9.1f} ms   {v / med['plain']:5.2f}x plain")
+        print(f"{m:13s} {v * 1e3:9.1f} ms   {v / med['plain']:5.2f}x plain")
     print("RESULT " + json.dumps({"config": vars(a), "ms": {m: round(v * 1e3, 2) for m, v in med.items()},
                                   "ratio": {m: round(v / med["plain"], 3) for m, v in med.items()}}))
 

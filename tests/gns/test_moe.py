@@ -11,7 +11,7 @@ from layer_check import on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, folds
-from elasticlab.gns.layers import generic
+from elasticlab.gns.layers import generic, row_grams
 from elasticlab.gns.reference import example_param_sq_norms
 
 
@@ -80,9 +80,16 @@ def _check(model, x, y, fused):
     return psg
 
 
+@pytest.fixture(params=["gram", "products"])
+def form(request, monkeypatch):
+    """The experts' norms by the Gram form over each example's rows, or by forming each example's G_b."""
+    monkeypatch.setattr(row_grams, "FORM", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("shape", [(5, 7, 4, 2), (3, 1, 4, 1), (2, 6, 8, 2)], ids=["B5T7E4k2", "T1", "E8"])
-def test_moe_norms_match_per_example_backward(fused, shape):
+def test_moe_norms_match_per_example_backward(fused, shape, form):
     """Experts some examples' tokens never reach (E8 on 12 tokens), one token per example (T1), top-1."""
     B, T, E, k = shape
     torch.manual_seed(0)
@@ -159,7 +166,7 @@ def test_a_tuple_output_of_the_examples():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_moe_on_the_device(device):
+def test_moe_on_the_device(device, form):
     """In float32 on the device against float64 on the CPU (not under autocast: bf16 may route tokens to
     other experts than float64 does, so the two are not the same function)."""
     torch.manual_seed(3)
@@ -196,7 +203,7 @@ def test_grouped_experts_are_refused_with_the_way_out():
             psg.param_sq_norms()
 
 
-def test_each_experts_weight_is_held_as_its_slice():
+def test_each_experts_weight_is_held_as_its_slice(form):
     """gate_up_proj[e] is held as (B, out, in), not mapped back to the whole (B, E, out, in): the step keeps a
     part per expert used, and the norm is their sum. An expert applied twice in a step (a second pass) sums
     its two per-example gradients before the norm (exact against one backward per example)."""
@@ -211,7 +218,7 @@ def test_each_experts_weight_is_held_as_its_slice():
     step = next(s for s in psg._slots if s.name == "experts").follow
     assert sorted(step.parts[id(step.slot), "up"]) == sorted({int(e) for e in model.gate(
         model.inp(x).reshape(-1, 4))[2].unique()})
-    assert step.acc == {}                                  # let go at the step's last use
+    assert step.acc == {} and step.grams == {}             # let go at the step's last use
     twice = MoE(E=3).double()
     twice.experts = Twice(4, 3, 3).double()
     _check(twice, x, y, True)
@@ -331,7 +338,8 @@ def test_bench_moe_runs_and_its_model_is_exact():
                           "--experts", "3", "--rounds", "1", "--steps", "1", "--threads", "1"],
                          capture_output=True, text=True, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
-    assert set(got["ratio"]) == {"plain", "psgn", "psgn-hooks", "loop"} and got["ratio"]["plain"] == 1.0
+    assert set(got["ratio"]) == {"plain", "psgn", "psgn-hooks", "psgn-products", "loop"}
+    assert got["ratio"]["plain"] == 1.0
     sys.path.insert(0, os.path.dirname(bench))
     try:
         from bench_moe import MoE as BenchMoE
@@ -342,7 +350,7 @@ def test_bench_moe_runs_and_its_model_is_exact():
            torch.randint(0, 10, (3,)), True)
 
 
-def test_an_expert_given_as_many_tokens_as_examples():
+def test_an_expert_given_as_many_tokens_as_examples(form):
     """An expert routed exactly B tokens (and one routed all B·T): its input's dim 0 equals a batch size by
     chance, and is still read as gathered rows (before: taken as the batch, then refused)."""
     class Fixed(nn.Module):

@@ -12,6 +12,7 @@ from torch.func import vjp, vmap
 from torch.utils._pytree import tree_map
 
 from elasticlab.gns import kernels
+from elasticlab.gns.layers import row_grams
 
 if TYPE_CHECKING:
     from elasticlab.gns.layers.broadcast_params import Followed
@@ -40,13 +41,14 @@ class Step:
         self.batch: int | None = None
         self.acc: dict[tuple, torch.Tensor] = {}      # {(id of slot, param, i): (B, *shape)} summed so far
         self.parts: dict[tuple, dict] = {}             # {(id of slot, param): {i: (B,) ‖sum‖²}}
+        self.grams: dict[tuple, row_grams.RowGrams] = {}   # {(id of slot, param, i): its uses on rows}
         self.open = 0                                  # taps of the forward whose gradient has not come
         self.calls = 0                                 # (a layer) its calls without the batch this step
         self.shape: tuple = ()                         # (a layer) the output of its last such call
 
     def reset(self) -> None:
         """At each step's start (PerSampleGradNorms' forward pre-hook)."""
-        self.batch, self.acc, self.parts, self.open, self.calls = None, {}, {}, 0, 0
+        self.batch, self.acc, self.parts, self.grams, self.open, self.calls = None, {}, {}, {}, 0, 0
 
     def refuse(self, f: Followed, func, folded: bool = False) -> None:
         """A use of followed parameters with batched or trainable tensors that is not a broadcast (or, with
@@ -124,6 +126,9 @@ class Step:
             from elasticlab.gns.layers.generic import chunk_size  # (its fallback registers after this one's)
             self.open -= 1
             if rows is not None:
+                if roles is not None and (uses := _gram_uses(kept, fol, roles, rows[1:], g.detach())):
+                    self.add(uses)
+                    return
                 self.add(list(zip(fol, _by_rows(grads, kept, len(fol), rows[1:], g.detach(), roles))))
                 return
             with torch._C.DisableTorchFunctionSubclass():
@@ -164,7 +169,7 @@ class Step:
         holds each parameter: this one's, or a child's whose weight it read). A slice ``p[i]`` along dim 0
         (an expert's weight) is held as itself, (B, *p[i].shape): the squared norm of p's per-example gradient
         is the sum over its slices', the slices being disjoint."""
-        B = uses[0][1].shape[0]
+        B = uses[0][1].shape[0] if isinstance(uses[0][1], torch.Tensor) else len(uses[0][1].counts)
         at = []
         for f, pe in uses:
             if f._root is not None:
@@ -185,6 +190,13 @@ class Step:
         norms: dict = {}
         for (s, pn, i), v in per.items():
             parts = self.parts.setdefault((id(s), pn), {})
+            key, gram = (id(s), pn, i), isinstance(v, row_grams.RowsUse)
+            if (key in self.grams and not gram) or (gram and key in self.acc):
+                s.unmeasured.setdefault(pn, (
+                    f"parameter {s.full(pn)!r} is used in one step by F.linear on rows gathered from the "
+                    f"examples and otherwise (module {self.slot.name or '(root)'!r}), which are taken apart, "
+                    "so the norm of their sum is not known"))
+                continue
             if parts and (i is None) != (None in parts):
                 s.unmeasured.setdefault(pn, (
                     f"parameter {s.full(pn)!r} is used in one step both whole and by its slices along dim 0 "
@@ -197,7 +209,12 @@ class Step:
                     f"module {self.slot.name or '(root)'!r} ({type(self.slot.module).__name__}), and the two "
                     "per-example gradients are taken apart, so the norm of their sum is not known"))
                 continue
-            v, key = v.to(kernels.acc_dtype(v.dtype)), (id(s), pn, i)
+            if gram:                                   # (rows: the Gram form, no gradient formed)
+                parts[i] = self.grams.setdefault(key, row_grams.RowGrams(B)).add(v)
+                norms.setdefault(s, {})[pn] = parts[i] if len(parts) == 1 else \
+                    torch.stack(list(parts.values())).sum(0)
+                continue
+            v = v.to(kernels.acc_dtype(v.dtype))
             have = self.acc.pop(key, None) if last else self.acc.get(key)
             if have is not None and have.shape != v.shape:
                 raise RuntimeError(f"parameter {s.full(pn)!r} was broadcast over batches of sizes "
@@ -211,6 +228,7 @@ class Step:
                 torch.stack(list(parts.values())).sum(0)
         if last:                                       # (every use has come: the others' sums too)
             self.acc.clear()
+            self.grams.clear()
         for s, got in norms.items():
             s.record(got, B)
 
@@ -242,6 +260,30 @@ def _by_rows(grads, kept: list, n: int, rows: tuple, g: torch.Tensor, roles: tup
                         p[b] = v
             start += c
     return per
+
+
+def _gram_uses(kept: list, fol: list, roles: tuple, rows: tuple, g: torch.Tensor) -> list | None:
+    """F.linear on rows gathered from the examples, its weight and bias followed as themselves or as slices
+    (``p[i]``): the weight's use as its rows (:class:`~.row_grams.RowsUse`, for the Gram form), the bias's
+    as per-example sums, (B, out); None where the Gram form is not the cheaper or a followed tensor is made
+    from its parameter otherwise (then the per-example products are formed)."""
+    if any(f._root is None and f._slice is None for f in fol):
+        return None
+    ex, B = rows
+    order = torch.argsort(ex, stable=True)
+    counts = torch.bincount(ex, minlength=B).tolist()           # (one host read a call)
+    acc = kernels.acc_dtype(g.dtype)
+    X, D = kept[len(fol)][order].to(acc), g[order].to(acc)
+    if not row_grams.takes(X, D, counts):
+        return None
+    uses = []
+    for f, r in zip(fol, roles):
+        if r == "weight":
+            uses.append((f, row_grams.RowsUse(X, D, counts)))
+        else:
+            uses.append((f, torch.zeros(B, D.shape[1], dtype=acc, device=D.device).index_add_(
+                0, ex[order], D)))
+    return uses
 
 
 def _linear_roles(func, args: tuple, kwargs: dict, fol: list) -> tuple | None:
