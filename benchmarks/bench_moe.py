@@ -13,7 +13,11 @@ round times ``--steps`` steps of one method (wall clock); the median over ``--ro
 step is reported with the ratio to plain. Last line: ``RESULT {json}``.
 
     python benchmarks/bench_moe.py [--batch 8] [--seq 128] [--dim 256] [--hidden 512] [--experts 8]
-        [--top-k 2] [--blocks 2] [--rounds 5] [--steps 3] [--threads 2]
+        [--top-k 2] [--blocks 2] [--rounds 5] [--steps 3] [--threads 2] [--grouped]
+
+``--grouped``: the experts by two grouped matmuls (``F.grouped_mm``, Hugging Face's default implementation)
+instead of F.linear expert by expert; their norms always by the Gram form (``psgn-products`` is then the
+same).
 """
 from __future__ import annotations
 
@@ -63,13 +67,26 @@ class Experts(nn.Module):
         return out
 
 
+class GroupedExperts(Experts):
+    """The same experts in two grouped matmuls (Hugging Face's default ``grouped_mm``): the routed tokens
+    sorted by expert, ``offs`` the groups' ends."""
+
+    def forward(self, h, idx, w):
+        k, E = idx.shape[1], self.gate_up.shape[0]
+        ids, perm = torch.sort(idx.reshape(-1))
+        offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
+        a, b = F.grouped_mm(h[perm // k], self.gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        y = F.grouped_mm(self.act(a) * b, self.down.transpose(-2, -1), offs=offs) * w.reshape(-1)[perm, None]
+        return torch.zeros_like(h).index_add(0, perm // k, y)
+
+
 class MoE(nn.Module):
-    def __init__(self, D: int, H: int, E: int, k: int, L: int, classes: int = 10):
+    def __init__(self, D: int, H: int, E: int, k: int, L: int, classes: int = 10, grouped: bool = False):
         super().__init__()
         self.inp, self.head = nn.Linear(D, D), nn.Linear(D, classes)
         self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(L))
         self.gates = nn.ModuleList(Router(D, E, k) for _ in range(L))
-        self.experts = nn.ModuleList(Experts(D, H, E) for _ in range(L))
+        self.experts = nn.ModuleList((GroupedExperts if grouped else Experts)(D, H, E) for _ in range(L))
 
     def forward(self, x):
         h = self.inp(x)
@@ -86,10 +103,11 @@ def main() -> None:
     for name, default in (("batch", 8), ("seq", 128), ("dim", 256), ("hidden", 512), ("experts", 8),
                           ("top-k", 2), ("blocks", 2), ("rounds", 5), ("steps", 3), ("threads", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--grouped", action="store_true", help="the experts by grouped_mm (HF's default)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = MoE(a.dim, a.hidden, a.experts, a.top_k, a.blocks)
+    model = MoE(a.dim, a.hidden, a.experts, a.top_k, a.blocks, grouped=a.grouped)
     x, y = torch.randn(a.batch, a.seq, a.dim), torch.randint(0, 10, (a.batch,))
 
     def plain():

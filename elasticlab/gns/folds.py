@@ -224,7 +224,7 @@ def _rows_of(node, out: tuple, batch: int, hops: int, gathered: bool) -> torch.T
         dim = dim - 2 ** 64 if dim >= 2 ** 63 else dim
         c, S = kids[0]
         return _rows_of(c, S, batch, hops + 1, gathered) if dim % len(S) != 0 and S[0] == R else None
-    if name in ("MmBackward0", "AddmmBackward0") and kids:
-        c, s = kids[-2] if name == "AddmmBackward0" else kids[0]
-        return _rows_of(c, s, batch, hops + 1, gathered) if s and s[0] == R else None
+    if name in ("MmBackward0", "AddmmBackward0", "GroupedMmBackward0") and kids:   # (a grouped matmul on 2-D
+        c, s = kids[-2] if name == "AddmmBackward0" else kids[0]                  # rows: row r from row r)
+        return _rows_of(c, s, batch, hops + 1, gathered) if s and len(s) == 2 and s[0] == R else None
     return None

@@ -174,22 +174,62 @@ def test_moe_on_the_device(device, form):
     on_device(MoE(), x, y, _loss, device, False)
 
 
-def test_grouped_experts_are_refused_with_the_way_out():
-    """Experts by one grouped matmul (Hugging Face's default ``grouped_mm`` implementation) are not read per
-    example: the error names the weight and the eager loop of F.linear that is."""
-    class Grouped(nn.Module):
+class GroupedExperts(nn.Module):
+    """Experts in one grouped matmul (Hugging Face's default ``grouped_mm`` implementation): the tokens
+    sorted by expert, ``offs`` the groups' ends, the weights (E, 2H, D) and (E, D, H) transposed."""
+
+    def __init__(self, D, H, E):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(E, 2 * H, D) / D ** 0.5)
+        self.down = nn.Parameter(torch.randn(E, D, H) / H ** 0.5)
+        self.act = nn.SiLU()                   # (a child, as HF's act_fn: the bare weights are followed)
+
+    def forward(self, h, idx, w):
+        k, E = idx.shape[1], self.up.shape[0]
+        ids, perm = torch.sort(idx.reshape(-1))
+        offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
+        x = h[perm // k]
+        a, b = F.grouped_mm(x, self.up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        y = F.grouped_mm(self.act(a) * b, self.down.transpose(-2, -1), offs=offs) * w.reshape(-1)[perm, None]
+        return torch.zeros_like(h).index_add(0, perm // k, y)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_grouped_experts_match_per_example_backward(fused):
+    """Each group's rows, sorted by example, are a use of the slice up[e] in the Gram form (float32: the CPU's
+    grouped_mm takes no float64; to float32's rounding)."""
+    torch.manual_seed(0)
+    model = MoE(D=8, H=4, E=4)
+    model.experts = GroupedExperts(8, 4, 4)
+    model.inp, model.head = nn.Linear(3, 8), nn.Linear(8, 2)
+    model.gate = Router(8, 4, 2)
+    x, y = torch.randn(4, 6, 3), torch.randint(0, 2, (4,))
+    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(4)))
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        _loss(model(x), y).backward()
+        got = psg.param_sq_norms()
+    step = next(s for s in psg._slots if s.name == "experts").follow
+    assert len(step.parts[id(step.slot), "up"]) > 1                  # (a use of each expert's slice)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=2e-4, atol=1e-9, msg=k)
+
+
+def test_other_grouped_forms_are_refused_with_the_way_out():
+    """A grouped matmul of 3-D operands (one batch of rows per group) is not read per example: the error names
+    the weight and the eager loop of F.linear that is."""
+    class Grouped3D(nn.Module):
         def __init__(self):
             super().__init__()
             self.w, self.act = nn.Parameter(torch.randn(2, 8, 4)), nn.Identity()
 
         def forward(self, h):
-            offs = torch.tensor([h.shape[0] // 2, h.shape[0]], dtype=torch.int32)
-            return self.act(F.grouped_mm(h, self.w, offs=offs))
+            return self.act(F.grouped_mm(h.reshape(2, -1, 8), self.w).reshape(-1, 4))
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inp, self.experts, self.head = nn.Linear(3, 8), Grouped(), nn.Linear(4, 2)
+            self.inp, self.experts, self.head = nn.Linear(3, 8), Grouped3D(), nn.Linear(4, 2)
 
         def forward(self, x):
             h = self.inp(x)

@@ -366,3 +366,28 @@ def test_tiny_whisper_positions():
     feats = torch.randn(B, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     ids = torch.randint(1, V, (B, T - 1), generator=torch.Generator().manual_seed(8))
     _sq_norms_match(model, lambda i: model(input_features=feats[i], labels=ids[i]).loss)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_tiny_mixtral_experts_and_router(experts):
+    """Mixtral's sparse block as Hugging Face runs it by default (``grouped_mm``: the routed tokens sorted by
+    expert in one grouped matmul) and eagerly (F.linear expert by expert): the experts' (E, 2I, D) weights
+    and the router match one backward per example (float32: the CPU's grouped_mm takes no float64)."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(cfg)
+    model.set_experts_implementation(experts)
+    assert model.config._experts_implementation == experts
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+
+    def loss(i):
+        return model(input_ids=i, labels=i).loss
+    ref = example_param_sq_norms(model, (loss(ids[i:i + 1]) for i in range(B)))
+    with PerSampleGradNorms(model) as norms:
+        loss(ids).backward()
+        got = norms.param_sq_norms()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in got and "model.layers.1.mlp.gate.weight" in got
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=2e-4, atol=1e-12, msg=k)

@@ -81,6 +81,7 @@ class Followed(torch.Tensor):
     _live = True
     _pending: tuple = ()          # Rows it was expanded to, their layout not yet known
     _slice: tuple | None = None   # (a root, i) for root[i]: an expert's weight of (E, out, in)
+    _transpose_of = None          # the root whose last two dimensions it transposes
 
 
 def _follow(t, step: Step, live: bool, root: tuple | None = None, roots: tuple = (), pending: tuple = ()):
@@ -131,6 +132,8 @@ def _dispatch(func, args: tuple, kwargs: dict):
         out = tree_map(lambda t: _follow(t, step, live, roots=roots, pending=pending), out)
         if isinstance(out, Followed) and (sl := layer_uses.slice_of(func, args)) is not None:
             out._slice = sl
+        if isinstance(out, Followed) and (t := layer_uses.transpose_of(func, args)) is not None:
+            out._transpose_of = t
         return out
     if func is F.scaled_dot_product_attention and B:   # an additive mask (T5's position bias), broadcast
         q, mask = args[0], kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -149,6 +152,10 @@ def _dispatch(func, args: tuple, kwargs: dict):
             and (got := layer_uses.gathered_input(func, args, others, step.slot.owner._batch or B,
                                                   B != (step.slot.owner._batch or B))):
         return step.through(func, args, kwargs, fol, [got[0]], live, rows=got)
+    model_b = step.slot.owner._batch or B
+    if func in layer_uses.GROUPED and B and not pending and (got := layer_uses.grouped_input(
+            func, args, kwargs, fol, others, model_b, B != model_b)):
+        return step.grouped(func, args, kwargs, live, *got)
     if (func in _LAYER_OPS or func in _MATMULS) and B and not pending \
             and (batched := layer_uses.layer_inputs(func, args, fol, others, B)) is not None:
         return step.through(func, args, kwargs, fol, batched, live)

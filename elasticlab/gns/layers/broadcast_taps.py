@@ -66,8 +66,10 @@ class Step:
             how = (f"is expanded to rows that fold the batch with windows or positions, but reaches {name}, "
                    "so which rows are which example's is not known")
         if "grouped_mm" in name:
-            how += ("; a mixture of experts' grouped matmul is not read per example, a loop of F.linear over "
-                    "the experts is (Hugging Face: model.set_experts_implementation('eager'))")
+            how += ("; a mixture of experts' grouped matmul is read per example only on 2-D rows gathered "
+                    "from the examples with offs and the weight a parameter or its transpose, a loop of "
+                    "F.linear over the experts always (Hugging Face: "
+                    "model.set_experts_implementation('eager'))")
         for s, pn in _names(f):
             s.unmeasured.setdefault(pn, (
                 f"module {mod} ran without the batch (its output has shape {self.shape}, the batch "
@@ -139,6 +141,43 @@ class Step:
         if out._is_view():             # (an einsum's reshaped product: in-place ops later on a view of it,
             out = out.clone()          # as Funnel's relative shift makes, route the gradient past a view's
         self.open += 1                 # node; a base's own node, hooked here, always runs)
+        nr = out.output_nr
+        out.grad_fn.register_prehook(lambda gs: None if gs[nr] is None else take(gs[nr]))
+        return out
+
+    def grouped(self, func, args: tuple, kwargs: dict, live: bool, x, ex, B: int, offs, root):
+        """A grouped matmul (``x @ W[e]ᵀ`` for the rows of group e, ``offs`` their ends) on x gathered from
+        the examples and a followed weight made from ``root`` (itself, or transposed): run as is, a hook on
+        its output hands each group's rows, sorted by example, to the Gram form as a use of the slice
+        ``root[e]`` (:mod:`.row_grams`; transposing a slice leaves its norm as it is)."""
+        out = func(*args, **kwargs)
+        if not (live and isinstance(out, torch.Tensor) and out.requires_grad):
+            return out
+        kept, bounds = x.detach(), offs.detach()
+        E = args[1].shape[0]
+
+        def take(g):
+            self.open -= 1
+            grp = torch.searchsorted(bounds.to(torch.long), torch.arange(kept.shape[0], device=kept.device),
+                                     right=True)
+            on = (grp < E).nonzero().squeeze(1)                   # (rows past the last group: none's)
+            key = grp[on] * B + ex.to(grp.device)[on]
+            order = on[torch.argsort(key, stable=True)]
+            counts = torch.bincount(key, minlength=E * B).tolist()     # (one host read a call)
+            acc = kernels.acc_dtype(g.dtype)
+            X, D = kept[order].to(acc), g.detach()[order].to(acc)
+            uses, start = [], 0
+            for e in range(E):
+                c = counts[e * B:(e + 1) * B]
+                n = sum(c)
+                if n:
+                    uses.append((_SliceOf(root, e), row_grams.RowsUse(X[start:start + n], D[start:start + n],
+                                                                      c)))
+                start += n
+            if uses:
+                self.add(uses)
+
+        self.open += 1
         nr = out.output_nr
         out.grad_fn.register_prehook(lambda gs: None if gs[nr] is None else take(gs[nr]))
         return out
@@ -295,6 +334,15 @@ def _linear_roles(func, args: tuple, kwargs: dict, fol: list) -> tuple | None:
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     roles = tuple("weight" if f is args[1] else "bias" if f is bias else None for f in fol)
     return None if None in roles else roles
+
+
+class _SliceOf:
+    """``root[i]`` as :meth:`Step.add` reads a followed slice."""
+    __slots__ = ("_slice",)
+    _root = None
+
+    def __init__(self, root, i: int):
+        self._slice = (root, i)
 
 
 class _Hole:

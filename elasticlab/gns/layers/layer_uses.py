@@ -88,3 +88,36 @@ def einsum_inputs(args: tuple, fol: list, batched: list, others: list) -> list |
         return None
     rest = [a for a in others if all(a is not x for x in batched)]
     return None if any(a.requires_grad or b in term.get(id(a), "") for a in rest) else batched
+
+
+GROUPED = {torch._grouped_mm, getattr(F, "grouped_mm", torch._grouped_mm)}
+
+
+def grouped_input(func, args: tuple, kwargs: dict, fol: list, others: list, B: int,
+                  folded: bool = False) -> tuple | None:
+    """(x, the example of each of its rows, B, offs, the parameter) where a grouped matmul (a mixture of
+    experts in one call: Hugging Face's ``grouped_mm`` experts, ``x @ W[e]ᵀ`` for the rows of each group e)
+    takes a 2-D input x gathered from the examples and a followed (E, K, N) weight that is a parameter or
+    its transpose in the last two dimensions, with ``offs`` and no bias; else None."""
+    if func not in GROUPED or len(args) < 2 or len(fol) != 1 or args[1] is not fol[0]:
+        return None
+    w, offs = fol[0], kwargs.get("offs")
+    root = w if w._root is not None else getattr(w, "_transpose_of", None)
+    if root is None or root._root[0] not in ("param", "child") or w.dim() != 3 \
+            or not isinstance(offs, torch.Tensor) or offs.dim() != 1 or kwargs.get("bias") is not None:
+        return None
+    got = gathered_input(torch.matmul, args[:1], others, B, folded)
+    return None if got is None or got[0] is not args[0] else (*got, offs, root)
+
+
+def transpose_of(func, args: tuple):
+    """The parameter's alias of which ``func(*args)`` is the transpose in the last two dimensions
+    (``gate_up_proj.transpose(-2, -1)``), else None."""
+    if func not in (torch.Tensor.transpose, torch.transpose) or len(args) != 3:
+        return None
+    root, a, b = args
+    if getattr(root, "_root", None) is None or root._root[0] not in ("param", "child"):
+        return None
+    n = root.dim()
+    return root if n >= 2 and {a % n, b % n} == {n - 2, n - 1} else None
+
