@@ -245,3 +245,30 @@ def test_generic_rule_sees_keyword_arguments(fused):
             return self.out(self.mid(h, gate=torch.sigmoid(x[:, :1]) + 1))
 
     check_exact(Net().double(), torch.randn(5, 3, dtype=torch.float64), fused)
+
+
+def test_a_call_with_no_batched_input_is_named():
+    """A leaf of no registered type whose output carries the batch but none of whose inputs does (it
+    broadcasts a learned vector itself): an error naming it, not vmap's "expected at least one Tensor"."""
+    class Broadcasts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(1, 3))
+
+        def forward(self, z, n):
+            return (z * self.w).expand(n, 3)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gen, self.head = Broadcasts(), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.head(x[:, :3] + self.gen(torch.ones(1, 3, dtype=x.dtype), x.shape[0]))
+
+    model = Net().double()
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        with pytest.raises(RuntimeError, match=r"Broadcasts has no per-example gradient-norm rule.*none of "
+                                               "its inputs has the batch"):
+            model(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
+            psg.param_sq_norms()

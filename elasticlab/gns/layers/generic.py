@@ -120,7 +120,11 @@ def _verify(module: nn.Module, inputs: tuple, kinds: tuple, one, what: str | Non
         full = type(module).forward(module, *flat[:n], **dict(zip(keys, flat[n:])))
         full = list(full) if isinstance(full, (tuple, list)) else [full]
         try:
+            if not any(kinds):
+                raise ValueError("none of its inputs has the batch, or rows that fold it, along dim 0")
             each = _each(one, flat, kinds, fold, False)
+        except ValueError as e:
+            why = str(e)
         except RuntimeError as e:
             if "random" in str(e):                           # random operations inside the forward
                 why = f"its forward does not run on one example at a time under torch.func.vmap ({e})"
