@@ -6,7 +6,10 @@ backward per example (:func:`elasticlab.gns.reference.example_param_sq_norms`), 
 case: ``OK``, ``MISMATCH`` (with the per-example ratios) or the error's first line, which names what is not
 covered. Needs ``transformers`` (``pip install 'elasticlab[integrations]'``).
 
-    python benchmarks/hf_coverage.py [--only bart,t5,...]
+    python benchmarks/hf_coverage.py [--only bart,t5,...] [--seq 10]
+
+``--seq 3`` gives the token models as many positions as examples (B = 3): layouts that only the graph
+tells apart ((B, T, D) folded to (B·T, D) against (T, B, D)).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ D = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediat
 NO_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def _data():
+def _data(seq: int = T):
     g = torch.Generator().manual_seed(0)
     return {
-        "ids": torch.randint(1, V, (B, T), generator=g),
+        "ids": torch.randint(1, V, (B, seq), generator=g),
         "img": torch.randn(B, 3, 32, 32, dtype=torch.float64, generator=g),
         "audio": torch.randn(B, 400, dtype=torch.float64, generator=g),
         "mel": torch.randn(B, 8, 32, dtype=torch.float64, generator=g),
@@ -484,7 +487,10 @@ def check(model, loss, reduction: str, data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--seq", type=int, default=T, help=f"positions of the token models (default {T})")
     args = ap.parse_args()
+    if args.seq < 1:
+        raise SystemExit(f"--seq must be at least 1, got {args.seq}")
     try:
         import transformers as tr
     except ImportError as e:
@@ -496,7 +502,7 @@ def main() -> None:
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; known: {', '.join(table)}")
-    data, out = _data(), {}
+    data, out = _data(args.seq), {}
     for name in tqdm(names, desc="architectures"):
         torch.manual_seed(0)
         try:

@@ -21,10 +21,34 @@ def assert_grads_and_norms(model, n, plain, ref):
     assert set(got_grads) == set(plain)
     for k in plain:
         torch.testing.assert_close(got_grads[k], plain[k], rtol=1e-10, atol=1e-12, msg=k)
-    got = n.param_sq_norms()
-    assert set(got) == set(ref)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-10, msg=k)
+    assert_norms(n.param_sq_norms(), ref, rtol=1e-6, atol=1e-10)
+
+
+def assert_norms(got, want, rtol=1e-8, atol=1e-12, same_keys=True):
+    """Recorded per-parameter norms ``got`` against ``want`` ({name: (B,)}), name by name; ``same_keys``: and
+    the same names."""
+    if same_keys:
+        assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=k)
+
+
+def against_per_example(model, loss_of, B, steps=1, batch_loss=None, rtol=1e-8, atol=1e-12, same_keys=True,
+                        complete=False, **kwargs):
+    """A model's norms against one backward per example: ``loss_of(s)`` is the loss of the batch's slice s
+    (``batch_loss()``, the whole batch's where it differs: a compiled model), each of ``steps`` steps;
+    ``complete``: and no parameter left out. ``kwargs`` go to PerSampleGradNorms. (norms, got, want)."""
+    from elasticlab.gns.reference import example_param_sq_norms
+    want = example_param_sq_norms(model, (loss_of(slice(b, b + 1)) for b in range(B)))
+    with PerSampleGradNorms(model, **kwargs) as psn:
+        for _ in range(steps):
+            model.zero_grad()
+            (batch_loss or (lambda: loss_of(slice(None))))().backward()
+            got = psn.param_sq_norms()
+            assert_norms(got, want, rtol, atol, same_keys)
+        if complete:
+            assert psn.left_out == []
+    return psn, got, want
 
 
 def check(model, x, reduction, fused, loss_fn=sq_loss, ref=None, y=None):

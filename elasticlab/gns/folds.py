@@ -6,10 +6,12 @@ gives each example's gradient as the sum over that example's rows, so its rule, 
 output gradient unfolded to (B, k, …), gives the same norms as for a sequence. Which rows belong to which
 example is read from the autograd graph of the input (:func:`find`): the input is followed back through ops
 that keep its rows apart (views, elementwise ops, LayerNorm, a Linear's matmul) to the view that folded it,
-from (B, k, …) (batch-major: rows b·k … b·k+k−1 are example b's) or from (k, B, …) (rows b, B+b, …). Found
-once per layer and input shape, and cached; where it is not found (no such view, or both layouts fit
-because k equals the batch) the layer reads dim 0 as the examples as before, and the readers' batch sizes
-disagree (an error). Eager only: under ``torch.compile`` a folded call is not unfolded.
+from (B, k, …) (batch-major: rows b·k … b·k+k−1 are example b's) or from (k, B, …) (rows b, B+b, …). Where
+both layouts fit the view's shape (k equals the batch: (B, B, …)), the batch's place in that tensor is read
+further back (:func:`batch_factor`: through views, elementwise ops, transposes and matmuls to a tensor made
+from the model's inputs, whose dim 0 is the batch). Found once per layer and input shape, and cached; where
+it is not found the layer reads dim 0 as the examples as before, and the readers' batch sizes disagree (an
+error). Eager only: under ``torch.compile`` a folded call is not unfolded.
 """
 from __future__ import annotations
 
@@ -101,6 +103,89 @@ def _keeps_dim0(node) -> bool:
     return name == "ExpandBackward0" or name.startswith("ScaledDotProduct")    # (attention: the query's rows)
 
 
+_MATMUL_LIKE = {"MmBackward0", "AddmmBackward0", "BmmBackward0"}
+_ROW_LAYERS = ("LinearNorms", "LayerNormNorms", "RMSNormNorms")      # (the fused rules' own nodes)
+
+
+def _perm(node, n: int) -> list[int] | None:
+    """The forward's permutation (output dim i is input dim p[i]) of a transpose or permute node."""
+    if node.name() == "TransposeBackward0":
+        a, b = (d - 2 ** 64 if d >= 2 ** 63 else d for d in (node._saved_dim0, node._saved_dim1))
+        p = list(range(n))
+        p[a % n], p[b % n] = p[b % n], p[a % n]
+        return p
+    dims = list(getattr(node, "_saved_dims", ()))
+    return [d % n for d in dims] if len(dims) == n else None
+
+
+_OF_PARAMS = _VIEWS | _ROWWISE | {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
+                                  "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
+
+
+def _params_only(node, depth: int = 0) -> bool:
+    """Whether an autograd node's history holds parameters alone (a weight's transpose: no batch in it): ops
+    that take no input outside their autograd edges (not an embedding's lookup, whose indices are data)."""
+    if node.name().endswith("AccumulateGrad"):
+        return True
+    kids = [c for c, _ in node.next_functions]              # (None: an input without history, maybe data)
+    return depth < 4 and node.name() in _OF_PARAMS and bool(kids) and all(
+        c is not None and _params_only(c, depth + 1) for c in kids)
+
+
+def batch_factor(node, out: tuple, batch: int, hops: int = 0) -> tuple[int, int] | None:
+    """Where the batch lies in a tensor of shape ``out`` made by ``node``: (outer, inner), its elements'
+    flat index being (o·batch + b)·inner + i (dim 0 the batch: (1, ∏ out[1:])), or None where that is not
+    read. Followed back through views (the flat index is theirs too), elementwise ops (the operands of the
+    same shape whose layout is read must agree), transposes and permutes, and matmuls and attention (all but
+    the last dim of the first operand kept) to an op none of whose inputs carries history but parameters:
+    a layer on the model's inputs (or on a view of them, as F.linear folds a 3-D input), which take the
+    batch first (every rule reads them so)."""
+    if node is None or hops > MAX_HOPS or not out or node.name().endswith("AccumulateGrad"):
+        return None                            # (a leaf's own rows: a parameter's are no examples')
+    name, total = node.name(), math.prod(out)
+    kids = [(c, s) for c, i in node.next_functions if c is not None and (s := _shape(c, i)) is not None
+            and not _params_only(c)]
+    if not kids:                               # (made from parameters and tensors without history only)
+        return (1, total // batch) if out[0] % batch == 0 else None
+    if name in _VIEWS:
+        got = batch_factor(kids[0][0], kids[0][1], batch, hops + 1)
+        return got if got is not None and math.prod(kids[0][1]) == total else None
+    if name in _ROWWISE and _keeps_rows(node, out):
+        got = {batch_factor(c, s, batch, hops + 1) for c, s in kids if s == out} - {None}
+        return got.pop() if len(got) == 1 else None    # (as find: an operand whose layout is read)
+    if name in ("TransposeBackward0", "PermuteBackward0"):
+        c, S = kids[0]
+        got, p = batch_factor(c, S, batch, hops + 1), _perm(node, len(out))
+        if got is None or p is None or len(S) != len(out):
+            return None
+        o, inner = got                          # (the input dim j holding the batch, and its place in it)
+        j = next((j for j in range(len(S)) if inner % math.prod(S[j + 1:]) == 0
+                  and math.prod(S[j:]) % (inner * batch) == 0), None)
+        if j is None:
+            return None
+        k = p.index(j)
+        new = math.prod(out[k + 1:]) * (inner // math.prod(S[j + 1:]))
+        return total // batch // new, new
+    if name in _MATMUL_LIKE or name.startswith("ScaledDotProduct") or any(r in name for r in _ROW_LAYERS):
+        c, i = node.next_functions[1 if name == "AddmmBackward0" else 0]          # (the left operand)
+        S = _shape(c, i) if c is not None and not _params_only(c) else None
+        if S is None:                          # (another input carries the batch: not read)
+            return None
+        got = batch_factor(c, S, batch, hops + 1)
+        if got is None or tuple(S[:-1]) != tuple(out[:-1]) or got[1] % S[-1]:
+            return None
+        return got[0], got[1] // S[-1] * out[-1]
+    return None
+
+
+def _square(c, S: tuple, batch: int) -> bool | None:
+    """For a view's input of shape (batch, batch, …): True where its dim 0 is the batch, False where dim 1
+    is, None where neither is read (:func:`batch_factor`)."""
+    got = batch_factor(c, S, batch)
+    rest = math.prod(S[2:])
+    return True if got == (1, batch * rest) else False if got == (batch, rest) else None
+
+
 def find(t: torch.Tensor, batch: int) -> Fold | None:
     """The layout of ``t``'s rows (dim 0 a multiple k > 1 of ``batch``) read from its autograd graph, or None
     when no path back to a folding view is found, or the paths disagree. Along the way dim 0 may fold the
@@ -117,9 +202,10 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
                 and (s := _shape(c, i)) is not None]
         if name in _VIEWS and kids:
             c, S = kids[0]
-            if len(S) > 1 and S[0] == batch and S[1] != batch and math.prod(S) == R * per_row:
+            sq = _square(c, S, batch) if len(S) > 1 and S[0] == S[1] == batch else None
+            if len(S) > 1 and S[0] == batch and (S[1] != batch or sq) and math.prod(S) == R * per_row:
                 found.add(Fold(batch, R // batch, True))
-            elif len(S) > 1 and S[1] == batch and S[0] != batch and S[0] * batch == R \
+            elif len(S) > 1 and S[1] == batch and (S[0] != batch or sq is False) and S[0] * batch == R \
                     and math.prod(S[2:]) == per_row:
                 found.add(Fold(batch, S[0], False))
             elif S and S[0] % R == 0 and math.prod(S) == math.prod(out):
@@ -206,9 +292,11 @@ def _rows_of(node, out: tuple, batch: int, hops: int, gathered: bool) -> torch.T
         return None if src is None else src.to(idx.device)[idx]
     if name in _VIEWS and kids:
         c, S = kids[0]
-        if len(S) > 1 and S[0] == S[1] == batch and math.prod(S[:2]) == R:
+        sq = _square(c, S, batch) if len(S) > 1 and S[0] == S[1] == batch else None
+        if len(S) > 1 and S[0] == S[1] == batch and sq is None and math.prod(S[:2]) == R:
             return None                                                  # (both layouts fit)
-        if len(S) > 1 and S[0] == batch and math.prod(S[:2]) == R and math.prod(S) == math.prod(out):
+        if len(S) > 1 and S[0] == batch and sq is not False and math.prod(S[:2]) == R \
+                and math.prod(S) == math.prod(out):
             return torch.arange(batch).repeat_interleave(S[1])          # (B, k, …) → rows b·k + j
         if len(S) > 1 and S[1] == batch and math.prod(S[:2]) == R and math.prod(S) == math.prod(out):
             return torch.arange(batch).repeat(S[0])                      # (k, B, …) → rows j·B + b

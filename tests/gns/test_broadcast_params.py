@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layer_check import against_per_example, assert_norms
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -51,10 +52,7 @@ def check(model, x, y, fused=True, reduction="sum", steps=2, fwd=None, strict=Tr
         for _ in range(steps):
             model.zero_grad()
             F.cross_entropy(fwd(x), y, reduction=reduction).backward()
-            got = psn.param_sq_norms()
-            assert sorted(got) == sorted(want)
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+            assert_norms(psn.param_sq_norms(), want, rtol=1e-9)
             torch.testing.assert_close(psn.sq_norms(), sum(want.values()), rtol=1e-9, atol=1e-12)
     return psn
 
@@ -241,15 +239,10 @@ def test_compiled_model_matches_eager(backend):
     torch.manual_seed(0)
     model = nn.Sequential(Embed(), nn.LayerNorm(8), nn.Flatten(), nn.Linear(40, 3)).double()
     x, y = data()
-    want = per_example(model, model, x, y)
     compiled = torch.compile(model, backend=backend)
-    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
-        for _ in range(2):
-            model.zero_grad()
-            F.cross_entropy(compiled(x), y, reduction="sum").backward()
-            got = psn.param_sq_norms()
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+    against_per_example(model, lambda s: F.cross_entropy(model(x[s]), y[s], reduction="sum"), x.shape[0],
+                        steps=2, batch_loss=lambda: F.cross_entropy(compiled(x), y, reduction="sum"),
+                        rtol=1e-9, same_keys=False, loss_reduction="sum")
 
 
 class Block(nn.Module):
@@ -296,9 +289,7 @@ def test_compiled_root_with_bare_parameters_compiles_its_children(eager_parent, 
         for _ in range(2):
             model.zero_grad()
             F.cross_entropy(compiled(x), y, reduction="sum").backward()
-            got = psn.param_sq_norms()
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+            assert_norms(psn.param_sq_norms(), want, rtol=1e-9, same_keys=False)
     captured = counters["stats"]["calls_captured"]
     assert captured > 0 if eager_parent else captured == 0
     breaks = [k for k in counters["graph_break"] if "set_eval_frame" in k]
@@ -344,14 +335,8 @@ def test_embeddings_on_an_index_without_the_batch_are_followed(form, fused):
     model = Positions(form).double()
     idx = torch.randint(0, 11, (5, 6))
     loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
-    want = example_param_sq_norms(model, (loss(model(idx[b:b + 1]), idx[b:b + 1]) for b in range(5)))
-    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused) as psn:
-        for _ in range(2):
-            model.zero_grad()
-            loss(model(idx), idx).backward()
-            got = psn.param_sq_norms()
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+    against_per_example(model, lambda s: loss(model(idx[s]), idx[s]), 5, steps=2, rtol=1e-9, same_keys=False,
+                        loss_reduction="sum", fused=fused)
 
 
 class TwoWays(nn.Module):

@@ -33,12 +33,15 @@ def _loss(out, y):
     return torch.nn.functional.cross_entropy(out, y, reduction="sum")
 
 
+@pytest.mark.parametrize("T", [7, 5], ids=["T7", "T=B"])
 @pytest.mark.parametrize("time_major", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
-def test_folded_rows_match_per_example_backward(fused, time_major):
+def test_folded_rows_match_per_example_backward(fused, time_major, T):
+    """T=B: both layouts fit the (5, 5, D) view, and the batch's place is read further back (before: the
+    readers' batch sizes disagreed)."""
     torch.manual_seed(0)
     model = Folded(time_major=time_major).double()
-    x, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    x, y = torch.randn(5, T, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5)))
     with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
         _loss(model(x), y).backward()
@@ -66,6 +69,27 @@ def test_rows_not_found_folded_still_raise():
             psg.sq_norms()
 
 
+def test_batch_factor_is_read_through_transposes_permutes_and_matmuls():
+    """Where the batch lies in a (B, B, …) tensor, from its graph: (outer, inner) of its flat index."""
+    from elasticlab.gns import folds
+    B = 3
+    x = torch.randn(B, B, 4)                                   # (the model's input: the batch first)
+    w = torch.randn(5, 4, requires_grad=True)
+    h = x @ w.t()                                              # (B, B, 5), made from the input: dim 0
+    assert folds.batch_factor(h.grad_fn, tuple(h.shape), B) == (1, B * 5)
+    t = h.transpose(0, 1)                                      # dim 1
+    assert folds.batch_factor(t.grad_fn, tuple(t.shape), B) == (B, 5)
+    heads = (t * 2).reshape(B, B, 5, 1).permute(2, 1, 0, 3)    # (5, B, B, 1): the batch dim 1
+    assert folds.batch_factor(heads.grad_fn, tuple(heads.shape), B) == (5, B)
+    back = heads.permute(1, 2, 0, 3).reshape(B, B * 5) @ torch.randn(B * 5, 2)     # (B, 2): dim 0
+    assert folds.batch_factor(back.grad_fn, tuple(back.shape), B) == (1, 2)
+    mixed = t.sum(0)                                           # (a reduction: not read)
+    assert folds.batch_factor(mixed.grad_fn, tuple(mixed.shape), B) is None
+    flat = t.reshape(B * B, 5)                                 # rows j·B + b: time-major
+    assert folds.find(flat + 1, B) == folds.Fold(B, B, False)
+    assert folds.find(h.reshape(B * B, 5), B) == folds.Fold(B, B, True)
+
+
 def test_layernorm_over_the_rows_stops_the_walk():
     """A LayerNorm normalizing over dim 0 too mixes the rows: the walk back from a folded Linear must not
     cross it (else the norms would be read per example, silently wrong)."""
@@ -85,7 +109,7 @@ def test_layout_cache_is_bounded(monkeypatch):
     torch.manual_seed(0)
     model = Folded()
     with PerSampleGradNorms(model, loss_reduction="sum") as psg:
-        for T in (2, 3, 4, 6, 7, 8):                      # (T = B: both layouts fit, none found)
+        for T in (2, 3, 4, 6, 7, 8):                      # (six shapes, three kept)
             _loss(model(torch.randn(5, T, 4)), torch.randint(0, 3, (5,))).backward()
             assert psg.sq_norms().shape == (5,)
         sizes = [len(s.folds) for s in psg._slots]

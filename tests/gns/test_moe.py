@@ -7,12 +7,11 @@ float64 (before: the experts' weights were refused by name, and the router's nor
 import pytest
 import torch
 import torch.nn.functional as F
-from layer_check import on_device
+from layer_check import against_per_example, on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, folds
 from elasticlab.gns.layers import generic, row_grams
-from elasticlab.gns.reference import example_param_sq_norms
 
 
 class Router(nn.Module):
@@ -69,28 +68,53 @@ def _loss(out, y):
 
 
 def _check(model, x, y, fused):
-    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(x.shape[0])))
-    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-        _loss(model(x), y).backward()
-        got = psg.param_sq_norms()
-        assert psg.left_out == []
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
-    return psg
+    return against_per_example(model, lambda s: _loss(model(x[s]), y[s]), x.shape[0], fused=fused,
+                               loss_reduction="sum", complete=True)[0]
 
 
-@pytest.fixture(params=["gram", "products"])
+@pytest.fixture(params=["gram", "gram-loop", "products"])
 def form(request, monkeypatch):
-    """The experts' norms by the Gram form over each example's rows, or by forming each example's G_b."""
-    monkeypatch.setattr(row_grams, "FORM", request.param)
+    """The experts' norms by the Gram form over each example's rows (batched over the examples padded, or
+    an example at a time), or by forming each example's G_b."""
+    monkeypatch.setattr(row_grams, "FORM", request.param.split("-")[0])
+    if request.param == "gram-loop":
+        monkeypatch.setattr(row_grams, "PAD_LIMIT", 0)
     return request.param
 
 
+@pytest.mark.parametrize("pad_limit", [4, 0, 1000])
+def test_row_grams_of_uses_against_each_examples_gradient(pad_limit, monkeypatch):
+    """Three uses of one weight with uneven rows per example (one example has none in a use, one has most of
+    a use's rows): the norms of Σ_u G_b^u after each use, against G_b = D_bᵀX_b formed; padded and batched,
+    an example at a time, and mixed (``pad_limit`` 4: the lopsided use alone is looped)."""
+    monkeypatch.setattr(row_grams, "PAD_LIMIT", pad_limit)
+    g = torch.Generator().manual_seed(0)
+    B, din, dout = 6, 5, 3
+    grams, total = row_grams.RowGrams(B), torch.zeros(B, dout, din, dtype=torch.float64)
+    for counts in ([2, 0, 3, 1, 0, 1], [1] * B, [0, 30, 1, 0, 0, 0]):
+        X = torch.randn(sum(counts), din, dtype=torch.float64, generator=g)
+        D = torch.randn(sum(counts), dout, dtype=torch.float64, generator=g)
+        use = row_grams.RowsUse(X, D, counts)
+        assert (use.padded is None) == (B * max(counts) > pad_limit * sum(counts))
+        assert use.padded is None or counts[1] < 30 or pad_limit > 4
+        got, s = grams.add(use), 0
+        for b, c in enumerate(counts):
+            total[b] += D[s:s + c].t() @ X[s:s + c]
+            s += c
+        torch.testing.assert_close(got, total.pow(2).sum((1, 2)), rtol=1e-12, atol=1e-12)
+
+
+def test_by_example_sorts_stably_and_counts_on_the_host():
+    order, counts = row_grams.by_example(torch.tensor([2, 0, 2, 1, 0]), 4)
+    assert order.tolist() == [1, 4, 3, 0, 2] and counts == [2, 1, 2, 0]
+
+
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("shape", [(5, 7, 4, 2), (3, 1, 4, 1), (2, 6, 8, 2)], ids=["B5T7E4k2", "T1", "E8"])
+@pytest.mark.parametrize("shape", [(5, 7, 4, 2), (3, 1, 4, 1), (2, 6, 8, 2), (4, 4, 4, 2)],
+                         ids=["B5T7E4k2", "T1", "E8", "T=B"])
 def test_moe_norms_match_per_example_backward(fused, shape, form):
-    """Experts some examples' tokens never reach (E8 on 12 tokens), one token per example (T1), top-1."""
+    """Experts some examples' tokens never reach (E8 on 12 tokens), one token per example (T1), top-1, as
+    many positions as examples (T=B: the fold's layout read past the (B, B, D) view)."""
     B, T, E, k = shape
     torch.manual_seed(0)
     model = MoE(E=E, k=k).double()
@@ -119,7 +143,7 @@ def test_row_examples_reads_the_gather():
     t = x.transpose(0, 1).reshape(-1, 2)                           # (T, B) rows: j·B + b
     assert folds.row_examples(t.index_select(0, idx) * 2, 3).tolist() == [2, 0, 2, 1]
     assert folds.row_examples(torch.randn(4, 2, requires_grad=True), 3) is None     # no graph to read
-    sq = torch.randn(3, 3, 2, requires_grad=True).reshape(-1, 2)   # (B, B): both layouts fit
+    sq = torch.randn(3, 3, 2, requires_grad=True).reshape(-1, 2)   # (B, B) of a leaf: not read
     assert folds.row_examples(sq[idx[1:]], 3) is None
 
 
@@ -204,15 +228,10 @@ def test_grouped_experts_match_per_example_backward(fused):
     model.inp, model.head = nn.Linear(3, 8), nn.Linear(8, 2)
     model.gate = Router(8, 4, 2)
     x, y = torch.randn(4, 6, 3), torch.randint(0, 2, (4,))
-    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(4)))
-    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-        _loss(model(x), y).backward()
-        got = psg.param_sq_norms()
+    psg = against_per_example(model, lambda s: _loss(model(x[s]), y[s]), 4, rtol=2e-4, atol=1e-9,
+                              fused=fused, loss_reduction="sum")[0]
     step = next(s for s in psg._slots if s.name == "experts").follow
     assert len(step.parts[id(step.slot), "up"]) > 1                  # (a use of each expert's slice)
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=2e-4, atol=1e-9, msg=k)
 
 
 def test_other_grouped_forms_are_refused_with_the_way_out():

@@ -6,11 +6,10 @@ modules ... never ran")."""
 import pytest
 import torch
 import torch.nn.functional as F
-from layer_check import on_device
+from layer_check import against_per_example, on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms
-from elasticlab.gns.reference import example_param_sq_norms
 
 
 class Mixer(nn.Module):
@@ -52,14 +51,8 @@ def test_children_read_directly_match_per_example_backward(fused):
     torch.manual_seed(0)
     model = Mixer().double()
     x, y = torch.randn(5, 7, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
-    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5)))
-    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-        _loss(model(x), y).backward()
-        got = psg.param_sq_norms()
-        assert psg.left_out == []
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+    against_per_example(model, lambda s: _loss(model(x[s]), y[s]), 5, fused=fused, loss_reduction="sum",
+                        complete=True)
     # the real gradients are untouched by the following
     ref = Mixer().double()
     ref.load_state_dict(model.state_dict())
@@ -138,13 +131,7 @@ def test_einsum_with_in_place_ops_on_its_product():
     torch.manual_seed(5)
     model = RelShift().double()
     x, y = torch.randn(5, 4, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
-    want = example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5)))
-    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
-        _loss(model(x), y).backward()
-        got = psg.param_sq_norms()
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+    against_per_example(model, lambda s: _loss(model(x[s]), y[s]), 5, loss_reduction="sum")
 
 
 def test_a_followed_use_no_tap_took_is_an_error(monkeypatch):

@@ -9,6 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from layer_check import against_per_example  # noqa: E402
+
 from elasticlab.gns import GNSEstimator, PerSampleGradNorms  # noqa: E402
 from elasticlab.gns.reference import example_param_sq_norms  # noqa: E402
 from elasticlab.integrations.transformers import GradientNoiseScaleCallback  # noqa: E402
@@ -134,15 +136,9 @@ def test_tiny_llama_per_example_norms_with_its_own_rmsnorm():
     model = transformers.LlamaForCausalLM(cfg).double()
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
 
-    def loss(i):
-        return model(input_ids=i, labels=i).loss
-    ref = example_param_sq_norms(model, (loss(ids[i:i + 1]) for i in range(B)))
-    with PerSampleGradNorms(model) as norms:
-        loss(ids).backward()
-        got = norms.param_sq_norms()
+    _, got, _ = against_per_example(model, lambda s: model(input_ids=ids[s], labels=ids[s]).loss, B,
+                                    atol=1e-20, same_keys=False)
     assert "model.norm.weight" in got and "model.layers.0.input_layernorm.weight" in got
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-8, atol=1e-20, msg=k)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -232,15 +228,8 @@ def test_tiny_vit_class_token_and_position_embeddings(fused):
 
         def loss(i, x=x, interp=interp):
             return model(pixel_values=x[i], labels=y[i], interpolate_pos_encoding=interp).loss
-        want = example_param_sq_norms(model, (loss(slice(b, b + 1)) for b in range(B)))
-        with PerSampleGradNorms(model, fused=fused) as norms:
-            model.zero_grad()
-            loss(slice(None)).backward()
-            got = norms.param_sq_norms()
-        assert sorted(got) == sorted(want)
-        for k in want:
-            # (atol: the key bias's per-example gradient is 0 up to rounding: the softmax is shift-invariant)
-            torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-24, msg=k)
+        # (atol: the key bias's per-example gradient is 0 up to rounding: the softmax is shift-invariant)
+        against_per_example(model, loss, B, atol=1e-24, fused=fused)
 
 
 def test_tiny_vit_masked_image_modeling_mask_token():
@@ -255,13 +244,8 @@ def test_tiny_vit_masked_image_modeling_mask_token():
 
     def loss(i):
         return model(pixel_values=x[i], bool_masked_pos=mask[i]).loss
-    want = example_param_sq_norms(model, (loss(slice(b, b + 1)) for b in range(B)))
-    with PerSampleGradNorms(model) as norms:
-        loss(slice(None)).backward()
-        got = norms.param_sq_norms()
+    want = against_per_example(model, loss, B, rtol=1e-4, atol=1e-24, same_keys=False)[2]
     assert want["vit.embeddings.mask_token"].min() > 0
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-24, msg=k)
 
 
 def _sq_norms_match(model, loss, reduction="mean"):
@@ -302,14 +286,9 @@ def test_tiny_t5_relative_attention_bias(attn, flan):
     model = transformers.T5ForConditionalGeneration(cfg).double()
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
     bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    want = example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
-                                          for b in range(B)))
-    with PerSampleGradNorms(model) as norms:
-        model(input_ids=ids, labels=ids).loss.backward()
-        got = norms.param_sq_norms()
+    _, got, want = against_per_example(model, lambda s: model(input_ids=ids[s], labels=ids[s]).loss, B,
+                                       atol=1e-24, same_keys=False)
     assert want[bias].min() > 0 and "shared.weight" in got
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-24, msg=k)
 
 
 def test_tiny_clip_vision_class_embedding_and_positions():
@@ -382,12 +361,27 @@ def test_tiny_mixtral_experts_and_router(experts):
     assert model.config._experts_implementation == experts
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
 
-    def loss(i):
-        return model(input_ids=i, labels=i).loss
-    ref = example_param_sq_norms(model, (loss(ids[i:i + 1]) for i in range(B)))
-    with PerSampleGradNorms(model) as norms:
-        loss(ids).backward()
-        got = norms.param_sq_norms()
+    _, got, _ = against_per_example(model, lambda s: model(input_ids=ids[s], labels=ids[s]).loss, B,
+                                    rtol=2e-4, same_keys=False)
     assert "model.layers.0.mlp.experts.gate_up_proj" in got and "model.layers.1.mlp.gate.weight" in got
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=2e-4, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("arch", ["opt", "mixtral"])
+def test_as_many_positions_as_examples(arch):
+    """T = B: OPT's MLP on (B·T, D) and Mixtral's experts on the tokens folded from a (B, B, D) tensor, whose
+    layout the view's shape no longer tells (either dim could be the batch): read further back in the graph
+    (before: "layers disagree on the batch size", and the experts' weights refused)."""
+    torch.manual_seed(0)
+    if arch == "opt":
+        model = transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+            max_position_embeddings=T, dropout=0.0, word_embed_proj_dim=16))
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=T, num_local_experts=4, num_experts_per_tok=2))
+        model.set_experts_implementation("eager")              # (float64: the CPU's grouped_mm takes none)
+    model = model.double()
+    ids = torch.randint(0, V, (B, B), generator=torch.Generator().manual_seed(3))
+    against_per_example(model, lambda s: model(input_ids=ids[s], labels=ids[s]).loss, B, atol=1e-24,
+                        complete=True)

@@ -162,8 +162,8 @@ class Step:
                                      right=True)
             on = (grp < E).nonzero().squeeze(1)                   # (rows past the last group: none's)
             key = grp[on] * B + ex.to(grp.device)[on]
-            order = on[torch.argsort(key, stable=True)]
-            counts = torch.bincount(key, minlength=E * B).tolist()     # (one host read a call)
+            order, counts = row_grams.by_example(key, E * B)
+            order = on[order]
             acc = kernels.acc_dtype(g.dtype)
             X, D = kept[order].to(acc), g.detach()[order].to(acc)
             uses, start = [], 0
@@ -278,8 +278,7 @@ def _by_rows(grads, kept: list, n: int, rows: tuple, g: torch.Tensor, roles: tup
     products, ∇W ℓ_b = Σ_{r of b} g_r x_rᵀ and ∇b ℓ_b = Σ_{r of b} g_r (``roles``), else the vjp ``grads``.
     The rows are sorted by example once (one host read: how many each has)."""
     ex, B = rows
-    order = torch.argsort(ex, stable=True)
-    counts = torch.bincount(ex, minlength=B).tolist()
+    order, counts = row_grams.by_example(ex, B)
     xs, g = [x[order] for x in kept[n:]], g[order]
     per = [torch.empty((B, *w.shape), dtype=kernels.acc_dtype(w.dtype), device=w.device) for w in kept[:n]]
     with torch._C.DisableTorchFunctionSubclass():
@@ -309,8 +308,7 @@ def _gram_uses(kept: list, fol: list, roles: tuple, rows: tuple, g: torch.Tensor
     if any(f._root is None and f._slice is None for f in fol):
         return None
     ex, B = rows
-    order = torch.argsort(ex, stable=True)
-    counts = torch.bincount(ex, minlength=B).tolist()           # (one host read a call)
+    order, counts = row_grams.by_example(ex, B)
     acc = kernels.acc_dtype(g.dtype)
     X, D = kept[len(fol)][order].to(acc), g[order].to(acc)
     if not row_grams.takes(X, D, counts):
