@@ -178,6 +178,9 @@ def _verdict(notes: dict, output, batch: int) -> RuntimeError | None:
     for slot, node, shape_in, shape in notes.values():
         result = _broadcast_to(node, shape, parents, batch)
         if result is not None:
+            chance = (f" Its input's dim 0 has the batch's size by chance (as many positions as examples, "
+                      f"{batch}): with another batch size it is followed as a broadcast and measured."
+                      if shape_in and shape_in[0] == batch else "")
             return RuntimeError(
                 f"module {slot.name!r} ({type(slot.module).__name__}) ran on an input of shape {shape_in} "
                 f"and its output, of shape {shape}, is broadcast over the batch of {batch} (to {result}): it "
@@ -185,5 +188,5 @@ def _verdict(notes: dict, output, batch: int) -> RuntimeError | None:
                 f"(its rule would read its {shape[0] if shape else 1} rows as examples). Give it the batch "
                 "dimension: expand its input (for a positional embedding on arange(T): "
                 "pos.unsqueeze(0).expand(B, -1); expanding its output does not help), or freeze its "
-                "parameters (elasticlab.gns.broadcast.ENABLED = False turns this check off)")
+                "parameters (elasticlab.gns.broadcast.ENABLED = False turns this check off)." + chance)
     return None

@@ -122,6 +122,18 @@ _OF_PARAMS = _VIEWS | _ROWWISE | {"TBackward0", "TransposeBackward0", "PermuteBa
                                   "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
 
 
+def _keeps_batch_first(node, n: int) -> bool:
+    """An op whose output's dim 0 is its first input's, with nothing mixed across it (a convolution, a pool,
+    a pad or a roll of the other dims, a GroupNorm): a batch first in its input stays first."""
+    name = node.name()
+    if name == "ConstantPadNdBackward0":
+        return len(getattr(node, "_saved_pad", ())) // 2 < n
+    if name == "RollBackward0":
+        return all(d % n != 0 for d in getattr(node, "_saved_dims", (0,)))
+    return name in ("ConvolutionBackward0", "NativeGroupNormBackward0", "MaxPool2DWithIndicesBackward0",
+                    "AvgPool2DBackward0") or "ConvNorms" in name or "GroupNormNorms" in name
+
+
 def _params_only(node, depth: int = 0) -> bool:
     """Whether an autograd node's history holds parameters alone (a weight's transpose: no batch in it): ops
     that take no input outside their autograd edges (not an embedding's lookup, whose indices are data)."""
@@ -136,10 +148,10 @@ def batch_factor(node, out: tuple, batch: int, hops: int = 0) -> tuple[int, int]
     """Where the batch lies in a tensor of shape ``out`` made by ``node``: (outer, inner), its elements'
     flat index being (o·batch + b)·inner + i (dim 0 the batch: (1, ∏ out[1:])), or None where that is not
     read. Followed back through views (the flat index is theirs too), elementwise ops (the operands of the
-    same shape whose layout is read must agree), transposes and permutes, and matmuls and attention (all but
-    the last dim of the first operand kept) to an op none of whose inputs carries history but parameters:
-    a layer on the model's inputs (or on a view of them, as F.linear folds a 3-D input), which take the
-    batch first (every rule reads them so)."""
+    same shape whose layout is read must agree), transposes and permutes, matmuls and attention (all but
+    the last dim of the first operand kept), and ops that keep a batch first (convolutions, pads), to an
+    op none of whose inputs carries history but parameters: a layer on the model's inputs (or on a view
+    of them, as F.linear folds a 3-D input), which take the batch first (every rule reads them so)."""
     if node is None or hops > MAX_HOPS or not out or node.name().endswith("AccumulateGrad"):
         return None                            # (a leaf's own rows: a parameter's are no examples')
     name, total = node.name(), math.prod(out)
@@ -166,6 +178,11 @@ def batch_factor(node, out: tuple, batch: int, hops: int = 0) -> tuple[int, int]
         k = p.index(j)
         new = math.prod(out[k + 1:]) * (inner // math.prod(S[j + 1:]))
         return total // batch // new, new
+    if _keeps_batch_first(node, len(out)):
+        c, i = node.next_functions[0]
+        S = _shape(c, i) if c is not None and not _params_only(c) else None
+        got = None if S is None else batch_factor(c, S, batch, hops + 1)
+        return (1, total // batch) if got is not None and got[0] == 1 and S[0] == out[0] else None
     if name in _MATMUL_LIKE or name.startswith("ScaledDotProduct") or any(r in name for r in _ROW_LAYERS):
         c, i = node.next_functions[1 if name == "AddmmBackward0" else 0]          # (the left operand)
         S = _shape(c, i) if c is not None and not _params_only(c) else None

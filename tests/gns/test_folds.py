@@ -90,6 +90,23 @@ def test_batch_factor_is_read_through_transposes_permutes_and_matmuls():
     assert folds.find(h.reshape(B * B, 5), B) == folds.Fold(B, B, True)
 
 
+def test_windows_of_as_many_rows_as_examples_are_read_through_a_convolution_and_a_pad():
+    """Swin's window partition at B = 2 with 2 windows a side: the fold's view reads (2, 2, 2, 4, 4, C) and
+    its first two dims could each be the batch; the batch is read back through the permute, the pad and the
+    patch convolution to the pixels (before: not found, and the relative position bias refused)."""
+    from elasticlab.gns import folds
+    B, C = 2, 3
+    w = torch.randn(C, 1, 1, 1, requires_grad=True)
+    h = torch.nn.functional.conv2d(torch.randn(B, 1, 8, 8), w).permute(0, 2, 3, 1)        # (B, 8, 8, C)
+    h = torch.nn.functional.pad(h, (0, 0, 0, 0, 0, 0))
+    win = h.view(B, 2, 4, 2, 4, C).permute(0, 1, 3, 2, 4, 5).reshape(B * 4, 16, C)
+    assert folds.find(win * 1.0, B) == folds.Fold(B, 4, True)
+    rolled = torch.roll(h, (1, 1), (1, 2))                     # (a shift of the other dims keeps the batch)
+    assert folds.batch_factor(rolled.grad_fn, tuple(rolled.shape), B) == (1, 64 * C)
+    across = torch.roll(h, 1, 0)                               # (a shift across the batch: not read)
+    assert folds.batch_factor(across.grad_fn, tuple(across.shape), B) is None
+
+
 def test_layernorm_over_the_rows_stops_the_walk():
     """A LayerNorm normalizing over dim 0 too mixes the rows: the walk back from a folded Linear must not
     cross it (else the norms would be read per example, silently wrong)."""

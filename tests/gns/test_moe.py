@@ -4,6 +4,9 @@ rule with its rows read per example and a tuple output) and experts whose (E, ou
 F.linear, expert by expert, on the tokens routed to each (rows gathered from the examples' positions,
 ``folds.row_examples``, taken per example by ``Step.through``). Against one backward per example in
 float64 (before: the experts' weights were refused by name, and the router's norms were never formed)."""
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,12 @@ from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, folds
 from elasticlab.gns.layers import generic, row_grams
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_moe", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py")
+bench_moe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_moe)
+Experts, GroupedExperts = bench_moe.Experts, bench_moe.GroupedExperts    # (the benchmark's experts, tested)
 
 
 class Router(nn.Module):
@@ -24,25 +33,6 @@ class Router(nn.Module):
         top, idx = torch.topk(logits.softmax(-1), self.k, dim=-1)
         top /= top.sum(-1, keepdim=True)
         return logits, top, idx
-
-
-class Experts(nn.Module):
-    def __init__(self, D, H, E):
-        super().__init__()
-        self.up = nn.Parameter(torch.randn(E, 2 * H, D) / D ** 0.5)
-        self.down = nn.Parameter(torch.randn(E, D, H) / H ** 0.5)
-        self.act = nn.SiLU()
-
-    def forward(self, h, idx, w):
-        out = torch.zeros_like(h)
-        for e in range(self.up.shape[0]):
-            tok, pos = torch.where(idx == e)
-            if tok.numel() == 0:
-                continue
-            a, b = F.linear(h[tok], self.up[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(a) * b, self.down[e]) * w[tok, pos, None]
-            out.index_add_(0, tok, y)
-        return out
 
 
 class MoE(nn.Module):
@@ -198,30 +188,10 @@ def test_moe_on_the_device(device, form):
     on_device(MoE(), x, y, _loss, device, False)
 
 
-class GroupedExperts(nn.Module):
-    """Experts in one grouped matmul (Hugging Face's default ``grouped_mm`` implementation): the tokens
-    sorted by expert, ``offs`` the groups' ends, the weights (E, 2H, D) and (E, D, H) transposed."""
-
-    def __init__(self, D, H, E):
-        super().__init__()
-        self.up = nn.Parameter(torch.randn(E, 2 * H, D) / D ** 0.5)
-        self.down = nn.Parameter(torch.randn(E, D, H) / H ** 0.5)
-        self.act = nn.SiLU()                   # (a child, as HF's act_fn: the bare weights are followed)
-
-    def forward(self, h, idx, w):
-        k, E = idx.shape[1], self.up.shape[0]
-        ids, perm = torch.sort(idx.reshape(-1))
-        offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
-        x = h[perm // k]
-        a, b = F.grouped_mm(x, self.up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        y = F.grouped_mm(self.act(a) * b, self.down.transpose(-2, -1), offs=offs) * w.reshape(-1)[perm, None]
-        return torch.zeros_like(h).index_add(0, perm // k, y)
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_grouped_experts_match_per_example_backward(fused):
-    """Each group's rows, sorted by example, are a use of the slice up[e] in the Gram form (float32: the CPU's
-    grouped_mm takes no float64; to float32's rounding)."""
+    """Each group's rows, sorted by example, are a use of the slice gate_up[e] in the Gram form (float32: the
+    CPU's grouped_mm takes no float64; to float32's rounding)."""
     torch.manual_seed(0)
     model = MoE(D=8, H=4, E=4)
     model.experts = GroupedExperts(8, 4, 4)
@@ -231,7 +201,7 @@ def test_grouped_experts_match_per_example_backward(fused):
     psg = against_per_example(model, lambda s: _loss(model(x[s]), y[s]), 4, rtol=2e-4, atol=1e-9,
                               fused=fused, loss_reduction="sum")[0]
     step = next(s for s in psg._slots if s.name == "experts").follow
-    assert len(step.parts[id(step.slot), "up"]) > 1                  # (a use of each expert's slice)
+    assert len(step.parts[id(step.slot), "gate_up"]) > 1                  # (a use of each expert's slice)
 
 
 def test_other_grouped_forms_are_refused_with_the_way_out():
@@ -275,7 +245,7 @@ def test_each_experts_weight_is_held_as_its_slice(form):
     x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
     psg = _check(model, x, y, True)
     step = next(s for s in psg._slots if s.name == "experts").follow
-    assert sorted(step.parts[id(step.slot), "up"]) == sorted({int(e) for e in model.gate(
+    assert sorted(step.parts[id(step.slot), "gate_up"]) == sorted({int(e) for e in model.gate(
         model.inp(x).reshape(-1, 4))[2].unique()})
     assert step.acc == {} and step.grams == {}             # let go at the step's last use
     twice = MoE(E=3).double()
@@ -401,15 +371,10 @@ def test_bench_moe_runs_and_its_model_is_exact(grouped):
     got = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
     assert set(got["ratio"]) == {"plain", "psgn", "psgn-hooks", "psgn-products", "loop"}
     assert got["ratio"]["plain"] == 1.0
-    sys.path.insert(0, os.path.dirname(bench))
-    try:
-        from bench_moe import MoE as BenchMoE
-    finally:
-        sys.path.remove(os.path.dirname(bench))
     if grouped:                            # (the CPU's grouped_mm takes no float64: the bench's run stands)
         return
     torch.manual_seed(0)
-    _check(BenchMoE(8, 6, 3, 2, 2).double(), torch.randn(3, 4, 8, dtype=torch.float64),
+    _check(bench_moe.MoE(8, 6, 3, 2, 2).double(), torch.randn(3, 4, 8, dtype=torch.float64),
            torch.randint(0, 10, (3,)), True)
 
 

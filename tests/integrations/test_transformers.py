@@ -385,3 +385,32 @@ def test_as_many_positions_as_examples(arch):
     ids = torch.randint(0, V, (B, B), generator=torch.Generator().manual_seed(3))
     against_per_example(model, lambda s: model(input_ids=ids[s], labels=ids[s]).loss, B, atol=1e-24,
                         complete=True)
+
+
+def test_t5_with_as_many_positions_as_examples_says_why():
+    """T5's relative position bias is an Embedding on (T, T) buckets, broadcast over the batch; at T = B its
+    input looks batched, so it is not followed: the error says that the sizes meet by chance (and that
+    another batch size is measured, as the T5 test above shows)."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                dropout_rate=0.0, relative_attention_num_buckets=8, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg).double()
+    ids = torch.randint(0, V, (B, B), generator=torch.Generator().manual_seed(3))
+    with PerSampleGradNorms(model) as norms:
+        model(input_ids=ids, labels=ids).loss.backward()
+        with pytest.raises(RuntimeError, match=r"relative_attention_bias.*by chance \(as many positions as "
+                                               r"examples, 4\)"):
+            norms.param_sq_norms()
+
+
+def test_tiny_swin_with_as_many_windows_a_side_as_examples():
+    """Swin at B = 2 with 2 windows a side: the windows' fold is read past its (2, 2, …) view, and the
+    relative position bias is followed as a broadcast over the windows (before: refused by name)."""
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=4,
+        num_labels=2, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1])
+    against_per_example(model, lambda s: model(pixel_values=x[s], labels=y[s]).loss, 2, atol=1e-24,
+                        complete=True)
