@@ -414,3 +414,23 @@ def test_tiny_swin_with_as_many_windows_a_side_as_examples():
     y = torch.tensor([0, 1])
     against_per_example(model, lambda s: model(pixel_values=x[s], labels=y[s]).loss, 2, atol=1e-24,
                         complete=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tiny_wavlm_attention_by_its_childrens_calls(fused):
+    """WavLM hands its q/k/v/out projections' weights to F.multi_head_attention_forward (sequence first, the
+    biases concatenated), gated by its relative position bias: run as the projections' own calls
+    (gns.layers.mha_children; before: refused naming 'k_proj.bias')."""
+    torch.manual_seed(0)
+    cfg = transformers.WavLMConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, num_labels=2, num_buckets=8,
+        max_bucket_distance=16)
+    model = transformers.WavLMForSequenceClassification(cfg).double()
+    audio = torch.randn(3, 400, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 1])
+    _, got, _ = against_per_example(model, lambda s: model(input_values=audio[s], labels=labels[s]).loss, 3,
+                                    rtol=1e-7, atol=1e-24, fused=fused, complete=True)
+    assert "wavlm.encoder.layers.0.attention.k_proj.bias" in got

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from elasticlab.gns import folds
 from elasticlab.gns.capture import batch_of
-from elasticlab.gns.layers import layer_uses
+from elasticlab.gns.layers import layer_uses, mha_children
 from elasticlab.gns.layers.broadcast_taps import Rows, Step
 from elasticlab.gns.layers.eager_parent import EagerParent, disable
 from elasticlab.gns.registry import Rule, register_fallback
@@ -135,6 +135,8 @@ def _dispatch(func, args: tuple, kwargs: dict):
         if isinstance(out, Followed) and (t := layer_uses.transpose_of(func, args)) is not None:
             out._transpose_of = t
         return out
+    if func is F.multi_head_attention_forward and live and B and (out := mha_children.run(args, kwargs)):
+        return out                                     # (WavLM: its children's weights, as their calls)
     if func is F.scaled_dot_product_attention and B:   # an additive mask (T5's position bias), broadcast
         q, mask = args[0], kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         if isinstance(mask, Followed) and fol == [mask]:
