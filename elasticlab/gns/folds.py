@@ -118,6 +118,7 @@ def _perm(node, n: int) -> list[int] | None:
     return [d % n for d in dims] if len(dims) == n else None
 
 
+_LOOKUPS = {"IndexBackward0", "IndexSelectBackward0", "GatherBackward0"}  # (and embeddings: data as indices)
 _OF_PARAMS = _VIEWS | _ROWWISE | {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
                                   "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
 
@@ -128,10 +129,25 @@ def _keeps_batch_first(node, n: int) -> bool:
     name = node.name()
     if name == "ConstantPadNdBackward0":
         return len(getattr(node, "_saved_pad", ())) // 2 < n
-    if name == "RollBackward0":
-        return all(d % n != 0 for d in getattr(node, "_saved_dims", (0,)))
+    if name == "RollBackward0":                # (no dims: the flattened tensor rolled, across the batch)
+        dims = tuple(getattr(node, "_saved_dims", ()))
+        return bool(dims) and all(d % n != 0 for d in dims)
     return name in ("ConvolutionBackward0", "NativeGroupNormBackward0", "MaxPool2DWithIndicesBackward0",
                     "AvgPool2DBackward0") or "ConvNorms" in name or "GroupNormNorms" in name
+
+
+def _on_data(node) -> bool:
+    """A layer's node whose data operand has no history (the model's input, or a view of it): F.linear's
+    matmul by its left operand, a convolution or a norm by its input; or a lookup (an embedding), whose
+    indices are data. Not an elementwise op with a constant, nor parameters alone (latents expanded)."""
+    name, nf = node.name(), node.next_functions
+    if name in _LOOKUPS or "Embedding" in name:
+        return True
+    pos = 1 if name == "AddmmBackward0" else 0
+    layer = (name in _MATMUL_LIKE or any(r in name for r in _ROW_LAYERS) or "ConvNorms" in name
+             or "GroupNormNorms" in name or name in ("ConvolutionBackward0", "NativeLayerNormBackward0",
+                                                     "NativeGroupNormBackward0"))
+    return layer and len(nf) > pos and nf[pos][0] is None
 
 
 def _params_only(node, depth: int = 0) -> bool:
@@ -150,15 +166,17 @@ def batch_factor(node, out: tuple, batch: int, hops: int = 0) -> tuple[int, int]
     read. Followed back through views (the flat index is theirs too), elementwise ops (the operands of the
     same shape whose layout is read must agree), transposes and permutes, matmuls and attention (all but
     the last dim of the first operand kept), and ops that keep a batch first (convolutions, pads), to an
-    op none of whose inputs carries history but parameters: a layer on the model's inputs (or on a view
-    of them, as F.linear folds a 3-D input), which take the batch first (every rule reads them so)."""
+    op none of whose inputs carries history but parameters, a layer on data without history
+    (:func:`_on_data`): the model's inputs (or a view of them, as F.linear folds a 3-D input), which take
+    the batch first (every rule reads them so). Parameters alone (latents expanded), or with constants, are
+    not read."""
     if node is None or hops > MAX_HOPS or not out or node.name().endswith("AccumulateGrad"):
         return None                            # (a leaf's own rows: a parameter's are no examples')
     name, total = node.name(), math.prod(out)
     kids = [(c, s) for c, i in node.next_functions if c is not None and (s := _shape(c, i)) is not None
             and not _params_only(c)]
     if not kids:                               # (made from parameters and tensors without history only)
-        return (1, total // batch) if out[0] % batch == 0 else None
+        return (1, total // batch) if _on_data(node) and out[0] % batch == 0 else None
     if name in _VIEWS:
         got = batch_factor(kids[0][0], kids[0][1], batch, hops + 1)
         return got if got is not None and math.prod(kids[0][1]) == total else None
@@ -189,7 +207,8 @@ def batch_factor(node, out: tuple, batch: int, hops: int = 0) -> tuple[int, int]
         if S is None:                          # (another input carries the batch: not read)
             return None
         got = batch_factor(c, S, batch, hops + 1)
-        if got is None or tuple(S[:-1]) != tuple(out[:-1]) or got[1] % S[-1]:
+        keep = S[-1] * (S[-2] if name.startswith("ScaledDotProduct") else 1)    # (attention mixes the keys)
+        if got is None or tuple(S[:-1]) != tuple(out[:-1]) or got[1] % keep:
             return None
         return got[0], got[1] // S[-1] * out[-1]
     return None

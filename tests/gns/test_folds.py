@@ -107,6 +107,24 @@ def test_windows_of_as_many_rows_as_examples_are_read_through_a_convolution_and_
     assert folds.batch_factor(across.grad_fn, tuple(across.shape), B) is None
 
 
+def test_parameters_alone_or_a_flattened_roll_are_not_read_as_batch_first():
+    """(B, B, D) learned latents expanded over dim 1 (the batch second), a roll of the flattened tensor, or
+    attention whose batch would lie among the positions: no layout is claimed (a wrong one is silent)."""
+    from elasticlab.gns import folds
+    B = 3
+    lat = torch.randn(B, 1, 4, requires_grad=True)
+    e = lat.expand(B, B, 4) * 2                                # (the batch is dim 1 here: not readable)
+    assert folds.batch_factor(e.grad_fn, tuple(e.shape), B) is None
+    assert folds.find(e.reshape(B * B, 4), B) is None
+    h = torch.nn.functional.linear(torch.randn(B, B, 4), torch.randn(4, 4, requires_grad=True))
+    assert folds.batch_factor(h.grad_fn, tuple(h.shape), B) == (1, B * 4)
+    flat = torch.roll(h, 1)                                    # (no dims: rolled across the batch)
+    assert folds.batch_factor(flat.grad_fn, tuple(flat.shape), B) is None
+    q = h.reshape(1, 1, B * B, 4)                               # (the batch among the query's positions)
+    att = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert folds.batch_factor(att.grad_fn, tuple(att.shape), B) is None
+
+
 def test_layernorm_over_the_rows_stops_the_walk():
     """A LayerNorm normalizing over dim 0 too mixes the rows: the walk back from a folded Linear must not
     cross it (else the norms would be read per example, silently wrong)."""
