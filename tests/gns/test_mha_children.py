@@ -95,3 +95,14 @@ def test_a_bias_that_is_not_the_childrens_is_not_taken():
     assert not mha_children._bias_matches(wrong, [model.q_proj, model.k_proj, model.v_proj])
     assert mha_children._bias_matches(torch.cat((model.q_proj.bias, model.k_proj.bias, model.v_proj.bias)),
                                       [model.q_proj, model.k_proj, model.v_proj])
+
+
+def test_compiled_parent_runs_eagerly_and_its_norms_are_eager_ones():
+    """Under torch.compile (aot_eager) the parent's own forward runs eagerly (it holds a bare parameter), the
+    functional attention still becomes its children's calls: the same norms over two steps."""
+    torch.manual_seed(0)
+    model = FairseqAttention(mask=True, padding=True).double()
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    compiled = torch.compile(model, backend="aot_eager")
+    against_per_example(model, lambda s: _loss(model(x[s]), y[s]), 4, steps=2,
+                        batch_loss=lambda: _loss(compiled(x), y), loss_reduction="sum", complete=True)
