@@ -123,6 +123,12 @@ _OF_PARAMS = _VIEWS | _ROWWISE | {"TBackward0", "TransposeBackward0", "PermuteBa
                                   "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
 
 
+_BATCH_FIRST = {"ConvolutionBackward0", "NativeGroupNormBackward0", "MaxPool2DWithIndicesBackward0",
+                "AvgPool2DBackward0"}
+_BATCH_FIRST_FUSED = ("ConvNorms", "GroupNormNorms")                  # (the fused rules' own nodes)
+_DATA_LAYERS = {"ConvolutionBackward0", "NativeLayerNormBackward0", "NativeGroupNormBackward0"}
+
+
 def _keeps_batch_first(node, n: int) -> bool:
     """An op whose output's dim 0 is its first input's, with nothing mixed across it (a convolution, a pool,
     a pad or a roll of the other dims, a GroupNorm): a batch first in its input stays first."""
@@ -132,21 +138,30 @@ def _keeps_batch_first(node, n: int) -> bool:
     if name == "RollBackward0":                # (no dims: the flattened tensor rolled, across the batch)
         dims = tuple(getattr(node, "_saved_dims", ()))
         return bool(dims) and all(d % n != 0 for d in dims)
-    return name in ("ConvolutionBackward0", "NativeGroupNormBackward0", "MaxPool2DWithIndicesBackward0",
-                    "AvgPool2DBackward0") or "ConvNorms" in name or "GroupNormNorms" in name
+    return name in _BATCH_FIRST or any(r in name for r in _BATCH_FIRST_FUSED)
+
+
+def _keeps_rows_of_left(name: str) -> bool:
+    """A matmul, attention or fused row layer: all but the last dim of its first (left) operand kept."""
+    return name in _MATMUL_LIKE or name.startswith("ScaledDotProduct") or any(r in name for r in _ROW_LAYERS)
+
+
+def _data_pos(name: str) -> int:
+    """Which autograd edge of a layer's node is its data operand: F.linear's (addmm's) left one, else the
+    first."""
+    return 1 if name == "AddmmBackward0" else 0
 
 
 def _on_data(node) -> bool:
     """A layer's node whose data operand has no history (the model's input, or a view of it): F.linear's
     matmul by its left operand, a convolution or a norm by its input; or a lookup (an embedding), whose
     indices are data. Not an elementwise op with a constant, nor parameters alone (latents expanded)."""
-    name, nf = node.name(), node.next_functions
+    name = node.name()
     if name in _LOOKUPS or "Embedding" in name:
         return True
-    pos = 1 if name == "AddmmBackward0" else 0
-    layer = (name in _MATMUL_LIKE or any(r in name for r in _ROW_LAYERS) or "ConvNorms" in name
-             or "GroupNormNorms" in name or name in ("ConvolutionBackward0", "NativeLayerNormBackward0",
-                                                     "NativeGroupNormBackward0"))
+    layer = name in _MATMUL_LIKE or name in _DATA_LAYERS or any(r in name for r in _ROW_LAYERS)
+    layer = layer or any(r in name for r in _BATCH_FIRST_FUSED)
+    nf, pos = node.next_functions, _data_pos(name)
     return layer and len(nf) > pos and nf[pos][0] is None
 
 
@@ -196,27 +211,27 @@ def batch_factor(node, out: tuple, batch: int, hops: int = 0) -> tuple[int, int]
         k = p.index(j)
         new = math.prod(out[k + 1:]) * (inner // math.prod(S[j + 1:]))
         return total // batch // new, new
-    if _keeps_batch_first(node, len(out)):
-        c, i = node.next_functions[0]
-        S = _shape(c, i) if c is not None and not _params_only(c) else None
-        got = None if S is None else batch_factor(c, S, batch, hops + 1)
+    keeps_first = _keeps_batch_first(node, len(out))
+    if not (keeps_first or _keeps_rows_of_left(name)):
+        return None
+    c, i = node.next_functions[_data_pos(name)]
+    S = _shape(c, i) if c is not None and not _params_only(c) else None
+    if S is None:                              # (another input carries the batch: not read)
+        return None
+    got = batch_factor(c, S, batch, hops + 1)
+    if keeps_first:
         return (1, total // batch) if got is not None and got[0] == 1 and S[0] == out[0] else None
-    if name in _MATMUL_LIKE or name.startswith("ScaledDotProduct") or any(r in name for r in _ROW_LAYERS):
-        c, i = node.next_functions[1 if name == "AddmmBackward0" else 0]          # (the left operand)
-        S = _shape(c, i) if c is not None and not _params_only(c) else None
-        if S is None:                          # (another input carries the batch: not read)
-            return None
-        got = batch_factor(c, S, batch, hops + 1)
-        keep = S[-1] * (S[-2] if name.startswith("ScaledDotProduct") else 1)    # (attention mixes the keys)
-        if got is None or tuple(S[:-1]) != tuple(out[:-1]) or got[1] % keep:
-            return None
-        return got[0], got[1] // S[-1] * out[-1]
-    return None
+    keep = S[-1] * (S[-2] if name.startswith("ScaledDotProduct") else 1)        # (attention mixes the keys)
+    if got is None or tuple(S[:-1]) != tuple(out[:-1]) or got[1] % keep:
+        return None
+    return got[0], got[1] // S[-1] * out[-1]
 
 
 def _square(c, S: tuple, batch: int) -> bool | None:
     """For a view's input of shape (batch, batch, …): True where its dim 0 is the batch, False where dim 1
-    is, None where neither is read (:func:`batch_factor`)."""
+    is, None where neither is read (:func:`batch_factor`) or the shape is not such."""
+    if len(S) < 2 or not S[0] == S[1] == batch:
+        return None
     got = batch_factor(c, S, batch)
     rest = math.prod(S[2:])
     return True if got == (1, batch * rest) else False if got == (batch, rest) else None
@@ -238,7 +253,7 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
                 and (s := _shape(c, i)) is not None]
         if name in _VIEWS and kids:
             c, S = kids[0]
-            sq = _square(c, S, batch) if len(S) > 1 and S[0] == S[1] == batch else None
+            sq = _square(c, S, batch)
             if len(S) > 1 and S[0] == batch and (S[1] != batch or sq) and math.prod(S) == R * per_row:
                 found.add(Fold(batch, R // batch, True))
             elif len(S) > 1 and S[1] == batch and (S[0] != batch or sq is False) and S[0] * batch == R \
@@ -328,7 +343,7 @@ def _rows_of(node, out: tuple, batch: int, hops: int, gathered: bool) -> torch.T
         return None if src is None else src.to(idx.device)[idx]
     if name in _VIEWS and kids:
         c, S = kids[0]
-        sq = _square(c, S, batch) if len(S) > 1 and S[0] == S[1] == batch else None
+        sq = _square(c, S, batch)
         if len(S) > 1 and S[0] == S[1] == batch and sq is None and math.prod(S[:2]) == R:
             return None                                                  # (both layouts fit)
         if len(S) > 1 and S[0] == batch and sq is not False and math.prod(S[:2]) == R \
