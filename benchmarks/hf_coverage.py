@@ -6,10 +6,16 @@ backward per example (:func:`elasticlab.gns.reference.example_param_sq_norms`), 
 case: ``OK``, ``MISMATCH`` (with the per-example ratios) or the error's first line, which names what is not
 covered. Needs ``transformers`` (``pip install 'elasticlab[integrations]'``).
 
-    python benchmarks/hf_coverage.py [--only bart,t5,...] [--seq 10]
+    python benchmarks/hf_coverage.py [--only bart,t5,...] [--seq 10] [--pad right|left]
 
 ``--seq 3`` gives the token models as many positions as examples (B = 3): layouts that only the graph
 tells apart ((B, T, D) folded to (B·T, D) against (T, B, D)).
+
+``--pad right|left`` pads the token batch as a collator does: the examples keep ``seq``, about 2/3 and
+about 1/3 of their tokens, the rest are pad tokens with ``attention_mask`` 0 and label -100. The language
+models' loss is then a mean over the batch's counted tokens, not over examples, so the reference is each
+example's gradient of that batch loss: its own loss times ``B · counted_b / counted`` (counted: labels that
+are not -100, after the shift for decoder-only models), one backward per example at the same padding.
 """
 
 from __future__ import annotations
@@ -29,15 +35,40 @@ D = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediat
 NO_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def _data(seq: int = T):
+PAD = 0  # the pad token: the ids are drawn from 1..V-1
+
+
+def _data(seq: int = T, pad: str | None = None):
+    """The batch; with ``pad`` ("right" or "left") the token examples are padded to ``seq`` and
+    ``mask`` (attention mask) and ``lm_labels`` (-100 at the pads) are given."""
     g = torch.Generator().manual_seed(0)
-    return {
-        "ids": torch.randint(1, V, (B, seq), generator=g),
+    ids = torch.randint(1, V, (B, seq), generator=g)
+    d = {
+        "ids": ids,
+        "lm_labels": ids,
         "img": torch.randn(B, 3, 32, 32, dtype=torch.float64, generator=g),
         "audio": torch.randn(B, 400, dtype=torch.float64, generator=g),
         "mel": torch.randn(B, 8, 32, dtype=torch.float64, generator=g),
         "labels": torch.tensor([0, 1, 1]),
     }
+    if pad is not None:
+        lens = [seq, max(1, (2 * seq + 2) // 3), max(1, (seq + 2) // 3)]
+        keep = torch.arange(seq).expand(B, -1) < torch.tensor(lens)[:, None]
+        keep = keep if pad == "right" else keep.flip(1)
+        d["ids"] = ids.masked_fill(~keep, PAD)
+        d["lm_labels"] = ids.masked_fill(~keep, -100)
+        d["mask"] = keep.long()
+    return d
+
+
+def _tokens(d: dict, i) -> dict:
+    """input_ids, with the attention mask when the batch is padded."""
+    return {"input_ids": d["ids"][i], **({"attention_mask": d["mask"][i]} if "mask" in d else {})}
+
+
+def _counted(shifted: bool):
+    """(d, b) -> the labels of example b that the batch's mean token loss counts."""
+    return lambda d, b: int((d["lm_labels"][b, 1:] if shifted else d["lm_labels"][b]).ne(-100).sum())
 
 
 def _eager_experts(model):
@@ -48,13 +79,16 @@ def _eager_experts(model):
 
 
 def cases(tr) -> dict:
-    """{name: () -> (model, loss(model, data, index), reduction)}; the losses are means over the batch
-    (reduction "mean") unless said."""
-    lm = (lambda m, d, i: m(input_ids=d["ids"][i], labels=d["ids"][i]).loss, "mean")
-    cls = (lambda m, d, i: m(input_ids=d["ids"][i], labels=d["labels"][i]).loss, "mean")
-    img = (lambda m, d, i: m(pixel_values=d["img"][i], labels=d["labels"][i]).loss, "mean")
-    pooled_img = (lambda m, d, i: m(pixel_values=d["img"][i]).pooler_output.pow(2).sum(), "sum")
-    pooled_txt = (lambda m, d, i: m(input_ids=d["ids"][i]).pooler_output.pow(2).sum(), "sum")
+    """{name: () -> (model, loss(model, data, index), reduction, counted)}; the losses are means over the
+    batch (reduction "mean") unless said; ``counted(data, b)`` is the tokens of example b in a mean over
+    the batch's tokens (language models), None where the loss is per example."""
+    lm_loss = lambda m, d, i: m(**_tokens(d, i), labels=d["lm_labels"][i]).loss  # noqa: E731
+    lm = (lm_loss, "mean", _counted(shifted=True))
+    s2s_lm = (lm_loss, "mean", _counted(shifted=False))
+    cls = (lambda m, d, i: m(**_tokens(d, i), labels=d["labels"][i]).loss, "mean", None)
+    img = (lambda m, d, i: m(pixel_values=d["img"][i], labels=d["labels"][i]).loss, "mean", None)
+    pooled_img = (lambda m, d, i: m(pixel_values=d["img"][i]).pooler_output.pow(2).sum(), "sum", None)
+    pooled_txt = (lambda m, d, i: m(**_tokens(d, i)).pooler_output.pow(2).sum(), "sum", None)
     s2s = dict(
         d_model=16,
         encoder_layers=1,
@@ -210,7 +244,8 @@ def cases(tr) -> dict:
                     tr.DeepseekV3Config(vocab_size=V, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                         topk_group=1, first_k_dense_replace=0, moe_intermediate_size=8,
                                         q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
-                                        qk_nope_head_dim=4, v_head_dim=8, **kv, **D)
+                                        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=32,
+                                        num_key_value_heads=2, **D)
                 )
             ),
             *lm,
@@ -365,14 +400,14 @@ def cases(tr) -> dict:
                     **s2s,
                 )
             ),
-            *lm,
+            *s2s_lm,
         ),
-        "t5": lambda: (tr.T5ForConditionalGeneration(tr.T5Config(**t5)), *lm),
+        "t5": lambda: (tr.T5ForConditionalGeneration(tr.T5Config(**t5)), *s2s_lm),
         "flan_t5": lambda: (
             tr.T5ForConditionalGeneration(
                 tr.T5Config(**t5, tie_word_embeddings=False, feed_forward_proj="gated-gelu")
             ),
-            *lm,
+            *s2s_lm,
         ),
         "whisper": lambda: (
             tr.WhisperForConditionalGeneration(
@@ -386,8 +421,9 @@ def cases(tr) -> dict:
                     **s2s,
                 )
             ),
-            lambda m, d, i: m(input_features=d["mel"][i], labels=d["ids"][i]).loss,
+            lambda m, d, i: m(input_features=d["mel"][i], labels=d["lm_labels"][i]).loss,
             "mean",
+            _counted(shifted=False),
         ),
         "wav2vec2": lambda: (
             tr.Wav2Vec2ForSequenceClassification(
@@ -395,6 +431,7 @@ def cases(tr) -> dict:
             ),
             lambda m, d, i: m(input_values=d["audio"][i], labels=d["labels"][i]).loss,
             "mean",
+            None,
         ),
         "wavlm": lambda: (
             tr.WavLMForSequenceClassification(
@@ -402,6 +439,7 @@ def cases(tr) -> dict:
             ),
             lambda m, d, i: m(input_values=d["audio"][i], labels=d["labels"][i]).loss,
             "mean",
+            None,
         ),
         "vit": lambda: (
             tr.ViTForImageClassification(
@@ -466,13 +504,20 @@ def cases(tr) -> dict:
     }
 
 
-def check(model, loss, reduction: str, data: dict) -> str:
-    """``OK``, ``MISMATCH [ratios]`` or ``ERROR <type>: <message>`` for one model."""
+def check(model, loss, reduction: str, data: dict, counted=None) -> str:
+    """``OK``, ``MISMATCH [ratios]``, ``REFERENCE non-finite`` (the model's own one-example backward) or
+    ``ERROR <type>: <message>`` for one model. With ``counted`` (a mean over the batch's tokens) each
+    example's reference loss is weighted by ``B · counted_b / counted``: its share of the batch loss."""
     model = model.double().train()
+    weight = [1.0] * B
+    if counted is not None:
+        n = [counted(data, b) for b in range(B)]
+        weight = [B * n_b / sum(n) for n_b in n]
     try:
-        want = sum(
-            example_param_sq_norms(model, (loss(model, data, slice(b, b + 1)) for b in range(B))).values()
-        )
+        want = sum(example_param_sq_norms(
+            model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
+        if not want.isfinite().all():
+            return f"REFERENCE non-finite {want.tolist()} (one backward per example, without elasticlab)"
         with PerSampleGradNorms(model, loss_reduction=reduction) as psn:
             model.zero_grad()
             loss(model, data, slice(None)).backward()
@@ -488,6 +533,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--seq", type=int, default=T, help=f"positions of the token models (default {T})")
+    ap.add_argument("--pad", choices=("right", "left"), default=None,
+                    help="pad the token examples to --seq (attention mask, labels -100 at the pads)")
     args = ap.parse_args()
     if args.seq < 1:
         raise SystemExit(f"--seq must be at least 1, got {args.seq}")
@@ -502,20 +549,22 @@ def main() -> None:
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; known: {', '.join(table)}")
-    data, out = _data(args.seq), {}
+    data, out = _data(args.seq, args.pad), {}
     for name in tqdm(names, desc="architectures"):
         torch.manual_seed(0)
         try:
-            model, loss, reduction = table[name]()
+            model, loss, reduction, counted = table[name]()
         except Exception as e:  # noqa: BLE001  (a config this transformers version rejects)
             out[name] = f"BUILD {type(e).__name__}: {str(e).splitlines()[0]}"
             continue
-        out[name] = check(model, loss, reduction, data)
+        out[name] = check(model, loss, reduction, data, counted)
     for name, verdict in out.items():
         print(f"{name:14s} {verdict[:200]}")
     ok = sum(v == "OK" for v in out.values())
-    print(f"{ok} of {len(out)} exact; transformers {tr.__version__}, torch {torch.__version__}")
-    print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "cases": out}))
+    pad = f", padded {args.pad}" if args.pad else ""
+    print(f"{ok} of {len(out)} exact{pad}; transformers {tr.__version__}, torch {torch.__version__}")
+    print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "pad": args.pad,
+                                  "cases": out}))
 
 
 if __name__ == "__main__":

@@ -434,3 +434,63 @@ def test_tiny_wavlm_attention_by_its_childrens_calls(fused):
     _, got, _ = against_per_example(model, lambda s: model(input_values=audio[s], labels=labels[s]).loss, 3,
                                     rtol=1e-7, atol=1e-24, fused=fused, complete=True)
     assert "wavlm.encoder.layers.0.attention.k_proj.bias" in got
+
+
+def padded_batch(pad, lens=(T, 8, 5, 3)):
+    """Token ids padded as a collator pads them (``pad``: "right" or "left"), with the attention mask and
+    language-model labels that are -100 at the pads."""
+    ids = torch.randint(1, V, (len(lens), T), generator=torch.Generator().manual_seed(5))
+    keep = torch.arange(T).expand(len(lens), -1) < torch.tensor(lens)[:, None]
+    keep = keep if pad == "right" else keep.flip(1)
+    return ids.masked_fill(~keep, 0), keep.long(), ids.masked_fill(~keep, -100)
+
+
+@pytest.mark.parametrize("pad", ["right", "left"])
+@pytest.mark.parametrize("arch, fused", [("gpt2", True), ("gpt2", False), ("llama", True), ("t5", True),
+                                         ("bert", True)])
+def test_padded_batches_with_an_attention_mask(arch, fused, pad):
+    """A padded batch (attention mask, labels -100 at the pads): a language model's loss is a mean over the
+    batch's counted tokens, so each example's gradient is that of its summed token loss over the batch's
+    count (times B, the "mean" convention), from one backward per example at the same padding. The token
+    loss is taken in float64 here: HF's own upcasts the logits to float32, which a float64 model then
+    rounds (it is checked to agree to that precision). BERT's loss is per example (classification). B = 4:
+    Llama's and T5's norms run in float32 inside the float64 model, so each example's gradient in the batch
+    (1/B of its own) rounds there as its own does only when B is a power of 2 (at B = 3: 1e-6 apart)."""
+    torch.manual_seed(0)
+    shifted = True
+    if arch == "gpt2":
+        model = tiny_gpt2()
+    elif arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=T))
+    elif arch == "t5":
+        shifted = False                                      # the decoder's inputs are the labels shifted
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
+            relative_attention_num_buckets=8, decoder_start_token_id=0))
+    else:
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=T, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = model.double().train()
+    ids, mask, labels = padded_batch(pad)
+    n = ids.shape[0]
+    if arch == "bert":
+        y = torch.tensor([0, 1, 1, 0])
+        loss_of = lambda s: model(input_ids=ids[s], attention_mask=mask[s], labels=y[s]).loss  # noqa: E731
+    else:
+        target = labels[:, 1:] if shifted else labels
+        counted = int(target.ne(-100).sum())
+        assert counted < target.numel()
+
+        def loss_of(s):
+            out = model(input_ids=ids[s], attention_mask=mask[s], labels=labels[s])
+            logits = out.logits[:, :-1] if shifted else out.logits
+            tokens = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target[s].reshape(-1),
+                                                       ignore_index=-100, reduction="sum") / counted
+            if s.stop is None:                                   # the batch: HF's own loss, to float32
+                torch.testing.assert_close(tokens, out.loss.double(), rtol=1e-6, atol=0)
+            return tokens * (n if s.stop is not None else 1)
+    _, got, want = against_per_example(model, loss_of, n, rtol=1e-8, atol=1e-24, fused=fused, complete=True)
+    assert sum(want.values()).isfinite().all()
