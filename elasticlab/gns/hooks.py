@@ -16,6 +16,7 @@ from torch import nn
 from elasticlab.gns.capture import kept, pack_again
 from elasticlab.gns.folds import fold_for
 from elasticlab.gns.layers.broadcast_params import follow_call, unbatched
+from elasticlab.gns.layers.common import as_forward, forward_autocast
 from elasticlab.gns.sink import tap
 from elasticlab.gns.slot import Quiet, recomputing
 
@@ -80,6 +81,9 @@ def on_grad(slot, module, inputs, output=None):
     (``Rule.folds``), or handed with their layout to a rule that reads them so (``Rule.rows``)."""
     get = kept(inputs)
     first = inputs[0] if inputs else None
+    state = None                            # (the autocast state a rule that runs the forward again needs)
+    if slot.rule.reruns:
+        state = forward_autocast(first if isinstance(first, torch.Tensor) else output)
     fold = fold_for(slot, first) if slot.rule.folds or slot.rule.rows else None
     if fold is None and slot.rule.rows and output is not None:      # (only its output folds: a router on
         fold = fold_for(slot, output)                                # (B, T, D) giving (B·T, E) logits)
@@ -97,13 +101,14 @@ def on_grad(slot, module, inputs, output=None):
                         "forward, on rows that fold the batch or with a tuple output, which its calls' sum "
                         "does not take yet"))
                 return
-            slot.pending.append((saved, g))
+            slot.pending.append((saved, g) if state is None else (saved, g, state))
             return
-        if fold is not None and slot.rule.rows:
-            norms, B = slot.rule.norms(module, saved, g, slot.call_need, fold=fold), fold.batch
-        else:
-            norms = slot.rule.norms(module, saved, g, slot.call_need)
-            B = saved[0].shape[0] if isinstance(saved[0], torch.Tensor) else _first(g).shape[0]
+        with as_forward(state):             # (a rule that runs the forward again runs it as it ran)
+            if fold is not None and slot.rule.rows:
+                norms, B = slot.rule.norms(module, saved, g, slot.call_need, fold=fold), fold.batch
+            else:
+                norms = slot.rule.norms(module, saved, g, slot.call_need)
+                B = saved[0].shape[0] if isinstance(saved[0], torch.Tensor) else _first(g).shape[0]
         slot.record(norms, B)
     return run
 

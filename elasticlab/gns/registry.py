@@ -28,7 +28,9 @@ fold the batch is handed to ``norms`` as is, with ``fold=`` its layout, for the 
 rows together (the generic rule, which checks that they are row-wise: a mixture of experts' router on
 (B·T, D)). ``outputs`` (hook rules): a call whose output is a tuple of tensors (a router's logits, weights
 and indices) gets ``grad_output`` as a tuple, None where an output carries no gradient and zeros where the
-loss did not reach it.
+loss did not reach it. ``reruns`` (hook rules): ``norms`` runs the module's forward again (the generic rule),
+so it runs under the autocast state of the call's forward, as :func:`~.layers.common.forward_autocast` kept
+it (in the backward, autocast is off or whatever the caller set).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Rule:
     on_owner: bool = False
     rows: bool = False
     outputs: bool = False
+    reruns: bool = False
 
 
 RULES: dict[type, Rule] = {}

@@ -131,7 +131,8 @@ def settle(slots) -> None:
             _spoil(s)
         elif s.pending:
             calls, s.pending = s.pending, []
-            sizes = [d if isinstance(d, int) else d.shape[0] for _, d in calls]   # (a fused rule's parts, B)
+            # (a fused rule's parts, B; a call that runs the forward again also has its autocast state)
+            sizes = [d if isinstance(d, int) else d.shape[0] for _, d, *_ in calls]
             if len(set(sizes)) != 1:
                 raise RuntimeError(f"module {s.name or '(root)'!r} ({type(s.module).__name__}) ran on "
                                    f"batches of sizes {sizes} in one forward: per-example norms of a "

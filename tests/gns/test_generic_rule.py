@@ -11,7 +11,7 @@ from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, rule_for
 from elasticlab.gns.layers import broadcast_params, generic
-from elasticlab.gns.reference import func_param_sq_norms
+from elasticlab.gns.reference import example_param_sq_norms, func_param_sq_norms
 
 SETTINGS = settings(max_examples=10, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -160,6 +160,53 @@ def test_bf16_autocast_norms_near_fp32():
     assert out[True].dtype == torch.float32
     rel = ((out[True] - out[False]).abs() / out[False]).median()
     assert rel < 0.02, rel
+
+
+class ArgmaxRouter(nn.Module):
+    """A router with a bare weight (no rule of its own): the logit it picks, times 1 + the pick, so that
+    which of its two experts wins shows in the norms. Its logits for x = (1, 1e-3) are 1 and 1.001: float32
+    picks the second; bf16 rounds both to 1, and argmax takes the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        pick = logits.argmax(-1, keepdim=True)
+        return logits.gather(-1, pick).squeeze(-1) * (1 + pick.squeeze(-1))
+
+
+class TwiceRouted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = ArgmaxRouter()
+
+    def forward(self, x):
+        return self.router(x) + self.router(2 * x)
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_under_autocast_the_forward_runs_again_as_it_ran(twice):
+    """The generic rule runs the module's forward again in the backward, where autocast is off: it runs
+    it under the call's own autocast state, so that a router's bf16 logits pick the experts they picked
+    (before, float32 picked others: DeepSeek-V3's router gate was 5% off under bf16, against 0.02% now).
+    Against one backward per example through the same autocast forward; called twice, the calls' sum."""
+    model = TwiceRouted() if twice else ArgmaxRouter()
+    x = torch.ones(4, 3, 2)
+    x[..., 1] = 1e-3 * torch.linspace(0.5, 1.0, 12).view(4, 3)
+    want = {}
+    for ac in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            out = model(x)
+        want[ac] = sum(example_param_sq_norms(model, (out[b].float().sum() for b in range(4))).values())
+    assert (want[False] > 3 * want[True]).all()               # float32 and bf16 picked other experts
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+        got = psn.sq_norms()
+    torch.testing.assert_close(got, want[True].float(), rtol=1e-2, atol=0)
 
 
 def test_compiled_model_with_a_generic_layer_matches_eager():

@@ -8,6 +8,7 @@ float32 norms for half-precision inputs.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,23 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     if autocast_on(t) and t.is_floating_point():
         return torch.get_autocast_dtype(t.device.type)
     return None
+
+
+def forward_autocast(t) -> tuple[str, torch.dtype | None] | None:
+    """The autocast state of a call on ``t`` at its forward, to run it again as it ran (:func:`as_forward`):
+    (device type, the autocast dtype or None where autocast is off there); None without a tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return t.device.type, (torch.get_autocast_dtype(t.device.type) if autocast_on(t) else None)
+
+
+def as_forward(state: tuple[str, torch.dtype | None] | None):
+    """A context that sets autocast as :func:`forward_autocast` found it (a no-op for None)."""
+    if state is None:
+        return contextlib.nullcontext()
+    device, dtype = state
+    return torch.autocast(device, dtype=dtype, enabled=True) if dtype is not None else \
+        torch.autocast(device, enabled=False)
 
 
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:

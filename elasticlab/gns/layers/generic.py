@@ -28,6 +28,7 @@ from torch.func import functional_call, vjp, vmap
 
 from elasticlab.gns import kernels
 from elasticlab.gns.broadcast import signature
+from elasticlab.gns.layers.common import as_forward
 from elasticlab.gns.registry import Rule, register_fallback
 from elasticlab.gns.slot import Quiet
 
@@ -167,8 +168,9 @@ def _same(full: list, each: list) -> bool:
 
 def _widened(tensors: list, params: dict) -> list:
     """Inputs in bf16 or fp16 (a layer after an autocast matmul) in the parameters' wider dtype, for the
-    re-runs in the backward, where autocast is off (and under vmap would not cast): the per-example
-    gradients are then formed in that dtype from the inputs as they were."""
+    re-runs in the backward: the per-example gradients are formed in that dtype from the inputs as they
+    were, and the ops that autocast ran in 16 bits (a router's ``F.linear``) run so again, under the call's
+    autocast state (``Rule.reruns``), casting the widened inputs back exactly."""
     wide = next((p.dtype for p in params.values() if p.dtype in (torch.float32, torch.float64)), None)
     if wide is None:
         return tensors
@@ -203,17 +205,19 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         next(t for t in d0 if t is not None) if isinstance(d0, tuple) else d0).shape[0]
     R = B * fold.per if fold is not None else B
     flat, kinds, ones, loop = [], [], [], False
-    for inputs, d in calls:
+    for inputs, d, *kept_state in calls:        # (a call's autocast state, where the caller did not set it)
+        state = kept_state[0] if kept_state else None
         items, n, keys = _split(inputs)
         ik = _kinds(items, B, R)
         picks = None if not isinstance(d, tuple) else tuple(i for i, t in enumerate(d) if t is not None)
         gs = [d] if picks is None else [d[i] for i in picks]
         gk = _kinds(gs, B, R)
         own = dict(module.named_parameters(recurse=False))
-        with Quiet():
+        with Quiet(), as_forward(state):
             loop |= _verify(module, tuple(_widened(list(inputs), own)), ik,
                             _per_example_forward(module, ik, n, keys), what, fold)
-        ones.append((_per_example_forward(module, ik, n, keys, picks), len(items), gk, picks is not None))
+        ones.append((_per_example_forward(module, ik, n, keys, picks), len(items), gk, picks is not None,
+                     state))
         flat += [*items, *gs]
         kinds += [*ik, *gk]
     params = {n: module.get_parameter(n).detach() for n in need}
@@ -221,11 +225,12 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
 
     def grads(*a):
         total, i = None, 0
-        for one, n, gk, tupled in ones:
+        for one, n, gk, tupled, state in ones:
             args, g = a[i:i + n], a[i + n:i + n + len(gk)]
             i += n + len(gk)
             g = tuple(t.unsqueeze(0) if k == _BATCH else t for t, k in zip(g, gk))
-            _, pull = vjp(lambda p: one(p, *args), params)          # noqa: B023  (called at once)
+            with as_forward(state):                                 # (the forward as it ran: autocast)
+                _, pull = vjp(lambda p: one(p, *args), params)      # noqa: B023  (called at once)
             got = pull(g if tupled else g[0])[0]
             total = got if total is None else {k: total[k] + got[k] for k in total}
         return total
@@ -241,4 +246,4 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
 
 
 register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True, kwargs=True, rows=True,
-                       outputs=True), applies)
+                       outputs=True, reruns=True), applies)
