@@ -17,6 +17,9 @@ models' loss is then a mean over the batch's counted tokens, not over examples, 
 example's gradient of that batch loss: its own loss times ``B · counted_b / counted`` (counted: labels that
 are not -100, after the shift for decoder-only models), one backward per example at the same padding.
 
+``--compile aot_eager|inductor`` measures ``torch.compile(model, backend=...)`` inside PerSampleGradNorms
+over two steps, each against the float64 reference as above (graph breaks allowed, a crash reported).
+
 ``--autocast bf16|fp16`` runs the float32 model under ``torch.autocast("cpu")`` in that dtype (fp16 with a
 ``torch.amp.GradScaler``'s loss scale, 2^16, handed to PerSampleGradNorms) and compares with the float64
 reference: ``OK`` when every parameter's median relative error over the examples is
@@ -561,6 +564,32 @@ def _medians(got: dict, want: dict) -> dict:
             for k, w in want.items() if w.isfinite().all() and float(w.max()) >= 1e-12 * scale}
 
 
+def check_compiled(model, loss, reduction: str, data: dict, counted, backend: str) -> str:
+    """``OK``, ``MISMATCH`` (the step and its ratios) or ``ERROR``: the compiled model's norms over two
+    steps against one float64 backward per example of the eager model."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model = model.double().train()
+    weight = [1.0] * B
+    if counted is not None:
+        n = [counted(data, b) for b in range(B)]
+        weight = [B * n_b / sum(n) for n_b in n]
+    try:
+        want = sum(example_param_sq_norms(
+            model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
+        compiled = torch.compile(model, backend=backend)
+        with PerSampleGradNorms(model, loss_reduction=reduction) as psn:
+            for step in (1, 2):
+                model.zero_grad()
+                loss(compiled, data, slice(None)).backward()
+                got = psn.sq_norms()
+                if not torch.allclose(got.double(), want, rtol=1e-6, atol=0):
+                    return f"MISMATCH at step {step} {[round(r, 6) for r in (got.double() / want).tolist()]}"
+    except Exception as e:  # noqa: BLE001  (the survey reports whatever stops a model)
+        return f"ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return "OK"
+
+
 def _finite_step(model, batch_loss, dtype: torch.dtype, scale: float) -> bool:
     """Whether one plain step under autocast, its loss times ``scale``, leaves every gradient finite."""
     model.zero_grad()
@@ -645,6 +674,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=T, help=f"positions of the token models (default {T})")
     ap.add_argument("--pad", choices=("right", "left"), default=None,
                     help="pad the token examples to --seq (attention mask, labels -100 at the pads)")
+    ap.add_argument("--compile", choices=("aot_eager", "inductor"), default=None,
+                    help="the model under torch.compile with this backend, two steps")
     ap.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                     help="the float32 model under CPU autocast in this dtype, against float64 (2%% medians)")
     args = ap.parse_args()
@@ -669,7 +700,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001  (a config this transformers version rejects)
             out[name] = f"BUILD {type(e).__name__}: {str(e).splitlines()[0]}"
             continue
-        if args.autocast:
+        if args.compile:
+            out[name] = check_compiled(model, loss, reduction, data, counted, args.compile)
+        elif args.autocast:
             dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float16
             out[name] = check_autocast(model, loss, reduction, data, counted, dtype)
         else:
@@ -678,10 +711,11 @@ def main() -> None:
         print(f"{name:14s} {verdict[:300]}")
     ok = sum(v.startswith("OK") for v in out.values())
     how = (f", padded {args.pad}" if args.pad else "") + (f", {args.autocast} autocast" * bool(args.autocast))
+    how += f", compiled ({args.compile})" * bool(args.compile)
     verdict = "within 2%" if args.autocast else "exact"
     print(f"{ok} of {len(out)} {verdict}{how}; transformers {tr.__version__}, torch {torch.__version__}")
     print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "pad": args.pad,
-                                  "autocast": args.autocast, "cases": out}))
+                                  "autocast": args.autocast, "compile": args.compile, "cases": out}))
 
 
 if __name__ == "__main__":

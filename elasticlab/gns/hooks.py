@@ -22,8 +22,11 @@ from elasticlab.gns.slot import Quiet, recomputing
 
 
 def install(owner, slot):
-    """The hook on ``slot``'s module (its handle)."""
-    return slot.host.register_forward_hook(forward_hook(owner, slot), with_kwargs=True)
+    """The hook on ``slot``'s module (its handle). A tied slot's (:mod:`.tied`) runs eagerly under
+    ``torch.compile``: a graph break at the module, whose rules then record in the slot as in eager mode."""
+    hook = forward_hook(owner, slot)
+    return slot.host.register_forward_hook(torch.compiler.disable(hook) if slot.tied else hook,
+                                           with_kwargs=True)
 
 
 def forward_hook(owner, slot):

@@ -38,6 +38,7 @@ from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.capture import batch_of, frozen, now_training
 from elasticlab.gns.forwards import Forwards
+from elasticlab.gns.layers.common import EagerUnderCompile
 from elasticlab.gns.sink import Sinks
 from elasticlab.gns.slot import (
     Slot,
@@ -147,8 +148,6 @@ class PerSampleGradNorms:
         self._forwards.end(output)
         if self._watch:
             repeated.release(self._slots)
-        for t in self._ties:
-            t.check()
         for s in self._slots:
             s.fwd_calls = s.calls
             # probed too: the followed parameters, whose norms come from taps (layers.broadcast_params) that
@@ -229,6 +228,7 @@ class PerSampleGradNorms:
             raise RuntimeError("PerSampleGradNorms is already active")
         # eager, never traced (a frame of its own, or a break in an enclosing compiled function): loads Dynamo
         eager = torch.compiler.disable
+        EagerUnderCompile.prepare()
         self._handles.append(self.model.register_forward_pre_hook(eager(self._begin_step), with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(eager(self._end_forward)))
         for s in self._slots:
@@ -249,7 +249,7 @@ class PerSampleGradNorms:
                 self._handles.append(hooks.install(self, s))
         self._unfuse.clear()                              # (the slots found repeated took hooks above)
         for t in self._ties:                              # the embeddings' indices, for the output layer
-            self._handles += [e.module.register_forward_pre_hook(t.pre_hook) for e in t.embs]
+            self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook)) for e in t.embs]
         self._active = True
         self._begin_step()
         return self

@@ -94,6 +94,14 @@ def register_rule(module_type: type, norms: Callable, *, params=("weight", "bias
 
 
 FALLBACK: list[tuple[Rule, Callable[[nn.Module], bool]]] = []   # (rule, applies(module)), in order
+BY_NAME: dict[tuple[str, str], tuple[Callable, dict]] = {}      # (module path, class) -> (norms, kwargs)
+
+
+def register_rule_by_name(module_path: str, class_name: str, norms: Callable, **kwargs) -> None:
+    """A rule for a class of a library elasticlab does not import (``transformers.pytorch_utils.Conv1D``),
+    named by where it is defined: registered (:func:`register_rule`, ``kwargs`` its arguments) when
+    :func:`rule_for` first meets the class, so that the library is never imported for it."""
+    BY_NAME[(module_path, class_name)] = (norms, kwargs)
 
 
 def register_fallback(rule: Rule, applies: Callable[[nn.Module], bool]) -> Rule:
@@ -108,6 +116,8 @@ def rule_for(module: nn.Module) -> Rule | None:
     first fallback that applies to it."""
     for cls in type(module).__mro__:
         rule = RULES.get(cls)
+        if rule is None and BY_NAME and (named := BY_NAME.pop((cls.__module__, cls.__qualname__), None)):
+            rule = register_rule(cls, named[0], **named[1])
         if rule is not None:
             if type(module).forward is cls.forward:
                 return rule

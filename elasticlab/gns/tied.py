@@ -13,9 +13,10 @@ concatenated along the positions (exact by linearity, as for a repeated module).
 backward comes first: its rule takes ‖G_h‖² and gathers δh at the indices of this step's embedding calls, an
 (T, S) matrix per example (G1's B = 8, T = S = 1024: 32 MB in float32); each embedding's backward adds its
 share of the cross term, and the last one of the step forms the table's norm. So the table's norm is the
-first embedding's (in its layer's norms); the output layer keeps its bias. All run on hooks, eagerly (under
-``torch.compile`` a tie is an error). Any other sharing of a parameter between covered modules is refused
-(:func:`untie`).
+first embedding's (in its layer's norms); the output layer keeps its bias. All run on hooks, eagerly: under
+``torch.compile`` the tied modules' hooks are skipped by Dynamo (a graph break at each tied module, whose
+call then runs eagerly; the rest of the model compiles). Any other sharing of a parameter between covered
+modules is refused (:func:`untie`).
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ class Tie:
             head.need = tuple(p for p in head.need if p != "weight")
             head.rule = dataclasses.replace(head.rule, norms=self._head_norms, fused=None)
         self.idx: dict[int, torch.Tensor] = {}
-        self.traced = False
         self._clear()
 
     def _clear(self) -> None:
@@ -61,22 +61,15 @@ class Tie:
         return " is ".join(repr(s.full("weight")) for s in self.members)
 
     def pre_hook(self, module, args):
-        """At an embedding's forward: its indices of this step (the first embedding call of a step drops the
-        last step's leftovers), and whether the forward is being traced (the flag a traced hook sets is
-        replayed after the graph ran). Not at a checkpoint's recomputation (the same indices)."""
+        """At an embedding's forward (eagerly, under torch.compile too): its indices of this step (the first
+        embedding call of a step drops the last step's leftovers). Not at a checkpoint's recomputation (the
+        same indices)."""
         if recomputing():
             return
         if all(e.calls == 0 for e in self.embs):
-            self.idx, self.traced = {}, False
+            self.idx = {}
             self._clear()
-        self.traced = self.traced or torch.compiler.is_compiling()
         self.idx[id(module)] = args[0]
-
-    def check(self) -> None:
-        """After the model's forward: a RuntimeError if this step was compiled (eager only)."""
-        if self.traced:
-            raise RuntimeError(f"tied weights ({self.names()}): their per-example norms are taken eagerly, "
-                               "not under torch.compile; untie them, or run the model without compiling it")
 
     def _calls(self) -> list:
         """The embedding slots that ran in this step, in order."""

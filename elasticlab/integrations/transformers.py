@@ -6,20 +6,16 @@ forward (dim 0 of ``input_ids``), and with ``gradient_accumulation_steps`` > 1 t
 (the Trainer divides each micro-batch's loss by the step's token count: ``accumulation="mean"`` for equal
 micro-batches). Each measured step adds ``gns/b_simple``, ``gns/grad_sq``, ``gns/trace_cov`` to
 ``state.log_history`` and, when ``report_to`` names ``tensorboard`` and it is installed, to TensorBoard.
-Importing this module registers a per-example rule for ``transformers``' ``Conv1D`` (GPT-2's projections:
-y = x W + b, a Linear with W transposed, whose per-example norms are the Linear rule's).
+``transformers``' ``Conv1D`` (GPT-2's projections) has the Linear rule, registered by name in
+:mod:`elasticlab.gns.layers.linear` (with or without this module).
 """
 from __future__ import annotations
 
 from transformers import TrainerCallback
-from transformers.pytorch_utils import Conv1D
 
-from elasticlab.gns import GNSMonitor, register_rule
-from elasticlab.gns.layers.linear import linear_norms
+from elasticlab.gns import GNSMonitor
 from elasticlab.gns.monitor import check_settings
 from elasticlab.integrations.common import metrics
-
-register_rule(Conv1D, linear_norms)
 
 
 class GradientNoiseScaleCallback(TrainerCallback):

@@ -44,6 +44,21 @@ class BagNet(nn.Module):
         return self.head(self.conv(h.unsqueeze(1)).flatten(1))
 
 
+class OwnNorm(nn.Module):
+    """A leaf of no registered type (as Hugging Face's LlamaRMSNorm), so the generic rule (torch.func)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def generic_mlp():
+    return nn.Sequential(nn.Linear(16, 8), OwnNorm(8), nn.GELU(), nn.Linear(8, 4))
+
+
 def _mean_sq(o):
     return o.pow(2).mean()
 
@@ -59,6 +74,8 @@ CASES = {
     "norms-mha": (NormNet, lambda g: torch.randn(5, 3, 4, 4, generator=g), _mean_sq),
     "unet3d": (unet3d, lambda g: torch.randn(6, 2, 4, 3, 2, generator=g), _mean_sq),
     "bags": (BagNet, lambda g: torch.randint(0, 30, (4, 7), generator=g), _mean_sq),
+    # (before: a graph break at each generic layer, whose check wrote its cache inside the traced backward)
+    "generic": (generic_mlp, lambda g: torch.randn(5, 6, 16, generator=g), _mean_sq),
 }
 
 

@@ -224,6 +224,54 @@ def test_compiled_model_with_a_generic_layer_matches_eager():
             torch.testing.assert_close(psn.sq_norms(), want, rtol=1e-5, atol=0)
 
 
+def test_compiled_before_any_eager_step_is_one_graph():
+    """A generic layer met first under torch.compile (no eager step has checked it): its check runs inside
+    the traced backward without a side effect, so the model is one graph with no break (before: a break at
+    each generic layer, whose check wrote its cache there: 12 breaks in a 2-layer Llama), and the norms are
+    eager's; a module that mixes the examples gives NaN norms there instead of an error."""
+    import torch._dynamo
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 6), HFStyleRMSNorm(6), nn.Linear(6, 2)).double()
+    x = torch.randn(5, 4, 3, dtype=torch.float64)
+    torch._dynamo.reset()
+    with PerSampleGradNorms(model):
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+    assert explained.graph_count == 1
+    generic._checked.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as psn:
+        compiled(x).pow(2).mean().backward()
+        got = psn.param_sq_norms()
+    want = func_param_sq_norms(model, lambda out, y: (out - y).pow(2).sum(), x, torch.zeros(5, 4, 2,
+                                                                                        dtype=torch.float64))
+    for k in want:                        # (the mean over 5·4·2 outputs: each example's loss is its sum / 8)
+        torch.testing.assert_close(got[k], want[k] / 8**2, rtol=1e-8, atol=1e-30, msg=k)
+
+
+def test_compiled_module_mixing_examples_gives_nan():
+    class Centre(nn.Module):                    # subtracts the batch mean: not per example
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.g * (x - x.mean(0, keepdim=True))
+
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Centre(), nn.Linear(4, 2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as psn:
+        compiled(torch.randn(6, 3)).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    assert got["1.g"].isnan().all() and got["0.weight"].isfinite().all()
+    with PerSampleGradNorms(model), pytest.raises(RuntimeError, match="depends on the other examples"):
+        model(torch.randn(6, 3)).pow(2).sum().backward()
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_generic_rule_under_checkpointing(reentrant):
     """The generic rule runs the module's forward itself (torch.func's vjp); PerSampleGradNorms' hooks stay

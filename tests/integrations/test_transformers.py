@@ -494,3 +494,40 @@ def test_padded_batches_with_an_attention_mask(arch, fused, pad):
             return tokens * (n if s.stop is not None else 1)
     _, got, want = against_per_example(model, loss_of, n, rtol=1e-8, atol=1e-24, fused=fused, complete=True)
     assert sum(want.values()).isfinite().all()
+
+
+def test_conv1d_has_the_linear_rule_without_the_integration_imported():
+    """GPT-2's Conv1D takes the Linear rule, registered by name (gns.layers.linear), in a process that never
+    imports elasticlab.integrations; elasticlab itself does not import transformers for it (before: the
+    generic rule, which forms B per-example gradients of each projection, unless the callback's module had
+    been imported)."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, elasticlab.gns\n"
+        "from elasticlab.gns import rule_for\n"
+        "from elasticlab.gns.layers.linear import linear_norms\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from transformers.pytorch_utils import Conv1D\n"
+        "rule = rule_for(Conv1D(8, 4))\n"
+        "assert rule.norms is linear_norms and rule.folds, rule\n"
+        "assert not any(m.startswith('elasticlab.integrations') for m in sys.modules)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_compiled_tiny_gpt2_per_example_norms(tied):
+    """torch.compile (aot_eager) over GPT-2 inside PerSampleGradNorms: its Conv1D projections on the Linear
+    rule, the tied table's hooks eager (a graph break at the embedding and the head), two steps equal to one
+    backward per example (before: an error naming the tie; untied, a graph break at every Conv1D)."""
+    import torch._dynamo
+    model = tiny_gpt2(tied=tied).double()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))
+    ref = sum(example_param_sq_norms(model, (loss_of(model, ids[i:i + 1]) for i in range(B))).values())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as norms:
+        for _ in range(2):
+            model.zero_grad()
+            loss_of(compiled, ids).backward()
+            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)   # (HF's loss: float32)

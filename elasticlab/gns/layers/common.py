@@ -9,6 +9,7 @@ float32 norms for half-precision inputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -62,6 +63,29 @@ def as_forward(state: tuple[str, torch.dtype | None] | None):
     device, dtype = state
     return torch.autocast(device, dtype=dtype, enabled=True) if dtype is not None else \
         torch.autocast(device, enabled=False)
+
+
+class EagerUnderCompile:
+    """A function run eagerly under torch.compile (a graph break where it is called); wrapped by
+    :meth:`prepare` when a :class:`~elasticlab.gns.PerSampleGradNorms` is entered, not at import, which
+    would load Dynamo."""
+    every: list = []
+
+    def __init__(self, fn: Callable):
+        self.fn, self.eager = fn, None
+        functools.update_wrapper(self, fn)
+        EagerUnderCompile.every.append(self)
+
+    def __call__(self, *args, **kwargs):
+        if self.eager is not None and torch.compiler.is_compiling():
+            return self.eager(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    @classmethod
+    def prepare(cls) -> None:
+        for f in cls.every:
+            if f.eager is None:
+                f.eager = torch.compiler.disable(f.fn)
 
 
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:

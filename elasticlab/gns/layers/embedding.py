@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import along_positions, batched
+from elasticlab.gns.layers.common import EagerUnderCompile, along_positions, batched
 from elasticlab.gns.registry import Rule, register_fallback, register_rule
 
 
@@ -68,9 +68,12 @@ def embedding_norms(module: nn.Embedding, inputs, d: torch.Tensor, need) -> dict
 _scales: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # module -> c, or None (not a scaling)
 
 
+@EagerUnderCompile
 def scale_of(module: nn.Embedding, idx: torch.Tensor) -> float | None:
     """c where the module's own forward is c times the plain lookup, read off (and checked on) its output on
-    the first example, once per module (no graph); None where it is something else."""
+    the first example, once per module (no graph); None where it is something else. Run eagerly under
+    torch.compile, where a forward of another signature (OPT's positions, from the attention mask) would
+    fail to trace rather than raise."""
     if module in _scales:
         return _scales[module]
     x, c = idx[:1], None

@@ -20,11 +20,13 @@ keyword arguments are passed too (``Rule.kwargs``: Whisper's positional embeddin
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils.stateless import _reparametrize_module
 
 from elasticlab.gns import kernels
 from elasticlab.gns.broadcast import signature
@@ -71,15 +73,21 @@ def _kinds(items: list, B: int, R: int) -> tuple:
 
 
 def _per_example_forward(module: nn.Module, kinds: tuple, n_args: int, keys: tuple,
-                         picks: tuple | None = None):
+                         picks: tuple | None = None, direct: bool = False):
     """``one(params, *flat)``: the module's forward on one example (its arguments of :data:`_BATCH` given as
     a batch of 1, those of :data:`_ROWS` as that example's rows), with ``params`` in place of its own;
     ``flat`` its positional arguments, then the values of ``keys``. ``picks``: of a tuple output, the
-    positions kept."""
+    positions kept. ``direct``: its class's forward itself, so that no hook of the module runs (under
+    torch.compile, where :class:`Quiet`'s counter would be a side effect the traced backward cannot
+    hold; a leaf module calls no other)."""
     def one(params, *flat):
         flat = [a.unsqueeze(0) if k == _BATCH else a for a, k in zip(flat, kinds)]
-        out = functional_call(module, params, tuple(flat[:n_args]), dict(zip(keys, flat[n_args:])),
-                              strict=False, tie_weights=False)
+        args, kw = tuple(flat[:n_args]), dict(zip(keys, flat[n_args:]))
+        if direct:
+            with _reparametrize_module(module, params, tie_weights=False, strict=False):
+                out = type(module).forward(module, *args, **kw)
+        else:
+            out = functional_call(module, params, args, kw, strict=False, tie_weights=False)
         return out if picks is None else tuple(out[i] for i in picks)
     return one
 
@@ -136,10 +144,7 @@ def _verify(module: nn.Module, inputs: tuple, kinds: tuple, one, what: str | Non
                 except RuntimeError as e2:
                     why = f"its forward does not run on one example at a time ({e2})"
         if why is None:
-            each = list(each) if isinstance(each, (tuple, list)) else [each]
-            each = [e if not isinstance(e, torch.Tensor) or e.dim() < 2 else
-                    fold.refold(e) if fold is not None and f.dim() and f.shape[0] == R and R != B else
-                    e.squeeze(1) for e, f in zip(each, full)]
+            each = _as_batch(each, full, fold, B, R)
             if not _same(full, each):
                 why = "its output for an example depends on the other examples of the batch"
     if why is not None:
@@ -151,6 +156,34 @@ def _verify(module: nn.Module, inputs: tuple, kinds: tuple, one, what: str | Non
             "strict=False leaves them out)")
     seen[sig] = loop
     return loop
+
+
+def _as_batch(each, full: list, fold, B, R) -> list:
+    """The per-example outputs (stacked along dim 0) in the layout of the batch's outputs ``full``."""
+    each = list(each) if isinstance(each, (tuple, list)) else [each]
+    return [e if not isinstance(e, torch.Tensor) or e.dim() < 2 else
+            fold.refold(e) if fold is not None and f.dim() and f.shape[0] == R and R != B else
+            e.squeeze(1) for e, f in zip(each, full)]
+
+
+def _agree(module: nn.Module, inputs: tuple, kinds: tuple, one, fold, B, R) -> torch.Tensor:
+    """Under torch.compile, :func:`_verify`'s check as a 0-dim bool tensor, every step and without a side
+    effect (vmap, never the loop): whether the module's output on the batch is its output on each example
+    alone; where not, the caller's norms are NaN (skipped and counted by the estimator)."""
+    flat, n, keys = _split(inputs)
+    with torch.no_grad():
+        full = type(module).forward(module, *flat[:n], **dict(zip(keys, flat[n:])))
+        full = list(full) if isinstance(full, (tuple, list)) else [full]
+        each = _as_batch(_each(one, flat, kinds, fold, False), full, fold, B, R)
+    pairs = [(f, e) for f, e in zip(full, each) if isinstance(f, torch.Tensor) and f.is_floating_point()]
+    ok = torch.ones((), dtype=torch.bool, device=pairs[0][0].device if pairs else None)
+    if len(full) != len(each) or not pairs or any(e.shape != f.shape for f, e in pairs):
+        return ~ok
+    for f, e in pairs:
+        rtol, atol = (3e-2, 1e-3) if f.dtype in (torch.bfloat16, torch.float16) else (1e-3, 1e-5)
+        scale = f.abs().amax().clamp_min(1.0) if f.numel() else f.new_ones(())
+        ok = ok & ((e.to(f.dtype) - f).abs() <= atol * scale + rtol * f.abs()).all()
+    return ok
 
 
 def _same(full: list, each: list) -> bool:
@@ -204,7 +237,9 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
     B = fold.batch if fold is not None else (
         next(t for t in d0 if t is not None) if isinstance(d0, tuple) else d0).shape[0]
     R = B * fold.per if fold is not None else B
-    flat, kinds, ones, loop = [], [], [], False
+    traced = torch.compiler.is_compiling()        # (then no side effect: no hooks, no cache, no loop)
+    quiet = contextlib.nullcontext if traced else Quiet
+    flat, kinds, ones, loop, agree = [], [], [], False, []
     for inputs, d, *kept_state in calls:        # (a call's autocast state, where the caller did not set it)
         state = kept_state[0] if kept_state else None
         items, n, keys = _split(inputs)
@@ -213,11 +248,15 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         gs = [d] if picks is None else [d[i] for i in picks]
         gk = _kinds(gs, B, R)
         own = dict(module.named_parameters(recurse=False))
-        with Quiet(), as_forward(state):
-            loop |= _verify(module, tuple(_widened(list(inputs), own)), ik,
-                            _per_example_forward(module, ik, n, keys), what, fold)
-        ones.append((_per_example_forward(module, ik, n, keys, picks), len(items), gk, picks is not None,
-                     state))
+        with quiet(), as_forward(state):
+            wide, one = tuple(_widened(list(inputs), own)), _per_example_forward(module, ik, n, keys,
+                                                                                 direct=traced)
+            if traced:
+                agree.append(_agree(module, wide, ik, one, fold, B, R))
+            else:
+                loop |= _verify(module, wide, ik, one, what, fold)
+        ones.append((_per_example_forward(module, ik, n, keys, picks, direct=traced), len(items), gk,
+                     picks is not None, state))
         flat += [*items, *gs]
         kinds += [*ik, *gk]
     params = {n: module.get_parameter(n).detach() for n in need}
@@ -235,14 +274,18 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
             total = got if total is None else {k: total[k] + got[k] for k in total}
         return total
 
-    with torch.enable_grad(), Quiet():
+    with torch.enable_grad(), quiet():
         if loop:
             rows = [grads(*(a[b] if k else a for a, k in zip(flat, kinds))) for b in range(B)]
             per = {n: torch.stack([r[n] for r in rows]) for n in params}
         else:
             per = vmap(grads, in_dims=tuple(0 if k else None for k in kinds),
                        chunk_size=chunk_size(B, params.values()))(*flat)
-    return {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
+    out = {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
+    if agree:
+        ok = torch.stack(agree).all()
+        out = {n: torch.where(ok, v, torch.full_like(v, float("nan"))) for n, v in out.items()}
+    return out
 
 
 register_fallback(Rule(norms=generic_norms, params=own_params, unbatched=True, kwargs=True, rows=True,

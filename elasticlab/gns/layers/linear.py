@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from elasticlab import _ext
 from elasticlab.gns import calibrate, form_choice, kernels, triton_outer, triton_tune
 from elasticlab.gns.layers.common import along_positions, autocast_dtype, batched, cast
-from elasticlab.gns.registry import register_rule
+from elasticlab.gns.registry import register_rule, register_rule_by_name
 from elasticlab.gns.sink import deliver, sink_for
 
 
@@ -252,3 +252,7 @@ def linear_forward(module: nn.Linear, slot):
 
 register_rule(nn.Linear, linear_norms, fused=linear_forward,
               summed=along_positions(linear_norms, lambda m: 1, lambda m: 1), folds=True)
+# Hugging Face's Conv1D (GPT-2's projections): y = x W + b, a Linear with W transposed, whose per-example
+# norms are the Linear rule's (on hooks); registered when a model first shows one, without importing it
+register_rule_by_name("transformers.pytorch_utils", "Conv1D", linear_norms,
+                      summed=along_positions(linear_norms, lambda m: 1, lambda m: 1), folds=True)
