@@ -35,6 +35,8 @@ def forward_hook(owner, slot):
             return
         inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args
         unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
+        if unb is None:                   # refused under torch.compile: the readers raise, naming the call
+            return
         counted = slot.called(unb)
         if slot.rule.outputs and isinstance(output, (tuple, list)) and Join.takes(output):
             if counted:

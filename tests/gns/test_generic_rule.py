@@ -272,6 +272,84 @@ def test_compiled_module_mixing_examples_gives_nan():
         model(torch.randn(6, 3)).pow(2).sum().backward()
 
 
+class OwnLinear(nn.Linear):
+    """A Linear with a forward of its own (Falcon's FalconLinear): the generic rule."""
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class SumInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = OwnLinear(4, 4, bias=False), OwnLinear(4, 4, bias=False)
+
+    def forward(self, x):
+        y = self.a(x)
+        y += self.b(x)                  # (Falcon: mlp_output += attention_output)
+        return y
+
+
+def test_compiled_in_place_op_on_a_generic_layers_output():
+    """Under torch.compile a generic layer's output comes through the tap, which is not a view of it for
+    autograd: an in-place op on it traces (before: "Output 0 of ApplyTemplate is a view and is being
+    modified inplace"), with eager's norms."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = SumInPlace().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with PerSampleGradNorms(model) as psn:
+        model(x).pow(2).sum().backward()
+        want = psn.param_sq_norms()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as psn:
+        model.zero_grad()
+        compiled(x).pow(2).sum().backward()
+        got = psn.param_sq_norms()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=0, msg=k)
+
+
+class TableBias(nn.Module):
+    """A leaf with a bare table, called on no tensor (Swin's relative position bias): (1, T, D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self):
+        return self.table.unsqueeze(0)
+
+
+class WithTableBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bias = nn.Linear(4, 4), TableBias()
+
+    def forward(self, x):
+        return self.lin(x) + self.bias()
+
+
+def test_compiled_call_without_the_batch_is_named():
+    """Such a call under torch.compile is refused naming it and the way out (before: "expected a tensor
+    input", or the generic rule's "none of its inputs has the batch"); eager follows it to its broadcast."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = WithTableBias()
+    x = torch.randn(3, 5, 4)
+    with PerSampleGradNorms(model) as psn:
+        model(x).pow(2).sum().backward()
+        assert psn.param_sq_norms()["bias.table"].shape == (3,)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as psn:
+        compiled(x).pow(2).sum().backward()
+        with pytest.raises(RuntimeError, match=r"module 'bias' \(TableBias\) ran without the batch .* under "
+                                               r"torch.compile"):
+            psn.param_sq_norms()
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_generic_rule_under_checkpointing(reentrant):
     """The generic rule runs the module's forward itself (torch.func's vjp); PerSampleGradNorms' hooks stay

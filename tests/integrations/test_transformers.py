@@ -531,3 +531,26 @@ def test_compiled_tiny_gpt2_per_example_norms(tied):
             model.zero_grad()
             loss_of(compiled, ids).backward()
             torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)   # (HF's loss: float32)
+
+
+def test_compiled_tiny_beit_relative_position_bias():
+    """BEiT's layer (its layer-scale parameters: an eager parent under torch.compile) passes the relative
+    position bias its child returned, still followed, to its attention: that child runs eagerly (before:
+    Dynamo traced the followed tensor into a RecursionError); the norms are one backward per example's."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = transformers.BeitForImageClassification(transformers.BeitConfig(
+        image_size=32, patch_size=8, num_labels=2, use_relative_position_bias=True, drop_path_rate=0.0,
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).double()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 1])
+    ref = sum(example_param_sq_norms(model, (model(pixel_values=x[b:b + 1], labels=y[b:b + 1]).loss
+                                             for b in range(3))).values())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as norms:
+        for _ in range(2):
+            model.zero_grad()
+            compiled(pixel_values=x, labels=y).loss.backward()
+            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)

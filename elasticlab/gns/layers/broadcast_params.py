@@ -51,7 +51,7 @@ from elasticlab.gns import folds
 from elasticlab.gns.capture import batch_of
 from elasticlab.gns.layers import layer_uses, mha_children
 from elasticlab.gns.layers.broadcast_taps import Rows, Step
-from elasticlab.gns.layers.eager_parent import EagerParent, disable
+from elasticlab.gns.layers.eager_parent import EagerParent, disable, in_compiled_region
 from elasticlab.gns.registry import Rule, register_fallback
 from elasticlab.gns.slot import recomputing
 
@@ -275,12 +275,20 @@ def broadcast_forward(module: nn.Module, slot):
     for c, _ in kids:
         slot.owner._handles += [c.register_forward_pre_hook(restore, prepend=True),
                                 c.register_forward_hook(relend)]
-    eager = EagerParent(module, slot.owner._handles)
+    eager = EagerParent(module, slot.owner._handles,
+                        lambda a, kw: any(isinstance(t, Followed) for t in tree_flatten((a, kw))[0]))
 
     @disable
     def forward(*args, **kwargs):
         with eager:
-            return followed(*args, **kwargs)
+            out = followed(*args, **kwargs)
+            if eager.callback is not None and any(isinstance(t, Followed) for t in tree_flatten(out)[0]):
+                raise RuntimeError(        # (its compiled caller would trace the followed tensor: a crash)
+                    f"module {slot.name!r} ({type(module).__name__}) returns {list(slot.need)} not yet "
+                    "broadcast over the batch (a relative position bias, added to the attention scores "
+                    "by its caller); under torch.compile the caller is compiled and cannot follow it to "
+                    "that broadcast: run the model eagerly, or freeze these parameters")
+            return out
 
     def followed(*args, **kwargs):
         live = slot.called()
@@ -319,14 +327,15 @@ def _children_slots(module: nn.Module, slot) -> list[tuple]:
     return [(c, mine[id(c)]) for c in module.children() if id(c) in mine]
 
 
-def unbatched(slot, inputs: tuple, output) -> bool:
+def unbatched(slot, inputs: tuple, output) -> bool | None:
     """Whether a call of a layer whose rule allows it (``Rule.unbatched``: nn.Embedding, the generic rule) is
     one without the batch: its output's dim 0 is not the model's batch (an embedding of HF's
     ``position_ids`` (1, T), of ``arange(T)``, of T5's relative-position buckets (q, k); BART's positional
     embedding handed its positions by keyword). Its output is then followed to its broadcast
     (:func:`follow_call`) instead of its rule reading dim 0 as the examples; where the sizes coincide, the
     broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Eager only: under
-    ``torch.compile`` such a call makes the readers raise naming the layer."""
+    ``torch.compile`` (also in its eager parts, after a graph break) such a call makes the readers raise
+    naming the layer (None)."""
     B = slot.owner._batch
     if not ENABLED or B is None or not isinstance(output, torch.Tensor):
         return False
@@ -336,14 +345,15 @@ def unbatched(slot, inputs: tuple, output) -> bool:
             folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
             if isinstance(t, torch.Tensor)):
         return False                   # (a call on rows that fold the batch: its rule reads them so)
-    if torch.compiler.is_compiling():          # not followed: the readers raise (a traced flag, replayed)
+    if in_compiled_region():                   # not followed: the readers raise (a traced flag, replayed;
+        # or eagerly after a graph break, whose followed output compiled code would then trace: a crash)
         for pn in slot.need:
             slot.unmeasured[pn] = (
                 f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
                 f"shape {tuple(output.shape)}, the batch {B}) under torch.compile, where such a call is not "
                 "followed to its broadcast: run the model eagerly, or expand its input over the batch, e.g. "
                 "pos.unsqueeze(0).expand(B, -1)")
-        return False
+        return None                            # (refused: its rule does not read the call either)
     if slot.follow is None:
         slot.follow = Step(slot, layer=True)
     slot.follow.shape = tuple(output.shape)

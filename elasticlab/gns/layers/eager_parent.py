@@ -6,7 +6,9 @@ graph of its own. :class:`EagerParent` does this with TorchDynamo's frame callba
 is skipped by ``torch.compiler.disable(recursive=False)``, which leaves the callback in place; inside it the
 callback is set aside, so the parent's own code and helper methods run eagerly, and given back for each
 child's call (forward pre- and post-hooks), so the child's forward is compiled by the same
-``torch.compile`` (its backend and options). Without a compile callback (eager training) it does nothing.
+``torch.compile`` (its backend and options), except a call handed a tensor still followed (BEiT's layer
+passes its relative position bias, a child's followed output, to its attention): that child runs eagerly.
+Without a compile callback (eager training) it does nothing.
 """
 from __future__ import annotations
 
@@ -21,6 +23,14 @@ except ImportError:                       # pragma: no cover  (then the whole fo
 ENABLED = True                            # off: the parent's forward runs eagerly with all its children
 
 
+def in_compiled_region() -> bool:
+    """Whether the code runs within torch.compile: traced, or eagerly after a graph break (Dynamo's frame
+    callback still set), where a tensor it returns goes on into compiled code."""
+    if torch.compiler.is_compiling():
+        return True
+    return get_eval_frame_callback is not None and bool(get_eval_frame_callback())
+
+
 def disable(fn):
     """The parent's forward, skipped by TorchDynamo but with its callback left in place (then set aside by
     :class:`EagerParent`); without the callback's API, skipped with everything it calls."""
@@ -30,13 +40,13 @@ def disable(fn):
 class EagerParent:
     """A context for one module's forward: eager but for its direct children's calls (see the module)."""
 
-    def __init__(self, module: nn.Module, handles: list):
-        self.callback, self.inside = None, 0
+    def __init__(self, module: nn.Module, handles: list, stays_eager=None):
+        self.callback, self.inside, self.stays_eager = None, 0, stays_eager
         # (not traced, since the callback is set inside; wrapped here, not at import, which would load Dynamo)
         child_in, child_out = (torch.compiler.disable(f, recursive=False) for f in (self._child_in,
                                                                                       self._child_out))
         for c in module.children():
-            handles += [c.register_forward_pre_hook(child_in, prepend=True),
+            handles += [c.register_forward_pre_hook(child_in, prepend=True, with_kwargs=True),
                         c.register_forward_hook(child_out, always_call=True)]
 
     def __enter__(self):
@@ -53,8 +63,11 @@ class EagerParent:
             cb, self.callback = self.callback, None
             set_eval_frame(cb)
 
-    def _child_in(self, child, args):
-        if self.callback is not None and ENABLED:
+    def _child_in(self, child, args, kwargs):
+        """A child's call compiled, unless ``stays_eager(args, kwargs)``: handed a tensor the parent's eager
+        code is still following (a relative position bias a sibling returned), which Dynamo cannot trace."""
+        if self.callback is not None and ENABLED and not (
+                self.stays_eager is not None and self.stays_eager(args, kwargs)):
             set_eval_frame(self.callback)
 
     def _child_out(self, child, args, output):

@@ -129,9 +129,9 @@ class _LinearNorms(torch.autograd.Function):
         ctx.x_sq = kernels.row_sq(xc) if xc.dim() == 2 and ctx.needs_input_grad[1] else None
         ctx.save_for_backward(xc, wc)
         # a sequence input's output is a view of F.linear's 2-D product, which nothing else sees: made a
-        # tensor of its own, an in-place op on it (h += r) is not refused as one on a custom Function's view
-        # (not under compile, whose graph has no such views and breaks on the query)
-        if torch.compiler.is_compiling() or not out._is_view():
+        # tensor of its own, an in-place op on it (h += r: Falcon's MLP) is not refused as one on a custom
+        # Function's view (under compile always, where the query would break the graph)
+        if not torch.compiler.is_compiling() and not out._is_view():
             return out
         return torch.ops.aten._unsafe_view(out, out.shape)
 
