@@ -25,15 +25,18 @@ def install(owner, slot):
     """The hook on ``slot``'s module (its handle). A tied slot's (:mod:`.tied`) runs eagerly under
     ``torch.compile``: a graph break at the module, whose rules then record in the slot as in eager mode."""
     hook = forward_hook(owner, slot)
-    return slot.host.register_forward_hook(torch.compiler.disable(hook) if slot.tied else hook,
-                                           with_kwargs=True)
+    hook.eager = torch.compiler.disable(hook)
+    return slot.host.register_forward_hook(hook.eager if slot.tied else hook, with_kwargs=True)
 
 
 def forward_hook(owner, slot):
     def hook(module, args, kwargs, output):
         if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
             return
-        inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args
+        if slot.rule.outputs and isinstance(output, (tuple, list)) and torch.compiler.is_compiling():
+            return hook.eager(module, args, kwargs, output)   # a tuple output (a router's) joined eagerly:
+        inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args   # a graph break
+
         unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
         if unb is None:                   # refused under torch.compile: the readers raise, naming the call
             return
@@ -43,13 +46,6 @@ def forward_hook(owner, slot):
                 return Join.hooked(slot, module, inputs, output)
             if recomputing():
                 pack_again(inputs)
-            return
-        if slot.rule.outputs and isinstance(output, (tuple, list)) and torch.compiler.is_compiling():
-            for pn in slot.need:                # (a traced side effect, replayed)
-                slot.unmeasured[pn] = (
-                    f"module {slot.name!r} ({type(module).__name__}) returns a tuple, whose gradients the "
-                    "generic rule does not take together under torch.compile yet: measure the model "
-                    "uncompiled")
             return
         if not (isinstance(output, torch.Tensor) and output.requires_grad):
             return

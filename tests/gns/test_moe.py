@@ -341,17 +341,30 @@ def test_random_ops_are_still_refused_not_looped():
             psg.param_sq_norms()
 
 
-def test_a_tuple_output_under_compile_is_named():
-    """Under torch.compile a tuple output is not joined: the readers raise naming the router, not a missing
-    norm with no reason."""
+def test_a_tuple_output_under_compile_matches_eager():
+    """Under torch.compile a router's tuple output is joined eagerly (its hook skipped by Dynamo: a graph
+    break at the router; before: the readers raised naming it): two compiled steps give eager's norms."""
     torch.manual_seed(0)
     model = MoE().double()
+    g = [torch.Generator().manual_seed(i) for i in (1, 2)]
+    xs = [torch.randn(3, 5, 3, dtype=torch.float64, generator=gi) for gi in g]
+    ys = [torch.randint(0, 2, (3,), generator=torch.Generator().manual_seed(i)) for i in (3, 4)]
+    want = []
+    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
+        for x, y in zip(xs, ys):
+            model.zero_grad()
+            _loss(model(x), y).backward()
+            want.append(psg.param_sq_norms())
+    torch._dynamo.reset()
     run = torch.compile(model, backend="aot_eager")
     with PerSampleGradNorms(model, loss_reduction="sum") as psg:
-        _loss(run(torch.randn(3, 5, 3, dtype=torch.float64)), torch.randint(0, 2, (3,))).backward()
-        with pytest.raises(RuntimeError, match=r"module 'gate' \(Router\) returns a tuple, .* under "
-                                               "torch.compile"):
-            psg.param_sq_norms()
+        for x, y, w in zip(xs, ys, want):
+            model.zero_grad()
+            _loss(run(x), y).backward()
+            got = psg.param_sq_norms()
+            assert set(got) == set(w) and "gate.weight" in got
+            for k in w:
+                torch.testing.assert_close(got[k], w[k], rtol=1e-9, atol=1e-30, msg=k)
     torch._dynamo.reset()
 
 
