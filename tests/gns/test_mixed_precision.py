@@ -244,3 +244,24 @@ def test_positional_embedding_without_batch_dimension_says_how_to_fix(monkeypatc
         model(torch.randint(0, 10, (3, 6))).sum().backward()
         with pytest.raises(RuntimeError, match=r"\{'pos': 6\}.*expand its input over the batch"):
             n.sq_norms()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cpu_autocast_forward_is_the_plain_one(fused):
+    """On the CPU, autocast runs layer_norm and group_norm in their input's dtype (bf16 in, bf16 out; CUDA's
+    run them in float32): the fused norm layers give that dtype too, so the model's forward under
+    PerSampleGradNorms is the plain one, bit for bit (before: float32 out, and every layer after ran in
+    float32; WavLM's loss moved by 5e-5)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 8, 3), nn.GroupNorm(2, 8), nn.GELU(), nn.Flatten(1), nn.Linear(48, 16),
+                          nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(5, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+    with PerSampleGradNorms(model, fused=fused) as psn:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(x)
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        got.float().pow(2).sum().backward()
+        assert all(v.isfinite().all() for v in psn.param_sq_norms().values())

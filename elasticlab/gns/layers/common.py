@@ -41,6 +41,16 @@ def norm_layer_buffer(slot, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return slot.buffer(x.shape[0], kernels.acc_dtype(dt), x.device), upcast
 
 
+def as_autocast_gives(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A normalisation layer's output, computed in float32 under autocast, in the dtype autocast's own op
+    gives it: float32 on CUDA (layer_norm and group_norm are on its float32 list), the input's on the CPU
+    (whose autocast runs them in the input's dtype), so that the layers after it run as without
+    PerSampleGradNorms."""
+    if out.dtype != x.dtype and x.device.type == "cpu" and autocast_on(x):
+        return out.to(x.dtype)
+    return out
+
+
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype on ``t``'s device when autocast is on there and ``t`` is floating, else None."""
     if autocast_on(t) and t.is_floating_point():

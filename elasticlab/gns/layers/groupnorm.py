@@ -18,7 +18,14 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers.common import affine_norms, batched, cast, norm_layer_buffer, wider
+from elasticlab.gns.layers.common import (
+    affine_norms,
+    as_autocast_gives,
+    batched,
+    cast,
+    norm_layer_buffer,
+    wider,
+)
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
@@ -126,9 +133,10 @@ def groupnorm_forward(module: nn.GroupNorm, slot):
         op = kernels.cxx_autograd("group_norm_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             buf, upcast = norm_layer_buffer(slot, x)
-            return op(x, params["weight"], params["bias"], module.num_groups, module.eps, buf, upcast)
-        return _GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups, module.eps, slot,
-                                     sink_for(slot, x))
+            out = op(x, params["weight"], params["bias"], module.num_groups, module.eps, buf, upcast)
+            return as_autocast_gives(out, x)
+        return as_autocast_gives(_GroupNormNorms.apply(x, module.weight, module.bias, module.num_groups,
+                                                       module.eps, slot, sink_for(slot, x)), x)
     return forward
 
 

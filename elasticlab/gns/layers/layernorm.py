@@ -19,6 +19,7 @@ from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import (
     affine_norms,
     along_positions,
+    as_autocast_gives,
     batched,
     cast,
     norm_layer_buffer,
@@ -96,9 +97,11 @@ def layernorm_forward(module: nn.LayerNorm, slot):
         op = kernels.cxx_autograd("layer_norm_norms", x)
         if op is not None:               # C++ autograd function: the backward fills the (weight, bias) rows
             buf, upcast = norm_layer_buffer(slot, x)
-            return op(x, params.get("weight"), params.get("bias"), shape, module.eps, buf, upcast)
+            return as_autocast_gives(op(x, params.get("weight"), params.get("bias"), shape, module.eps, buf,
+                                        upcast), x)
         sink = sink_for(slot, x)
-        return _LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot, sink)
+        return as_autocast_gives(_LayerNormNorms.apply(x, module.weight, module.bias, shape, module.eps, slot,
+                                                       sink), x)
     return forward
 
 
