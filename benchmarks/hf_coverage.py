@@ -531,15 +531,21 @@ def cases(tr) -> dict:
     }
 
 
+def _weights(data: dict, counted) -> list[float]:
+    """Each example's reference loss weight: B · counted_b / counted for a mean over the batch's tokens
+    (``counted``), else 1."""
+    if counted is None:
+        return [1.0] * B
+    n = [counted(data, b) for b in range(B)]
+    return [B * n_b / sum(n) for n_b in n]
+
+
 def check(model, loss, reduction: str, data: dict, counted=None) -> str:
     """``OK``, ``MISMATCH [ratios]``, ``REFERENCE non-finite`` (the model's own one-example backward) or
     ``ERROR <type>: <message>`` for one model. With ``counted`` (a mean over the batch's tokens) each
     example's reference loss is weighted by ``B · counted_b / counted``: its share of the batch loss."""
     model = model.double().train()
-    weight = [1.0] * B
-    if counted is not None:
-        n = [counted(data, b) for b in range(B)]
-        weight = [B * n_b / sum(n) for n_b in n]
+    weight = _weights(data, counted)
     try:
         want = sum(example_param_sq_norms(
             model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
@@ -570,10 +576,7 @@ def check_compiled(model, loss, reduction: str, data: dict, counted, backend: st
     import torch._dynamo
     torch._dynamo.reset()
     model = model.double().train()
-    weight = [1.0] * B
-    if counted is not None:
-        n = [counted(data, b) for b in range(B)]
-        weight = [B * n_b / sum(n) for n_b in n]
+    weight = _weights(data, counted)
     try:
         want = sum(example_param_sq_norms(
             model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
@@ -606,10 +609,7 @@ def check_autocast(model, loss, reduction: str, data: dict, counted, dtype: torc
     float64 backward per example (the verdict, see the module's docstring), and against one backward per
     example under the same autocast (the norms' own error, apart from what the 16-bit forward changes)."""
     model = model.double().train()
-    weight = [1.0] * B
-    if counted is not None:
-        n = [counted(data, b) for b in range(B)]
-        weight = [B * n_b / sum(n) for n_b in n]
+    weight = _weights(data, counted)
     f32 = {k: v.float() if v.is_floating_point() else v for k, v in data.items()}
 
     # float16 as it is trained: the loss scaled, lest small gradients flush to zero in the 16-bit backward,

@@ -34,9 +34,8 @@ def forward_hook(owner, slot):
         if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
             return
         if slot.rule.outputs and isinstance(output, (tuple, list)) and torch.compiler.is_compiling():
-            return hook.eager(module, args, kwargs, output)   # a tuple output (a router's) joined eagerly:
-        inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args   # a graph break
-
+            return hook.eager(module, args, kwargs, output)   # a router's tuple, joined eagerly (a break)
+        inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args
         unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
         if unb is None:                   # refused under torch.compile: the readers raise, naming the call
             return

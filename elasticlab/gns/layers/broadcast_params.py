@@ -275,14 +275,13 @@ def broadcast_forward(module: nn.Module, slot):
     for c, _ in kids:
         slot.owner._handles += [c.register_forward_pre_hook(restore, prepend=True),
                                 c.register_forward_hook(relend)]
-    eager = EagerParent(module, slot.owner._handles,
-                        lambda a, kw: any(isinstance(t, Followed) for t in tree_flatten((a, kw))[0]))
+    eager = EagerParent(module, slot.owner._handles, lambda a, kw: _carries_followed((a, kw)))
 
     @disable
     def forward(*args, **kwargs):
         with eager:
             out = followed(*args, **kwargs)
-            if eager.callback is not None and any(isinstance(t, Followed) for t in tree_flatten(out)[0]):
+            if eager.callback is not None and _carries_followed(out):
                 raise RuntimeError(        # (its compiled caller would trace the followed tensor: a crash)
                     f"module {slot.name!r} ({type(module).__name__}) returns {list(slot.need)} not yet "
                     "broadcast over the batch (a relative position bias, added to the attention scores "
@@ -317,6 +316,11 @@ def broadcast_forward(module: nn.Module, slot):
                 restore(c, ())
                 lent.pop(id(c), None)
     return forward
+
+
+def _carries_followed(tree) -> bool:
+    """Whether a (nested) value holds a :class:`Followed` tensor, which compiled code cannot trace."""
+    return any(isinstance(t, Followed) for t in tree_flatten(tree)[0])
 
 
 def _children_slots(module: nn.Module, slot) -> list[tuple]:

@@ -175,6 +175,12 @@ def _agree(module: nn.Module, inputs: tuple, kinds: tuple, one, fold, B, R) -> t
         full = type(module).forward(module, *flat[:n], **dict(zip(keys, flat[n:])))
         full = list(full) if isinstance(full, (tuple, list)) else [full]
         each = _as_batch(_each(one, flat, kinds, fold, False), full, fold, B, R)
+    return _agreement(full, each)
+
+
+def _agreement(full: list, each: list) -> torch.Tensor:
+    """(0-dim bool) The floating tensors of a module's output on the batch and as formed per example agree:
+    within rtol, and atol times the output's largest magnitude (at least 1), both wider in 16 bits."""
     pairs = [(f, e) for f, e in zip(full, each) if isinstance(f, torch.Tensor) and f.is_floating_point()]
     ok = torch.ones((), dtype=torch.bool, device=pairs[0][0].device if pairs else None)
     if len(full) != len(each) or not pairs or any(e.shape != f.shape for f, e in pairs):
@@ -187,16 +193,8 @@ def _agree(module: nn.Module, inputs: tuple, kinds: tuple, one, fold, B, R) -> t
 
 
 def _same(full: list, each: list) -> bool:
-    """The floating tensors of a module's output on the batch and as formed per example agree."""
-    pairs = [(f, e) for f, e in zip(full, each) if isinstance(f, torch.Tensor) and f.is_floating_point()]
-    if len(full) != len(each) or not pairs:
-        return False
-    for f, e in pairs:
-        rtol, atol = (3e-2, 1e-3) if f.dtype in (torch.bfloat16, torch.float16) else (1e-3, 1e-5)
-        atol *= max(float(f.abs().max()) if f.numel() else 0.0, 1.0)
-        if e.shape != f.shape or not torch.allclose(e.to(f.dtype), f, rtol=rtol, atol=atol):
-            return False
-    return True
+    """:func:`_agreement` read on the host (eager)."""
+    return bool(_agreement(full, each))
 
 
 def _widened(tensors: list, params: dict) -> list:

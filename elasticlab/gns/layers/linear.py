@@ -250,9 +250,8 @@ def linear_forward(module: nn.Linear, slot):
     return forward
 
 
-register_rule(nn.Linear, linear_norms, fused=linear_forward,
-              summed=along_positions(linear_norms, lambda m: 1, lambda m: 1), folds=True)
+_summed = along_positions(linear_norms, lambda m: 1, lambda m: 1)
+register_rule(nn.Linear, linear_norms, fused=linear_forward, summed=_summed, folds=True)
 # Hugging Face's Conv1D (GPT-2's projections): y = x W + b, a Linear with W transposed, whose per-example
 # norms are the Linear rule's (on hooks); registered when a model first shows one, without importing it
-register_rule_by_name("transformers.pytorch_utils", "Conv1D", linear_norms,
-                      summed=along_positions(linear_norms, lambda m: 1, lambda m: 1), folds=True)
+register_rule_by_name("transformers.pytorch_utils", "Conv1D", linear_norms, summed=_summed, folds=True)
