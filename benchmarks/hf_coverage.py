@@ -570,9 +570,11 @@ def _medians(got: dict, want: dict) -> dict:
             for k, w in want.items() if w.isfinite().all() and float(w.max()) >= 1e-12 * scale}
 
 
-def check_compiled(model, loss, reduction: str, data: dict, counted, backend: str) -> str:
+def check_compiled(model, loss, reduction: str, data: dict, counted, backend: str,
+                   eager_first: bool = False) -> str:
     """``OK``, ``MISMATCH`` (the step and its ratios) or ``ERROR``: the compiled model's norms over two
-    steps against one float64 backward per example of the eager model."""
+    steps against one float64 backward per example of the eager model; with ``eager_first``, after one
+    eager step (step 0), from which a batch-less positional embedding's use is learned."""
     import torch._dynamo
     torch._dynamo.reset()
     model = model.double().train()
@@ -582,9 +584,9 @@ def check_compiled(model, loss, reduction: str, data: dict, counted, backend: st
             model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
         compiled = torch.compile(model, backend=backend)
         with PerSampleGradNorms(model, loss_reduction=reduction) as psn:
-            for step in (1, 2):
+            for step in (0, 1, 2)[0 if eager_first else 1:]:
                 model.zero_grad()
-                loss(compiled, data, slice(None)).backward()
+                loss(compiled if step else model, data, slice(None)).backward()
                 got = psn.sq_norms()
                 if not torch.allclose(got.double(), want, rtol=1e-6, atol=0):
                     return f"MISMATCH at step {step} {[round(r, 6) for r in (got.double() / want).tolist()]}"
@@ -676,6 +678,8 @@ def main() -> None:
                     help="pad the token examples to --seq (attention mask, labels -100 at the pads)")
     ap.add_argument("--compile", choices=("aot_eager", "inductor"), default=None,
                     help="the model under torch.compile with this backend, two steps")
+    ap.add_argument("--eager-first", action="store_true",
+                    help="with --compile: one eager step before the compiled ones")
     ap.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                     help="the float32 model under CPU autocast in this dtype, against float64 (2%% medians)")
     args = ap.parse_args()
@@ -701,7 +705,7 @@ def main() -> None:
             out[name] = f"BUILD {type(e).__name__}: {str(e).splitlines()[0]}"
             continue
         if args.compile:
-            out[name] = check_compiled(model, loss, reduction, data, counted, args.compile)
+            out[name] = check_compiled(model, loss, reduction, data, counted, args.compile, args.eager_first)
         elif args.autocast:
             dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float16
             out[name] = check_autocast(model, loss, reduction, data, counted, dtype)
@@ -711,11 +715,12 @@ def main() -> None:
         print(f"{name:14s} {verdict[:300]}")
     ok = sum(v.startswith("OK") for v in out.values())
     how = (f", padded {args.pad}" if args.pad else "") + (f", {args.autocast} autocast" * bool(args.autocast))
-    how += f", compiled ({args.compile})" * bool(args.compile)
+    how += f", compiled ({args.compile})" * bool(args.compile) + ", after an eager step" * args.eager_first
     verdict = "within 2%" if args.autocast else "exact"
     print(f"{ok} of {len(out)} {verdict}{how}; transformers {tr.__version__}, torch {torch.__version__}")
     print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "pad": args.pad,
-                                  "autocast": args.autocast, "compile": args.compile, "cases": out}))
+                                  "autocast": args.autocast, "compile": args.compile,
+                                  "eager_first": args.eager_first, "cases": out}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ both layouts fit the view's shape (k equals the batch: (B, B, …)), the batch's
 further back (:func:`batch_factor`: through views, elementwise ops, transposes and matmuls to a tensor made
 from the model's inputs, whose dim 0 is the batch). Found once per layer and input shape, and cached; where
 it is not found the layer reads dim 0 as the examples as before, and the readers' batch sizes disagree (an
-error). Eager only: under ``torch.compile`` a folded call is not unfolded.
+error). The graph is read eagerly only: under ``torch.compile`` a folded call is unfolded by the layout an
+eager step found for its batch and input shape (the same code on the same shapes), and not otherwise.
 """
 from __future__ import annotations
 
@@ -274,10 +275,13 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
 
 def fold_for(slot, x) -> Fold | None:
     """The layout of a row-wise layer's folded input ``x``, or None where dim 0 is the batch (cached per
-    input shape)."""
-    if torch.compiler.is_compiling():          # (first: no guard on the batch in a compiled graph)
-        return None
+    input shape). Under ``torch.compile`` the graph cannot be read: the layout an eager step found for this
+    batch and input shape, else None."""
     B = slot.owner._batch
+    if torch.compiler.is_compiling():
+        if not slot.folds or not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return None                        # (first: no guard on the batch where nothing was learned)
+        return slot.folds.get((B, tuple(x.shape)))
     if (not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == B
             or x.shape[0] % B or x.grad_fn is None):
         return None
@@ -295,8 +299,8 @@ def unfolding(slot, forward):
 
     def run(x, *args, **kwargs):
         # the common call (dim 0 is the batch) pays one comparison, not a call of fold_for
-        if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
-                or x.shape[0] == owner._batch:
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == owner._batch \
+                or torch.compiler.is_compiling() and not slot.folds:
             return forward(x, *args, **kwargs)
         fold = fold_for(slot, x)
         if fold is None:

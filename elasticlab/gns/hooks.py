@@ -33,12 +33,16 @@ def forward_hook(owner, slot):
     def hook(module, args, kwargs, output):
         if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
             return
-        if slot.rule.outputs and isinstance(output, (tuple, list)) and torch.compiler.is_compiling():
-            return hook.eager(module, args, kwargs, output)   # a router's tuple, joined eagerly (a break)
+        if torch.compiler.is_compiling() and (slot.shared or slot.rule.outputs and isinstance(output, (
+                tuple, list))):           # (a graph break) a router's tuple, joined eagerly; a module an
+            return hook.eager(module, args, kwargs, output)   # eager step found repeated, its calls kept
         inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args
         unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
         if unb is None:                   # refused under torch.compile: the readers raise, naming the call
             return
+        if isinstance(unb, tuple):        # compiled, expanded over the batch as learned (layers.expand_plan)
+            new = hook(module, unb[0], kwargs, unb[1])
+            return unb[1] if new is None else new
         counted = slot.called(unb)
         if slot.rule.outputs and isinstance(output, (tuple, list)) and Join.takes(output):
             if counted:
@@ -55,8 +59,12 @@ def forward_hook(owner, slot):
             if not compiling and recomputing():
                 pack_again(inputs)
             return
-        # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink)
-        if compiling and (t := tap(slot, module, inputs, output)) is not None:
+        # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink); rows that fold the
+        if compiling and slot.rule.folds and (fold := fold_for(slot, inputs[0] if inputs else None)):
+            saved, out = fold.unfold_call(inputs, output)     # batch, by an eager step's layout, unfolded
+            if (t := tap(slot, module, saved, out)) is not None:
+                return fold.refold(t)
+        elif compiling and (t := tap(slot, module, inputs, output)) is not None:
             return t
         if not compiling and owner._audit.notes is not None:
             owner._audit.note(slot, inputs, output)

@@ -21,10 +21,11 @@ next step (:func:`to_hooks`). In the first step every fused call's input and out
 (:func:`watch`), so a module found repeated there is exact from the first step; one found repeated only in
 a later step gives NaN for that step, which the estimators skip and count, and warns once; so does a step
 where one call's gradient was consumed alone before the next call ran (reentrant activation checkpointing
-around each call: later steps keep every call). Calls whose outputs the
-loss does not reach add nothing, as their gradient is zero. Refused (an error naming the module): a repeated
-module under ``torch.compile``, one whose rule has only a fused form and no summed one (nn.LSTM and its kin,
-nn.EmbeddingBag), one in a tied pair, and calls on batches of different sizes.
+around each call: later steps keep every call). Calls whose outputs the loss does not reach add nothing, as
+their gradient is zero. Under ``torch.compile``, a module an eager step found repeated has its hook run
+eagerly (a graph break at each call), its calls kept as above. Refused (an error naming the module): a
+module first found repeated under ``torch.compile``, one whose rule has only a fused form and no summed one
+(nn.LSTM and its kin, nn.EmbeddingBag), one in a tied pair, and calls on batches of different sizes.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ import torch
 from elasticlab.gns.folds import fold_for
 
 _COMPILED = ("the per-example norms of a module called several times are formed eagerly, from every call's "
-             "gradient; run the model eagerly")
+             "gradient: run one step eagerly first (the model itself, not compiled), after which such a "
+             "module's calls are kept eagerly under compile, or run the model eagerly")
 
 
 def again(slot) -> None:

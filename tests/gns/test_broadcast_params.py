@@ -539,3 +539,95 @@ def test_positions_without_the_batch_under_compile_are_named():
             got = psn.param_sq_norms()
         assert "pos.weight" not in got and "pos.weight" in psn.left_out
         torch.testing.assert_close(got["tok.weight"], want["tok.weight"], rtol=1e-9, atol=1e-12)
+
+
+class Absolute(nn.Module):
+    """Token embeddings plus a positional nn.Embedding on an index without the batch, its output used as
+    ``use`` says: ``add`` (GPT-2, through ``.to``), ``inplace`` (BERT's ``embeddings += …``), ``expand`` (an
+    explicit expand to the batch), or ways the expansion would change: ``sum`` (a reduction over its dim 0),
+    ``index`` (its row 0), ``shape`` (read), ``twice`` (two uses), ``dropout`` (a mask per example)."""
+
+    def __init__(self, use, V=11, T=6, D=8):
+        super().__init__()
+        self.tok, self.pos, self.head, self.use = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, V), use
+
+    def forward(self, idx):
+        h, T = self.tok(idx), idx.shape[1]
+        p = self.pos(torch.arange(T)[None])                                   # (1, T, D)
+        if self.use == "add":
+            h = h + p.to(h.dtype)
+        elif self.use == "inplace":
+            h += p
+        elif self.use == "expand":
+            h = h * p.expand(idx.shape[0], -1, -1)
+        elif self.use == "sum":
+            h = h + p.sum(0)
+        elif self.use == "index":
+            h = h + p[0]
+        elif self.use == "shape":
+            h = h + p.reshape(p.shape)
+        elif self.use == "twice":
+            h = h + p + torch.tanh(h) * p
+        elif self.use == "dropout":
+            h = h + F.dropout(p, 0.5, training=True)
+        return self.head(torch.tanh(h))
+
+
+def _absolute_steps(use, fused, first="eager", strict=True):
+    """The model's norms over an eager step (``first``) then two compiled (aot_eager) ones, each against one
+    backward per example (float64)."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model, idx = Absolute(use).double(), torch.randint(0, 11, (5, 6))
+    loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
+    want = sum(example_param_sq_norms(model, (loss(model(idx[b:b + 1]), idx[b:b + 1])
+                                              for b in range(5))).values())
+    plain = loss(model(idx), idx).detach()
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused, strict=strict) as psn:
+        for m in ((model,) if first == "eager" else ()) + (run, run):
+            model.zero_grad()
+            out = loss(m(idx), idx)
+            torch.testing.assert_close(out, plain, rtol=1e-12, atol=0)       # the expansion changes no value
+            out.backward()
+            torch.testing.assert_close(psn.sq_norms(), want, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("use", ["add", "inplace", "expand"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_positions_broadcast_only_are_expanded_under_compile_after_an_eager_step(use, fused):
+    """An eager step sees the batch-less output only broadcast over the batch; the compiled steps after it
+    expand it (and its index) over the batch, and the norms are one backward per example's (before: the
+    readers raised naming 'pos' under compile)."""
+    _absolute_steps(use, fused)
+
+
+def test_positions_under_compile_without_an_eager_step_are_still_named():
+    with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\) ran without the batch .* run one "
+                                           r"step eagerly first"):
+        _absolute_steps("add", True, first="compiled")
+
+
+@pytest.mark.parametrize("use", ["sum", "index", "shape", "twice"])
+def test_positions_used_otherwise_are_not_expanded_under_compile(use):
+    """A use the expansion would change (or one this rule does not read as a broadcast), seen in the eager
+    step, rules it out: the compiled steps refuse by name, and their loss is the plain model's."""
+    with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\) ran without the batch .* under "
+                                           r"torch.compile"):
+        _absolute_steps(use, True, strict=True)
+
+
+@pytest.mark.parametrize("use", ["add", "inplace", "expand", "sum", "index", "shape", "twice", "dropout"])
+def test_what_an_eager_step_learns_of_a_positional_output(use):
+    """The state kept for compile: (dims, leading dims added) where the output was only broadcast over the
+    batch, False where it was used otherwise."""
+    torch.manual_seed(0)
+    model, idx = Absolute(use).double(), torch.randint(0, 11, (5, 6))
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
+        model(idx).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            psn.param_sq_norms()
+        learned = next(s for s in psn._slots if s.module is model.pos).follow.expand
+    assert learned == ((3, 0) if use in ("add", "inplace", "expand") else False)

@@ -51,6 +51,32 @@ def test_folded_rows_match_per_example_backward(fused, time_major, T):
         torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
 
 
+@pytest.mark.parametrize("time_major", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_folded_rows_under_compile_take_the_layout_an_eager_step_found(fused, time_major):
+    """Under torch.compile the graph is not read: the compiled steps after an eager one unfold each layer's
+    rows by the layout found there, and their norms are one backward per example's; a compiled step before
+    any eager one still raises (before: they raised at every compiled step)."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = Folded(time_major=time_major).double()
+    x, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    want = sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5))).values())
+    for first in ("compiled", "eager"):
+        torch._dynamo.reset()
+        run = torch.compile(model, backend="aot_eager")
+        with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+            if first == "compiled":
+                _loss(run(x), y).backward()
+                with pytest.raises(RuntimeError, match="disagree on the batch size"):
+                    psg.sq_norms()
+                continue
+            for m in (model, run, run):
+                model.zero_grad()
+                _loss(m(x), y).backward()
+                torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
+
+
 def test_rows_not_found_folded_still_raise():
     """A Linear on rows whose layout the graph does not show (learned latents, k·B of them) is not unfolded:
     the readers' batch sizes disagree, as before."""

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elasticlab.gns import GNSMonitor, PerSampleGradNorms, repeated
-from elasticlab.gns.reference import func_param_sq_norms, loop_param_sq_norms
+from elasticlab.gns.reference import example_param_sq_norms, func_param_sq_norms, loop_param_sq_norms
 
 B = 6
 
@@ -404,6 +404,25 @@ def test_repeated_module_under_compile_is_an_error(fused):
         for _ in range(2):
             with pytest.raises(RuntimeError, match=r"'lin' \(Linear\) ran 2 times in one forward under"):
                 compiled(torch.randn(3, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_repeated_module_under_compile_after_an_eager_step_is_exact(fused):
+    """An eager step finds the module repeated; under torch.compile its hook then runs eagerly (a graph
+    break at each call), keeping every call as in eager mode: the compiled steps' norms are one backward per
+    example's (before: the error above at every compiled step)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Calls(lambda m, x: m.out(m.lin(torch.tanh(m.lin(x)))), lin=nn.Linear(4, 4),
+                  out=nn.Linear(4, 2)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want = sum(example_param_sq_norms(model, (model(x[b:b + 1]).sum() for b in range(3))).values())
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psn:
+        for m in (model, compiled, compiled):
+            model.zero_grad()
+            m(x).sum().backward()
+            torch.testing.assert_close(psn.sq_norms(), want, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

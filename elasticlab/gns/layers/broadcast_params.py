@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from elasticlab.gns import folds
 from elasticlab.gns.capture import batch_of
-from elasticlab.gns.layers import layer_uses, mha_children
+from elasticlab.gns.layers import expand_plan, layer_uses, mha_children
 from elasticlab.gns.layers.broadcast_taps import Rows, Step
 from elasticlab.gns.layers.eager_parent import EagerParent, disable, in_compiled_region
 from elasticlab.gns.registry import Rule, register_fallback
@@ -82,6 +82,8 @@ class Followed(torch.Tensor):
     _pending: tuple = ()          # Rows it was expanded to, their layout not yet known
     _slice: tuple | None = None   # (a root, i) for root[i]: an expert's weight of (E, out, in)
     _transpose_of = None          # the root whose last two dimensions it transposes
+    _plan = None                  # (a layer's output, watched for compile) its Step (.expand_plan)
+    _uses = 0
 
 
 def _follow(t, step: Step, live: bool, root: tuple | None = None, roots: tuple = (), pending: tuple = ()):
@@ -99,6 +101,7 @@ def _roots_of(fol: list) -> tuple:
 
 def _dispatch(func, args: tuple, kwargs: dict):
     if getattr(func, "__name__", None) == "__get__":          # an attribute: .shape, .dtype, .T, .data
+        expand_plan.attribute(args[0], func)
         out = func(*args, **kwargs)
         return _follow(out, args[0]._step, args[0]._live, roots=_roots_of([args[0]]),
                        pending=args[0]._pending) if isinstance(out, torch.Tensor) else out
@@ -116,6 +119,8 @@ def _dispatch(func, args: tuple, kwargs: dict):
         f = args[0] if isinstance(args[0], Followed) else None
         if f is not None and B and _fills(f.shape, out.shape, B) and not pending:
             e = step.tap(f, live, out.dim())
+            if func in _EXPANDS:
+                expand_plan.tapped([f], out.dim())
             if func in _REPEATS:                       # the batch is made by the expand: repeat the rest
                 return e.repeat(1, *(o // n for o, n in zip(out.shape[1:], e.shape[1:])))
             new_args, new_kwargs = swap({id(f): e})
@@ -130,6 +135,7 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if not any(a.requires_grad or (B and a.dim() and a.shape[0] == B) for a in others):
         out = func(*args, **kwargs)                    # made from followed tensors (and constants) alone
         out = tree_map(lambda t: _follow(t, step, live, roots=roots, pending=pending), out)
+        expand_plan.kept(func, fol, out)
         if isinstance(out, Followed) and (sl := layer_uses.slice_of(func, args)) is not None:
             out._slice = sl
         if isinstance(out, Followed) and (t := layer_uses.transpose_of(func, args)) is not None:
@@ -163,6 +169,7 @@ def _dispatch(func, args: tuple, kwargs: dict):
         return step.through(func, args, kwargs, fol, batched, live)
     step.cancel(fol)
     if shape is not None and all(_fills(f.shape, shape, B) for f in fol):
+        expand_plan.tapped(fol, len(shape))
         new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape)) for f in fol})
         return func(*new_args, **new_kwargs)
     if live:
@@ -232,7 +239,13 @@ def _fills(shape, out, batch: int) -> bool:
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
     with torch._C.DisableTorchFunctionSubclass():
-        return _dispatch(func, args, kwargs or {})
+        if getattr(func, "__name__", None) == "__get__":
+            return _dispatch(func, args, kwargs or {})
+        watched = expand_plan.begin([a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Followed)])
+        try:
+            return _dispatch(func, args, kwargs or {})
+        finally:
+            expand_plan.end(watched)
 
 
 Followed.__torch_function__ = classmethod(_torch_function)
@@ -331,15 +344,16 @@ def _children_slots(module: nn.Module, slot) -> list[tuple]:
     return [(c, mine[id(c)]) for c in module.children() if id(c) in mine]
 
 
-def unbatched(slot, inputs: tuple, output) -> bool | None:
+def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
     """Whether a call of a layer whose rule allows it (``Rule.unbatched``: nn.Embedding, the generic rule) is
     one without the batch: its output's dim 0 is not the model's batch (an embedding of HF's
     ``position_ids`` (1, T), of ``arange(T)``, of T5's relative-position buckets (q, k); BART's positional
     embedding handed its positions by keyword). Its output is then followed to its broadcast
     (:func:`follow_call`) instead of its rule reading dim 0 as the examples; where the sizes coincide, the
-    broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Eager only: under
-    ``torch.compile`` (also in its eager parts, after a graph break) such a call makes the readers raise
-    naming the layer (None)."""
+    broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Followed eagerly only:
+    under ``torch.compile`` (also in its eager parts, after a graph break) an embedding whose outputs an
+    eager step saw only broadcast over the batch is expanded over it ((args, output),
+    :mod:`.expand_plan`), and any other such call makes the readers raise naming the layer (None)."""
     B = slot.owner._batch
     if not ENABLED or B is None or not isinstance(output, torch.Tensor):
         return False
@@ -349,14 +363,17 @@ def unbatched(slot, inputs: tuple, output) -> bool | None:
             folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
             if isinstance(t, torch.Tensor)):
         return False                   # (a call on rows that fold the batch: its rule reads them so)
+    if in_compiled_region() and (got := expand_plan.expanded(slot, inputs, output, B)) is not None:
+        return got                             # (its use learned in an eager step: expanded, .expand_plan)
     if in_compiled_region():                   # not followed: the readers raise (a traced flag, replayed;
         # or eagerly after a graph break, whose followed output compiled code would then trace: a crash)
         for pn in slot.need:
             slot.unmeasured[pn] = (
                 f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
                 f"shape {tuple(output.shape)}, the batch {B}) under torch.compile, where such a call is not "
-                "followed to its broadcast: run the model eagerly, or expand its input over the batch, e.g. "
-                "pos.unsqueeze(0).expand(B, -1)")
+                "followed to its broadcast: run one step eagerly first (the model itself, not compiled), "
+                "from which an output only broadcast over the batch is learned and then expanded under "
+                "compile, or expand its input over the batch, e.g. pos.unsqueeze(0).expand(B, -1)")
         return None                            # (refused: its rule does not read the call either)
     if slot.follow is None:
         slot.follow = Step(slot, layer=True)
@@ -373,7 +390,9 @@ def follow_call(slot, inputs: tuple, output, live: bool):
     kw = inputs[-1] if inputs and isinstance(inputs[-1], dict) else {}
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in (inputs[:-1] if kw else inputs))
     kw = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    return _follow(output, step, live, root=("call", slot.module, args, kw, slot.need))
+    root = _follow(output, step, live, root=("call", slot.module, args, kw, slot.need))
+    expand_plan.watch(step, root)
+    return root
 
 
 register_fallback(Rule(norms=None, params=own_params, fused=broadcast_forward, sums_calls=True), applies)

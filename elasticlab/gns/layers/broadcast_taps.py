@@ -45,6 +45,8 @@ class Step:
         self.open = 0                                  # taps of the forward whose gradient has not come
         self.calls = 0                                 # (a layer) its calls without the batch this step
         self.shape: tuple = ()                         # (a layer) the output of its last such call
+        self.expand = None                             # (a layer) its outputs' use learned, kept across
+        # steps: (dims, leading dims added) where only broadcast over the batch, False if not (.expand_plan)
 
     def reset(self) -> None:
         """At each step's start (PerSampleGradNorms' forward pre-hook)."""

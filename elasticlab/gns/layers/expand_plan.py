@@ -1,0 +1,107 @@
+"""A batch-less embedding call under ``torch.compile``, expanded over the batch as an eager step saw it used.
+
+Eagerly, an nn.Embedding called without the batch (Hugging Face's ``position_ids`` (1, T), ``arange(T)``) is
+followed to where its output meets the batch (:mod:`.broadcast_params`); compiled code cannot trace that
+subclass. What the following saw is kept in the layer's :class:`~.broadcast_taps.Step` (``expand``) for the
+steps after it: whether each call's output went, through ops that keep its shape and values alone
+(``.to``, ``.type_as``, ``.contiguous``, ``.clone``), to exactly one use, an elementwise op that broadcasts
+it over the batch along dim 0 (``inputs_embeds + position_embeds``, ``embeddings += position_embeddings``)
+or an ``expand`` to the batch. Such an output enters the examples only by that broadcast, so replacing
+e = E[idx] by its expansion over the batch, E[idx] for each example b, changes no value downstream, and
+∇E ℓ_b is then the embedding rule on the expanded index, ``idx.expand(B, …)`` (eq. of
+:mod:`.embedding`). Under compile (and in its eager parts), a call whose outputs an eager step saw only so
+used is run that way (:func:`expanded`); any other use seen (an index, a reduction, ``.shape``, a second
+use, dropout, which would draw a mask per example) rules it out for good, and the readers still raise
+naming the layer, as they do before any eager step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# ops on the followed output alone that keep its shape and values: the expansion commutes with them
+KEEPS = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous, torch.Tensor.clone,
+         torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type}
+ATTRIBUTES = {"dtype", "device", "requires_grad", "is_cuda", "layout", "is_leaf", "grad_fn"}
+SPOILED = False
+
+_OK: list[set] = []        # per op on a followed call's output: the ids its branch cleared (a stack)
+
+
+def applies(slot) -> bool:
+    """An nn.Embedding (or a subclass that scales its lookup) with its rule: the expansion is a lookup on
+    the expanded index."""
+    return isinstance(slot.module, nn.Embedding) and slot.rule.params == ("weight",)
+
+
+def watch(step, root) -> None:
+    """A call's output (``root``, a Followed) to be watched for :func:`expanded`."""
+    if applies(step.slot):
+        root._plan = step
+
+
+def attribute(f, func) -> None:
+    """An attribute read on a watched tensor: only its dtype, device and flags keep it expandable."""
+    if getattr(f, "_plan", None) is not None and getattr(getattr(func, "__self__", None), "__name__",
+                                                         None) not in ATTRIBUTES:
+        f._plan.expand = SPOILED
+
+
+def begin(fol: list) -> list:
+    """Before an op on followed tensors: the watched ones among them, each use counted."""
+    mine = [f for f in fol if getattr(f, "_plan", None) is not None]
+    for f in mine:
+        f._uses += 1
+    _OK.append(set())
+    return mine
+
+
+def tapped(fol: list, ndim: int) -> None:
+    """The op's branch expanded ``fol`` over the batch (dim 0 of a result of ``ndim`` dimensions): for a
+    watched tensor used here first, that is the plan, (its dimensions, the leading ones the op adds)."""
+    for f in fol:
+        if getattr(f, "_plan", None) is not None and f._uses == 1:
+            _OK[-1].add(id(f))
+            learn(f._plan, (f.dim(), ndim - f.dim()))
+
+
+def kept(func, fol: list, out) -> None:
+    """The op made ``out`` from ``fol`` alone: watched on, where it is one watched tensor with its shape."""
+    if len(fol) == 1 and func in KEEPS and getattr(fol[0], "_plan", None) is not None and fol[0]._uses == 1 \
+            and isinstance(out, torch.Tensor) and getattr(out, "_step", None) is not None \
+            and out.shape == fol[0].shape:
+        _OK[-1].add(id(fol[0]))
+        out._plan, out._uses = fol[0]._plan, 0
+
+
+def end(mine: list) -> None:
+    """After the op: a watched tensor it did not clear (any other use) rules the expansion out."""
+    ok = _OK.pop()
+    for f in mine:
+        if id(f) not in ok:
+            f._plan.expand = SPOILED
+
+
+def learn(step, plan: tuple) -> None:
+    if step.expand is None:
+        step.expand = plan
+    elif step.expand != plan:          # (SPOILED stays; two calls used otherwise: neither)
+        step.expand = SPOILED
+
+
+def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
+    """(args, output) of a batch-less call expanded over the batch as learned, or None: not learned, ruled
+    out, or a call of another shape than the one learned from. ``inputs``: the hook's (a rule with
+    ``kwargs`` gets them as a dict after the others)."""
+    args, kwargs = (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
+    step = slot.follow
+    plan = None if step is None else step.expand
+    if not plan or not applies(slot) or not args or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    idx, (dims, lead) = args[0], plan
+    if not isinstance(idx, torch.Tensor) or output.dim() != dims \
+            or tuple(idx.shape) != tuple(output.shape[:-1]) or (lead == 0 and output.shape[0] != 1):
+        return None
+    idx = idx.reshape((1,) * lead + tuple(idx.shape))
+    out = output.reshape((1,) * lead + tuple(output.shape))
+    return ((idx.expand(batch, *idx.shape[1:]), *args[1:]), out.expand(batch, *out.shape[1:]))
