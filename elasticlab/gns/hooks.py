@@ -60,11 +60,12 @@ def forward_hook(owner, slot):
                 pack_again(inputs)
             return
         # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink); rows that fold the
-        if compiling and slot.rule.folds and (fold := fold_for(slot, inputs[0] if inputs else None)):
-            saved, out = fold.unfold_call(inputs, output)     # batch, by an eager step's layout, unfolded
-            if (t := tap(slot, module, saved, out)) is not None:
+        # batch, by the layout an eager step found: unfolded (a row-wise rule), or to the tensor hook below
+        fold = compiled_fold(slot, inputs, output) if compiling else None
+        if fold is not None and slot.rule.folds:
+            if (t := tap(slot, module, *fold.unfold_call(inputs, output))) is not None:
                 return fold.refold(t)
-        elif compiling and (t := tap(slot, module, inputs, output)) is not None:
+        elif compiling and fold is None and (t := tap(slot, module, inputs, output)) is not None:
             return t
         if not compiling and owner._audit.notes is not None:
             owner._audit.note(slot, inputs, output)
@@ -81,6 +82,15 @@ def forward_hook(owner, slot):
         output.register_hook(on_grad(slot, module, inputs, output))
         return fresh
     return hook
+
+
+def compiled_fold(slot, inputs: tuple, output):
+    """Under torch.compile, the layout of a call's rows that fold the batch, as an eager step found it, for a
+    rule that reads them (``Rule.folds``: its input; ``Rule.rows``: its input or output), else None."""
+    if not (slot.rule.folds or slot.rule.rows) or not inputs:
+        return None
+    fold = fold_for(slot, inputs[0])
+    return fold_for(slot, output) if fold is None and slot.rule.rows else fold
 
 
 def on_grad(slot, module, inputs, output=None):

@@ -359,7 +359,7 @@ def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
         return False
     if output.dim() and output.shape[0] == B:
         return False
-    if slot.rule.rows and not torch.compiler.is_compiling() and any(
+    if slot.rule.rows and any(
             folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
             if isinstance(t, torch.Tensor)):
         return False                   # (a call on rows that fold the batch: its rule reads them so)
