@@ -129,9 +129,12 @@ class Audit:
             self.notes, self.batch, self.sig = {}, x.shape[0], sig
 
     def note(self, slot, inputs, output) -> None:
-        """A covered layer ran (eager): its output's node, with the shapes the error would name."""
+        """A covered layer ran (eager): its output's node, with the shapes the error would name; not an
+        output still followed to its broadcast (a bare parameter a module returns unbroadcast), whose
+        per-example gradient is taken there (:mod:`elasticlab.gns.layers.broadcast_params`)."""
+        from elasticlab.gns.layers.broadcast_params import Followed  # (it imports the registry's users)
         out = next(_tensors(output), None)
-        if out is not None:
+        if out is not None and not isinstance(out, Followed):
             x = next((i for i in inputs if isinstance(i, torch.Tensor)), None)
             shape_in = tuple(x.shape) if x is not None else ()
             self.notes[id(out.grad_fn)] = (slot, out.grad_fn, shape_in, tuple(out.shape))

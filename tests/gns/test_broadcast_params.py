@@ -631,3 +631,45 @@ def test_what_an_eager_step_learns_of_a_positional_output(use):
             psn.param_sq_norms()
         learned = next(s for s in psn._slots if s.module is model.pos).follow.expand
     assert learned == ((3, 0) if use in ("add", "inplace", "expand") else False)
+
+
+class BiasTable(nn.Module):
+    """A bare table (with a child, frozen: the eager-parent rule) returned unbroadcast, its caller adding it
+    to the attention scores, as a relative position bias module does."""
+
+    def __init__(self, H=2, T=6):
+        super().__init__()
+        self.table, self.unused = nn.Parameter(torch.randn(H, T, T)), nn.Linear(2, 2).requires_grad_(False)
+
+    def forward(self):
+        return self.table.unsqueeze(0)                                        # (1, H, T, T)
+
+
+class Scores(nn.Module):
+    def __init__(self, H=2, T=6, D=4):
+        super().__init__()
+        self.inp, self.bias, self.head, self.H = nn.Linear(D, H * D), BiasTable(H, T), nn.Linear(H * T, 3), H
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.inp(x).view(B, T, self.H, -1).transpose(1, 2)                # (B, H, T, D)
+        scores = q @ q.transpose(-1, -2) + self.bias()
+        return self.head(scores.softmax(-1).mean(-1).reshape(B, -1))
+
+
+def test_a_followed_output_returned_to_compiled_code_is_refused_by_name():
+    """Eagerly the table is followed from the module's output to its caller's broadcast (exact); under
+    torch.compile the caller is compiled and cannot follow it: an error naming the module and its
+    parameter, raised at the forward, not a Dynamo crash."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model, x, y = Scores().double(), torch.randn(5, 6, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss = lambda o, t: F.cross_entropy(o, t, reduction="sum")                # noqa: E731
+    against_per_example(model, lambda s: loss(model(x[s]), y[s]), 5, rtol=1e-9, same_keys=False,
+                        loss_reduction="sum")
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"module 'bias' \(BiasTable\) returns \['table'\] not yet "
+                                               r"broadcast over the batch .* under torch.compile"):
+            run(x)

@@ -73,7 +73,8 @@ def test_folded_rows_under_compile_take_the_layout_an_eager_step_found(fused, ti
     model = Folded(time_major=time_major).double()
     model.norm = nn.Sequential(Gain(6), model.norm).double()   # (a generic-rule leaf on the rows too)
     x, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
-    want = sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1]) for b in range(5))).values())
+    want = sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
+                                              for b in range(5))).values())
     for first in ("compiled", "eager"):
         torch._dynamo.reset()
         run = torch.compile(model, backend="aot_eager")
