@@ -18,7 +18,10 @@ example's gradient of that batch loss: its own loss times ``B · counted_b / cou
 are not -100, after the shift for decoder-only models), one backward per example at the same padding.
 
 ``--compile aot_eager|inductor`` measures ``torch.compile(model, backend=...)`` inside PerSampleGradNorms
-over two steps, each against the float64 reference as above (graph breaks allowed, a crash reported).
+over two steps, each against the float64 reference as above (graph breaks allowed, a crash reported);
+``--eager-first`` runs one eager step of the model before them, as the README advises, from which
+elasticlab learns what it cannot read in a traced forward (a batch-less positional embedding's use, a
+module called several times, the layout of rows that fold the batch).
 
 ``--autocast bf16|fp16`` runs the float32 model under ``torch.autocast("cpu")`` in that dtype (fp16 with a
 ``torch.amp.GradScaler``'s loss scale, 2^16, handed to PerSampleGradNorms) and compares with the float64
