@@ -371,9 +371,8 @@ def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
             slot.unmeasured[pn] = (
                 f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
                 f"shape {tuple(output.shape)}, the batch {B}) under torch.compile, where such a call is not "
-                "followed to its broadcast: run one step eagerly first (the model itself, not compiled), "
-                "from which an output only broadcast over the batch is learned and then expanded under "
-                "compile, or expand its input over the batch, e.g. pos.unsqueeze(0).expand(B, -1)")
+                f"followed to its broadcast: {expand_plan.advice(slot)}, or expand its input over the "
+                "batch, e.g. pos.unsqueeze(0).expand(B, -1)")
         return None                            # (refused: its rule does not read the call either)
     if slot.follow is None:
         slot.follow = Step(slot, layer=True)

@@ -89,6 +89,15 @@ def learn(step, plan: tuple) -> None:
         step.expand = SPOILED
 
 
+def advice(slot) -> str:
+    """What lifts a compiled call's refusal: an eager step first, unless one already saw another use."""
+    if slot.follow is not None and slot.follow.expand is SPOILED and applies(slot):
+        return ("an eager step saw its output used otherwise than by one broadcast over the batch (permuted, "
+                "indexed, reduced, used twice), so it is not expanded under compile: run the model eagerly")
+    return ("run one step eagerly first (the model itself, not compiled), from which an output only "
+            "broadcast over the batch is learned and then expanded under compile")
+
+
 def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
     """(args, output) of a batch-less call expanded over the batch as learned, or None: not learned, ruled
     out, or a call of another shape than the one learned from. ``inputs``: the hook's (a rule with
