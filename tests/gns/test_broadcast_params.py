@@ -673,3 +673,31 @@ def test_a_followed_output_returned_to_compiled_code_is_refused_by_name():
         with pytest.raises(RuntimeError, match=r"module 'bias' \(BiasTable\) returns \['table'\] not yet "
                                                r"broadcast over the batch .* under torch.compile"):
             run(x)
+
+
+def test_gns_monitor_on_a_compiled_model_after_an_eager_step():
+    """GNSMonitor over a model with a batch-less positional embedding: its first step eager, the later ones
+    compiled, every step measured per example with the estimates of an all-eager run."""
+    import torch._dynamo
+
+    from elasticlab.gns import GNSMonitor
+
+    def train(compiled: bool):
+        torch.manual_seed(0)
+        model = Absolute("add").double()
+        torch._dynamo.reset()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        mon, opt = GNSMonitor(model, every=1), torch.optim.SGD(model.parameters(), lr=0.05)
+        for m in (model, run, run):
+            idx = torch.randint(0, 11, (8, 6))
+            with mon.step():
+                F.cross_entropy(m(idx).reshape(-1, 11), idx.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        return mon
+
+    eager, mixed = train(False), train(True)
+    assert mixed.skipped == 0 and [h["method"] for h in mixed.history] == ["per_example"] * 3
+    for a, b in zip(eager.history, mixed.history):
+        for k in ("b_simple", "grad_sq", "trace_cov"):
+            assert b[k] == pytest.approx(a[k], rel=1e-9), k
