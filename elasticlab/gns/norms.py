@@ -22,6 +22,10 @@ Activation checkpointing (``torch.utils.checkpoint``, reentrant or not): a layer
 is one call; the fused forms' saved tensors are recomputed, and so are a hook rule's layer inputs (packed by
 the active saved-tensor hooks, ``capture.kept``; ``save_on_cpu`` offloads them too). A module
 called several times in one forward gets the norm of its gradient summed over the calls (gns.repeated).
+``torch.compile``: the model may be compiled (``torch.compile(model)``, this context on ``model``); what
+only an eager forward shows (a batch-less positional embedding's broadcast, a module called several times,
+rows that fold the batch) is learned in one eager step of ``model`` and reused by the compiled steps after
+it, and refused by name before it.
 """
 from __future__ import annotations
 
