@@ -554,3 +554,42 @@ def test_compiled_tiny_beit_relative_position_bias():
             model.zero_grad()
             compiled(pixel_values=x, labels=y).loss.backward()
             torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)
+
+
+def _tiny(kind: str):
+    """Tiny BERT (a (1, T) position embedding added in place), OPT (its MLP on (B·T, D) rows) and ALBERT
+    (one layer shared across depth), for sequence classification, no dropout."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, num_labels=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                  max_position_embeddings=T + 2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "bert":
+        return transformers.BertForSequenceClassification(transformers.BertConfig(num_hidden_layers=2,
+                                                                                  **common))
+    if kind == "albert":
+        return transformers.AlbertForSequenceClassification(transformers.AlbertConfig(
+            num_hidden_layers=2, embedding_size=8, classifier_dropout_prob=0.0, **common))
+    return transformers.OPTForSequenceClassification(transformers.OPTConfig(
+        vocab_size=V, num_labels=2, hidden_size=16, num_attention_heads=2, ffn_dim=32, num_hidden_layers=2,
+        max_position_embeddings=T + 2, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0,
+        pad_token_id=1))
+
+
+@pytest.mark.parametrize("kind", ["bert", "opt", "albert"])
+def test_compiled_after_an_eager_step_matches_per_example_backward(kind):
+    """torch.compile (aot_eager) over BERT, OPT and ALBERT as users call them (no position_ids): one eager
+    step first, from which the positional embedding's broadcast, OPT's folded rows and ALBERT's shared
+    layer are learned; the two compiled steps after it equal one backward per example (before: each was
+    refused by name at every compiled step)."""
+    import torch._dynamo
+    model = _tiny(kind).double()
+    ids = torch.randint(2, V, (3, T), generator=torch.Generator().manual_seed(5))
+    y = torch.tensor([0, 1, 1])
+    ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=y[b:b + 1]).loss
+                                             for b in range(3))).values())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as norms:
+        for m in (model, compiled, compiled):
+            model.zero_grad()
+            m(input_ids=ids, labels=y).loss.backward()
+            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)
