@@ -61,7 +61,7 @@ def forward_hook(owner, slot):
             return
         # compiled: the norms leave the backward as a gradient (elasticlab.gns.sink); rows that fold the
         # batch, by the layout an eager step found: unfolded (a row-wise rule), or to the tensor hook below
-        fold = compiled_fold(slot, inputs, output) if compiling else None
+        fold = fold_of_call(slot, inputs, output) if compiling else None
         if fold is not None and slot.rule.folds:
             if (t := tap(slot, module, *fold.unfold_call(inputs, output))) is not None:
                 return fold.refold(t)
@@ -84,13 +84,14 @@ def forward_hook(owner, slot):
     return hook
 
 
-def compiled_fold(slot, inputs: tuple, output):
-    """Under torch.compile, the layout of a call's rows that fold the batch, as an eager step found it, for a
-    rule that reads them (``Rule.folds``: its input; ``Rule.rows``: its input or output), else None."""
-    if not (slot.rule.folds or slot.rule.rows) or not inputs:
+def fold_of_call(slot, inputs: tuple, output):
+    """The layout of a call's rows that fold the batch (under torch.compile, as an eager step found it), for
+    a rule that reads them (``Rule.folds``: its input; ``Rule.rows``: its input or, a router on (B, T, D)
+    giving (B·T, E) logits, its output), else None."""
+    if not (slot.rule.folds or slot.rule.rows):
         return None
-    fold = fold_for(slot, inputs[0])
-    return fold_for(slot, output) if fold is None and slot.rule.rows else fold
+    fold = fold_for(slot, inputs[0] if inputs else None)
+    return fold_for(slot, output) if fold is None and slot.rule.rows and output is not None else fold
 
 
 def on_grad(slot, module, inputs, output=None):
@@ -102,9 +103,7 @@ def on_grad(slot, module, inputs, output=None):
     state = None                            # (the autocast state a rule that runs the forward again needs)
     if slot.rule.reruns:
         state = forward_autocast(first if isinstance(first, torch.Tensor) else output)
-    fold = fold_for(slot, first) if slot.rule.folds or slot.rule.rows else None
-    if fold is None and slot.rule.rows and output is not None:      # (only its output folds: a router on
-        fold = fold_for(slot, output)                                # (B, T, D) giving (B·T, E) logits)
+    fold = fold_of_call(slot, inputs, output)
 
     def run(g):
         saved = get()

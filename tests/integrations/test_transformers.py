@@ -515,29 +515,35 @@ def test_conv1d_has_the_linear_rule_without_the_integration_imported():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
+def assert_compiled_steps(model, loss, ref, eager_first: bool = False) -> None:
+    """``loss(m)`` (the batch's loss through ``m``) backpropagated in two steps of ``torch.compile(model)``
+    (aot_eager) inside PerSampleGradNorms, after one step of ``model`` itself with ``eager_first``: each
+    step's norms equal ``ref`` (HF's losses are float32 even for a float64 model: rtol 1e-6)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model) as norms:
+        for m in (model,) * eager_first + (compiled, compiled):
+            model.zero_grad()
+            loss(m).backward()
+            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_compiled_tiny_gpt2_per_example_norms(tied):
     """torch.compile (aot_eager) over GPT-2 inside PerSampleGradNorms: its Conv1D projections on the Linear
     rule, the tied table's hooks eager (a graph break at the embedding and the head), two steps equal to one
     backward per example (before: an error naming the tie; untied, a graph break at every Conv1D)."""
-    import torch._dynamo
     model = tiny_gpt2(tied=tied).double()
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))
     ref = sum(example_param_sq_norms(model, (loss_of(model, ids[i:i + 1]) for i in range(B))).values())
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as norms:
-        for _ in range(2):
-            model.zero_grad()
-            loss_of(compiled, ids).backward()
-            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)   # (HF's loss: float32)
+    assert_compiled_steps(model, lambda m: loss_of(m, ids), ref)
 
 
 def test_compiled_tiny_beit_relative_position_bias():
     """BEiT's layer (its layer-scale parameters: an eager parent under torch.compile) passes the relative
     position bias its child returned, still followed, to its attention: that child runs eagerly (before:
     Dynamo traced the followed tensor into a RecursionError); the norms are one backward per example's."""
-    import torch._dynamo
     torch.manual_seed(0)
     model = transformers.BeitForImageClassification(transformers.BeitConfig(
         image_size=32, patch_size=8, num_labels=2, use_relative_position_bias=True, drop_path_rate=0.0,
@@ -547,13 +553,7 @@ def test_compiled_tiny_beit_relative_position_bias():
     y = torch.tensor([0, 1, 1])
     ref = sum(example_param_sq_norms(model, (model(pixel_values=x[b:b + 1], labels=y[b:b + 1]).loss
                                              for b in range(3))).values())
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as norms:
-        for _ in range(2):
-            model.zero_grad()
-            compiled(pixel_values=x, labels=y).loss.backward()
-            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)
+    assert_compiled_steps(model, lambda m: m(pixel_values=x, labels=y).loss, ref)
 
 
 def _tiny(kind: str):
@@ -580,16 +580,9 @@ def test_compiled_after_an_eager_step_matches_per_example_backward(kind):
     step first, from which the positional embedding's broadcast, OPT's folded rows and ALBERT's shared
     layer are learned; the two compiled steps after it equal one backward per example (before: each was
     refused by name at every compiled step)."""
-    import torch._dynamo
     model = _tiny(kind).double()
     ids = torch.randint(2, V, (3, T), generator=torch.Generator().manual_seed(5))
     y = torch.tensor([0, 1, 1])
     ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=y[b:b + 1]).loss
                                              for b in range(3))).values())
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as norms:
-        for m in (model, compiled, compiled):
-            model.zero_grad()
-            m(input_ids=ids, labels=y).loss.backward()
-            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)
+    assert_compiled_steps(model, lambda m: m(input_ids=ids, labels=y).loss, ref, eager_first=True)

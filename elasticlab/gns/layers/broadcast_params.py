@@ -99,14 +99,14 @@ def _roots_of(fol: list) -> tuple:
     return tuple({id(r): r for f in fol for r in ((f,) if f._root is not None else f._roots)}.values())
 
 
-def _dispatch(func, args: tuple, kwargs: dict):
-    if getattr(func, "__name__", None) == "__get__":          # an attribute: .shape, .dtype, .T, .data
-        expand_plan.attribute(args[0], func)
-        out = func(*args, **kwargs)
-        return _follow(out, args[0]._step, args[0]._live, roots=_roots_of([args[0]]),
-                       pending=args[0]._pending) if isinstance(out, torch.Tensor) else out
-    flat, _ = tree_flatten((args, kwargs))
-    fol = [a for a in flat if isinstance(a, Followed)]
+def _attribute(func, args: tuple, kwargs: dict):          # .shape, .dtype, .T, .data of a followed tensor
+    expand_plan.attribute(args[0], func)
+    out = func(*args, **kwargs)
+    return _follow(out, args[0]._step, args[0]._live, roots=_roots_of([args[0]]),
+                   pending=args[0]._pending) if isinstance(out, torch.Tensor) else out
+
+
+def _dispatch(func, args: tuple, kwargs: dict, flat: list, fol: list):
     others = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, Followed)]
     step, live, B = fol[0]._step, all(f._live for f in fol), fol[0]._step.batch
     roots, pending = _roots_of(fol), tuple(r for f in fol for r in f._pending)
@@ -239,11 +239,14 @@ def _fills(shape, out, batch: int) -> bool:
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
     with torch._C.DisableTorchFunctionSubclass():
+        kwargs = kwargs or {}
         if getattr(func, "__name__", None) == "__get__":
-            return _dispatch(func, args, kwargs or {})
-        watched = expand_plan.begin([a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Followed)])
+            return _attribute(func, args, kwargs)
+        flat, _ = tree_flatten((args, kwargs))
+        fol = [a for a in flat if isinstance(a, Followed)]
+        watched = expand_plan.begin(fol)
         try:
-            return _dispatch(func, args, kwargs or {})
+            return _dispatch(func, args, kwargs, flat, fol)
         finally:
             expand_plan.end(watched)
 
@@ -363,10 +366,10 @@ def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
             folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
             if isinstance(t, torch.Tensor)):
         return False                   # (a call on rows that fold the batch: its rule reads them so)
-    if in_compiled_region() and (got := expand_plan.expanded(slot, inputs, output, B)) is not None:
-        return got                             # (its use learned in an eager step: expanded, .expand_plan)
     if in_compiled_region():                   # not followed: the readers raise (a traced flag, replayed;
         # or eagerly after a graph break, whose followed output compiled code would then trace: a crash)
+        if (got := expand_plan.expanded(slot, inputs, output, B)) is not None:
+            return got                         # (unless an eager step learned its use: .expand_plan)
         for pn in slot.need:
             slot.unmeasured[pn] = (
                 f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
