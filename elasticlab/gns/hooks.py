@@ -41,8 +41,11 @@ def forward_hook(owner, slot):
         if unb is None:                   # refused under torch.compile: the readers raise, naming the call
             return
         if isinstance(unb, tuple):        # compiled, expanded over the batch as learned (layers.expand_plan)
-            new = hook(module, unb[0], kwargs, unb[1])
-            return unb[1] if new is None else new
+            args, out, norms = unb
+            if norms is not None:         # (its output alone: the vjp of the call at each example's gradient)
+                return expanded_call(slot, module, inputs, out, norms)
+            new = hook(module, args, kwargs, out)
+            return out if new is None else new
         counted = slot.called(unb)
         if slot.rule.outputs and isinstance(output, (tuple, list)) and Join.takes(output):
             if counted:
@@ -82,6 +85,20 @@ def forward_hook(owner, slot):
         output.register_hook(on_grad(slot, module, inputs, output))
         return fresh
     return hook
+
+
+def expanded_call(slot, module, inputs: tuple, output, norms):
+    """A batch-less call's output expanded over the batch (:mod:`.layers.expand_plan`), its norms by
+    ``norms`` from the call's inputs and the expansion's gradient: through the sink where traced, else
+    recorded by a tensor hook (compile's eager parts)."""
+    if not slot.called() or not output.requires_grad:
+        return output
+    if torch.compiler.is_compiling():
+        if (t := tap(slot, module, inputs, output, norms)) is not None:
+            return t
+    saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
+    output.register_hook(lambda g: slot.record(norms(module, saved, g.detach(), slot.call_need), g.shape[0]))
+    return output
 
 
 def fold_of_call(slot, inputs: tuple, output):

@@ -541,19 +541,49 @@ def test_positions_without_the_batch_under_compile_are_named():
         torch.testing.assert_close(got["tok.weight"], want["tok.weight"], rtol=1e-9, atol=1e-12)
 
 
-class Absolute(nn.Module):
-    """Token embeddings plus a positional nn.Embedding on an index without the batch, its output used as
-    ``use`` says: ``add`` (GPT-2, through ``.to``), ``inplace`` (BERT's ``embeddings += …``), ``expand`` (an
-    explicit expand to the batch), or ways the expansion would change: ``sum`` (a reduction over its dim 0),
-    ``index`` (its row 0), ``shape`` (read), ``twice`` (two uses), ``dropout`` (a mask per example)."""
+class Learned(nn.Embedding):
+    """BART's positional embedding: a forward of its own, handed the batched ids (for their shape) and the
+    positions by keyword, which it offsets: (1, T, D), not a lookup of its first argument."""
 
-    def __init__(self, use, V=11, T=6, D=8):
+    def __init__(self, T, D):
+        super().__init__(T + 2, D)
+
+    def forward(self, input_ids, cache_length=0, position_ids=None):
+        return super().forward(position_ids.unsqueeze(0) + 2 + cache_length)
+
+
+class Table(nn.Module):
+    """A leaf with no rule of its own (the generic rule): a gained table of positions, (T, D) on
+    ``arange(T)``."""
+
+    def __init__(self, T, D):
         super().__init__()
-        self.tok, self.pos, self.head, self.use = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, V), use
+        self.table, self.gain = nn.Parameter(torch.randn(T, D)), nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, positions):
+        return self.table[positions] * self.gain
+
+
+class Absolute(nn.Module):
+    """Token embeddings plus a positional layer on an index without the batch (``pos``: an nn.Embedding,
+    BART's :class:`Learned`, or the generic :class:`Table`), its output used as ``use`` says: ``add``
+    (GPT-2, through ``.to``), ``inplace`` (BERT's ``embeddings += …``), ``expand`` (an explicit expand to
+    the batch), or ways the expansion would change: ``sum`` (a reduction over its dim 0), ``index`` (its row
+    0), ``shape`` (read), ``twice`` (two uses), ``dropout`` (a mask per example)."""
+
+    def __init__(self, use, V=11, T=6, D=8, pos="embedding"):
+        super().__init__()
+        self.tok, self.head, self.use, self.kind = nn.Embedding(V, D), nn.Linear(D, V), use, pos
+        self.pos = {"embedding": nn.Embedding, "learned": Learned, "table": Table}[pos](T, D)
 
     def forward(self, idx):
         h, T = self.tok(idx), idx.shape[1]
-        p = self.pos(torch.arange(T)[None])                                   # (1, T, D)
+        if self.kind == "embedding":
+            p = self.pos(torch.arange(T)[None])                               # (1, T, D)
+        elif self.kind == "learned":
+            p = self.pos(idx, 0, position_ids=torch.arange(T))               # (1, T, D)
+        else:
+            p = self.pos(torch.arange(T))                                     # (T, D)
         if self.use == "add":
             h = h + p.to(h.dtype)
         elif self.use == "inplace":
@@ -573,12 +603,12 @@ class Absolute(nn.Module):
         return self.head(torch.tanh(h))
 
 
-def _absolute_steps(use, fused, first="eager", strict=True):
+def _absolute_steps(use, fused, first="eager", strict=True, pos="embedding"):
     """The model's norms over an eager step (``first``) then two compiled (aot_eager) ones, each against one
     backward per example (float64)."""
     import torch._dynamo
     torch.manual_seed(0)
-    model, idx = Absolute(use).double(), torch.randint(0, 11, (5, 6))
+    model, idx = Absolute(use, pos=pos).double(), torch.randint(0, 11, (5, 6))
     loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
     want = sum(example_param_sq_norms(model, (loss(model(idx[b:b + 1]), idx[b:b + 1])
                                               for b in range(5))).values())
@@ -601,6 +631,25 @@ def test_positions_broadcast_only_are_expanded_under_compile_after_an_eager_step
     expand it (and its index) over the batch, and the norms are one backward per example's (before: the
     readers raised naming 'pos' under compile)."""
     _absolute_steps(use, fused)
+
+
+@pytest.mark.parametrize("pos", ["learned", "table"])
+@pytest.mark.parametrize("use", ["add", "inplace", "expand"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_positional_layers_of_their_own_are_expanded_under_compile_after_an_eager_step(pos, use, fused):
+    """A batch-less call that is not a lookup of its first argument (BART's embedding, making its positions
+    from a keyword; a generic leaf on ``arange(T)`` giving (T, D)): the compiled steps expand its output
+    alone, and its norms are the vjp of its one forward at each example's gradient of the expansion
+    (before: the readers raised naming it at every compiled step, after an eager step too)."""
+    _absolute_steps(use, fused, pos=pos)
+
+
+@pytest.mark.parametrize("pos", ["learned", "table"])
+@pytest.mark.parametrize("use", ["sum", "twice"])
+def test_positional_layers_of_their_own_used_otherwise_are_still_named(pos, use):
+    with pytest.raises(RuntimeError, match=r"module 'pos' \((Learned|Table)\) ran without the batch .* under "
+                                           r"torch.compile.* an eager step saw its output used otherwise"):
+        _absolute_steps(use, True, pos=pos)
 
 
 def test_positions_under_compile_without_an_eager_step_are_still_named():

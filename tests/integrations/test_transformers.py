@@ -586,3 +586,20 @@ def test_compiled_after_an_eager_step_matches_per_example_backward(kind):
     ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=y[b:b + 1]).loss
                                              for b in range(3))).values())
     assert_compiled_steps(model, lambda m: m(input_ids=ids, labels=y).loss, ref, eager_first=True)
+
+
+def test_compiled_bart_after_an_eager_step_matches_per_example_backward():
+    """BART's decoder positional embedding has a forward of its own (positions made from ``position_ids`` by
+    keyword, an offset added) and gives (1, T, D): after one eager step, which saw it only added to the
+    batch, the compiled steps expand its output and take the vjp of its one forward at each example's
+    gradient (layers.expand_plan); two compiled steps equal one backward per example (before: refused by
+    name at every compiled step, eager step or not)."""
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=V, max_position_embeddings=T + 2, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)).double()
+    ids = torch.randint(3, V, (3, T), generator=torch.Generator().manual_seed(6))
+    ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
+                                             for b in range(3))).values())
+    assert_compiled_steps(model, lambda m: m(input_ids=ids, labels=ids).loss, ref, eager_first=True)

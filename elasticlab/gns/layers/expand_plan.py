@@ -13,11 +13,21 @@ e = E[idx] by its expansion over the batch, E[idx] for each example b, changes n
 used is run that way (:func:`expanded`); any other use seen (an index, a reduction, ``.shape``, a second
 use, dropout, which would draw a mask per example) rules it out for good, and the readers still raise
 naming the layer, as they do before any eager step.
+
+A call that is not such a lookup of its first argument (BART's and Whisper's positional embeddings, whose
+own forwards make the positions; a generic leaf module on ``arange(T)``) has its output alone expanded, and
+its norms are those of the vjp of its one forward at each example's gradient of the expansion,
+∇θ ℓ_b = J_θ f(θ, x)ᵀ δ_b (:func:`output_norms`: the batched vjp the eager step takes at the broadcast),
+B per-example gradients of its parameters at once, chunked as the generic rule's are.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.func import vjp, vmap
+from torch.nn.utils.stateless import _reparametrize_module
+
+from elasticlab.gns import kernels
 
 # ops on the followed output alone that keep its shape and values: the expansion commutes with them
 KEEPS = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous, torch.Tensor.clone,
@@ -29,8 +39,14 @@ _OK: list[set] = []        # per op on a followed call's output: the ids its bra
 
 
 def applies(slot) -> bool:
-    """An nn.Embedding (or a subclass that scales its lookup) with its rule: the expansion is a lookup on
-    the expanded index."""
+    """A layer whose rule reads a call without the batch (``Rule.unbatched``) with no children, whose forward
+    can be run again in the backward with no hook inside it: its output can be expanded (:func:`expanded`)."""
+    return slot.rule.unbatched and next(slot.module.children(), None) is None
+
+
+def _is_lookup(slot) -> bool:
+    """An nn.Embedding (or a subclass that scales its lookup) with its rule: the expansion is a lookup on the
+    expanded index."""
     return isinstance(slot.module, nn.Embedding) and slot.rule.params == ("weight",)
 
 
@@ -91,7 +107,13 @@ def learn(step, plan: tuple) -> None:
 
 def advice(slot) -> str:
     """What lifts a compiled call's refusal: an eager step first, unless one already saw another use."""
-    if slot.follow is not None and slot.follow.expand is SPOILED and applies(slot):
+    if not applies(slot):
+        return ("its module has children, whose calls would run inside its forward again, so its output is "
+                "not expanded under compile: run the model eagerly")
+    if slot.shared and slot.follow is not None and slot.follow.expand:
+        return ("it is called more than once in a forward and is not a lookup of its first argument, so its "
+                "calls are not expanded under compile: run the model eagerly")
+    if slot.follow is not None and slot.follow.expand is SPOILED:
         return ("an eager step saw its output used otherwise than by one broadcast over the batch (permuted, "
                 "indexed, reduced, used twice), so it is not expanded under compile: run the model eagerly")
     return ("run one step eagerly first (the model itself, not compiled), from which an output only "
@@ -99,18 +121,45 @@ def advice(slot) -> str:
 
 
 def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
-    """(args, output) of a batch-less call expanded over the batch as learned, or None: not learned, ruled
-    out, or a call of another shape than the one learned from. ``inputs``: the hook's (a rule with
-    ``kwargs`` gets them as a dict after the others)."""
+    """(args, output, norms) of a batch-less call expanded over the batch as learned, or None: not learned,
+    ruled out, or a call of another shape than the one learned from. ``inputs``: the hook's (a rule with
+    ``kwargs`` gets them as a dict after the others). A lookup
+    of its first argument gets that index expanded too, and ``norms`` None (its rule reads the expanded call);
+    any other call keeps its arguments, ``norms`` then :func:`output_norms` (not for a module called several
+    times in a forward, whose calls' per-example gradients would have to be summed before the norm)."""
     args, kwargs = (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
     step = slot.follow
     plan = None if step is None else step.expand
-    if not plan or not applies(slot) or not args or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+    if not plan or not applies(slot):
         return None
-    idx, (dims, lead) = args[0], plan
-    if not isinstance(idx, torch.Tensor) or output.dim() != dims \
-            or tuple(idx.shape) != tuple(output.shape[:-1]) or (lead == 0 and output.shape[0] != 1):
+    dims, lead = plan
+    if output.dim() != dims or (lead == 0 and output.shape[0] != 1):
         return None
-    idx = idx.reshape((1,) * lead + tuple(idx.shape))
     out = output.reshape((1,) * lead + tuple(output.shape))
-    return ((idx.expand(batch, *idx.shape[1:]), *args[1:]), out.expand(batch, *out.shape[1:]))
+    out = out.expand(batch, *out.shape[1:])
+    idx = args[0] if args else None
+    if _is_lookup(slot) and isinstance(idx, torch.Tensor) and tuple(idx.shape) == tuple(output.shape[:-1]) \
+            and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        idx = idx.reshape((1,) * lead + tuple(idx.shape))
+        return (idx.expand(batch, *idx.shape[1:]), *args[1:]), out, None
+    return None if slot.shared else (args, out, output_norms)
+
+
+def output_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dict:
+    """‖∇θ ℓ_b‖² of each needed parameter for a batch-less call whose output was expanded over the batch:
+    ∇θ ℓ_b = J_θ f(θ, x)ᵀ δ_b, the vjp of the call's one forward (its class's own, so that no hook runs: it
+    may be traced) at example b's gradient δ_b of the expansion (d, (B, …)), by vmap in chunks."""
+    from elasticlab.gns.layers.generic import chunk_size
+    args, kwargs = (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
+    params = {pn: module.get_parameter(pn).detach() for pn in need}
+
+    def forward(p):
+        with _reparametrize_module(module, p, tie_weights=False, strict=False):
+            return type(module).forward(module, *args, **kwargs)
+
+    B = d.shape[0]
+    with torch.enable_grad():
+        out, pull = vjp(forward, params)
+        per = vmap(lambda v: pull(v.reshape(out.shape).to(out.dtype))[0],
+                   chunk_size=chunk_size(B, params.values()))(d)
+    return {pn: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for pn, v in per.items()}
