@@ -41,9 +41,9 @@ def forward_hook(owner, slot):
         if unb is None:                   # refused under torch.compile: the readers raise, naming the call
             return
         if isinstance(unb, tuple):        # compiled, expanded over the batch as learned (layers.expand_plan)
-            args, out, norms = unb
+            args, out, norms, fold = unb
             if norms is not None:         # (its output alone: the vjp of the call at each example's gradient)
-                return expanded_call(slot, module, inputs, out, norms)
+                return expanded_call(slot, module, inputs, out, norms, fold)
             new = hook(module, args, kwargs, out)
             return out if new is None else new
         counted = slot.called(unb)
@@ -87,18 +87,24 @@ def forward_hook(owner, slot):
     return hook
 
 
-def expanded_call(slot, module, inputs: tuple, output, norms):
+def expanded_call(slot, module, inputs: tuple, output, norms, fold=None):
     """A batch-less call's output expanded over the batch (:mod:`.layers.expand_plan`), its norms by
     ``norms`` from the call's inputs and the expansion's gradient: through the sink where traced, else
-    recorded by a tensor hook (compile's eager parts)."""
+    recorded by a tensor hook (compile's eager parts). With ``fold``, then repeated to the rows that fold the
+    batch with windows, so that each example's gradient is the sum over its rows."""
     if not slot.called() or not output.requires_grad:
-        return output
-    if torch.compiler.is_compiling():
-        if (t := tap(slot, module, inputs, output, norms)) is not None:
-            return t
-    saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
-    output.register_hook(lambda g: slot.record(norms(module, saved, g.detach(), slot.call_need), g.shape[0]))
-    return output
+        return output if fold is None else _to_rows(output, fold)
+    t = tap(slot, module, inputs, output, norms) if torch.compiler.is_compiling() else None
+    if t is None:
+        saved = tuple(i.detach() if isinstance(i, torch.Tensor) else i for i in inputs)
+        t = output.view_as(output)
+        t.register_hook(lambda g: slot.record(norms(module, saved, g.detach(), slot.call_need), g.shape[0]))
+    return t if fold is None else _to_rows(t, fold)
+
+
+def _to_rows(t, fold):
+    """(B, …) repeated to the (B·per, …) rows of ``fold``: example b's tensor on each of its rows."""
+    return fold.refold(t.unsqueeze(1).expand(t.shape[0], fold.per, *t.shape[1:]))
 
 
 def fold_of_call(slot, inputs: tuple, output):

@@ -40,7 +40,7 @@ from elasticlab.gns import folds, hooks, loss_scale, repeated
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
-from elasticlab.gns.capture import batch_of, frozen, now_training
+from elasticlab.gns.capture import batched_input, frozen, now_training
 from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.layers.common import EagerUnderCompile
 from elasticlab.gns.sink import Sinks
@@ -82,6 +82,7 @@ class PerSampleGradNorms:
         self.grad_scaler = grad_scaler
         self._scale: torch.Tensor | None = None           # the loss scale of the current step
         self._batch: int | None = None                    # dim 0 of the model's input this step
+        self._input_shape: tuple | None = None            # and its shape
         self.skipped: list[str] = []
         self._warned: set[tuple[str, ...]] = set()
         self._slots: list[Slot] = slots_of(self, model, strict, self.skipped)
@@ -131,7 +132,10 @@ class PerSampleGradNorms:
             self._bufs = [s.buf for s in self._slots if s.buf is not None and not s._in_block]
         if self._bufs:                                     # NaN until this step's backward writes them
             torch._foreach_mul_(self._bufs, float("nan"))
-        self._scale, self._batch = loss_scale.current(self.grad_scaler), batch_of(args, kwargs)
+        x = batched_input(args, kwargs)                    # (its shape: .layers.expand_plan's rows)
+        self._input_shape = None if x is None else tuple(x.shape)
+        self._batch = None if x is None else int(x.shape[0])
+        self._scale = loss_scale.current(self.grad_scaler)
         self._sinks.ready(args, kwargs)                    # (and forgets the last step's gradient)
         self._audit.begin(args, kwargs)
         self._forwards.begin()

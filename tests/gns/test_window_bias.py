@@ -138,3 +138,58 @@ def test_on_the_device_under_autocast(device, autocast):
     torch.manual_seed(3)
     x, y = torch.randn(16, 6, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
     on_device(WindowAttention(shifted=True), x, y, _loss, device, autocast)
+
+
+def _compiled_after_eager(model, xs, y, fused):
+    """One eager step on ``xs[0]``, then compiled (aot_eager) ones on each of ``xs``; every step's norms
+    against one backward per example (float64)."""
+    import torch._dynamo
+    wants = [sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
+                                                for b in range(len(x)))).values()) for x in xs]
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        for m, x, want in ((model, xs[0], wants[0]), *((run, x, w) for x, w in zip(xs, wants))):
+            model.zero_grad()
+            _loss(m(x), y[:len(x)]).backward()
+            torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+@pytest.mark.parametrize("shifted", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_window_bias_under_compile_after_an_eager_step(fused, shifted, sdpa):
+    """Under torch.compile the bias is not followed; an eager step learned that it meets the batch only on
+    rows that fold it with windows (alone or through the shifted mask), batch-major, 2 per example: the
+    compiled steps expand its output over the batch, repeat it to each example's rows and take the vjp of
+    its forward at each example's gradient, summed over its rows; exact (before: refused by name at every
+    compiled step, eager step or not)."""
+    torch.manual_seed(0)
+    model = WindowAttention(shifted=shifted, sdpa=sdpa).double()
+    x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    _compiled_after_eager(model, (x, x), y, fused)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_window_bias_time_major_under_compile_after_an_eager_step(shifted):
+    """Rows j·B + b: the repetition under compile follows the layout the eager step found."""
+    torch.manual_seed(1)
+    model = WindowAttention(shifted=shifted, time_major=True).double()
+    x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    _compiled_after_eager(model, (x, x), y, True)
+
+
+def test_window_bias_under_compile_at_another_input_shape_is_named():
+    """More windows than the eager step saw (the rows per example come from the input's shape): refused by
+    name, rather than repeated to the wrong rows (a shape error inside the compiled graph)."""
+    class Resizable(WindowAttention):
+        def forward(self, x):
+            self.nW = x.shape[1] // self.N
+            return super().forward(x)
+
+    torch.manual_seed(2)
+    model = Resizable().double()
+    x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with pytest.raises(RuntimeError, match=r"module 'bias' \(RelativeBias\) ran without the batch .* for "
+                                           r"inputs of shape \(B, 6, 3\), and this one is \(5, 9, 3\)"):
+        _compiled_after_eager(model, (x, torch.randn(5, 9, 3, dtype=torch.float64)), y, True)

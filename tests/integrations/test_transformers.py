@@ -603,3 +603,19 @@ def test_compiled_bart_after_an_eager_step_matches_per_example_backward():
     ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
                                              for b in range(3))).values())
     assert_compiled_steps(model, lambda m: m(input_ids=ids, labels=ids).loss, ref, eager_first=True)
+
+
+def test_compiled_swin_after_an_eager_step_matches_per_example_backward():
+    """Swin's relative position bias (1, H, N, N) meets the batch on its windows' B·nW rows, shifted or not
+    (the second stage: one window, the batch itself): after one eager step, which learned those rows'
+    layout, the compiled steps repeat its output to each example's rows (layers.expand_plan); two compiled
+    steps equal one backward per example (before: refused by name at every compiled step)."""
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=8, depths=[2, 1], num_heads=[1, 2], window_size=4,
+        num_labels=2, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).double()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 1])
+    ref = sum(example_param_sq_norms(model, (model(pixel_values=x[b:b + 1], labels=y[b:b + 1]).loss
+                                             for b in range(3))).values())
+    assert_compiled_steps(model, lambda m: m(pixel_values=x, labels=y).loss, ref, eager_first=True)

@@ -149,11 +149,13 @@ def _dispatch(func, args: tuple, kwargs: dict, flat: list, fol: list):
             if pending and mask.dim() and mask.shape[0] == q.shape[0] and _resolve(pending, q, B):
                 return func(*args, **kwargs)           # (its rows' taps take the gradient)
             if not pending and _fills(mask.shape, (q.shape[0],) * q.dim(), B):
+                expand_plan.tapped([mask], q.dim())
                 new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim())})
                 return func(*new_args, **new_kwargs)
             if not pending and mask.dim() <= q.dim() and (fold := _rows_of(q, B)) is not None \
                     and _fills(mask.shape, (B,) * q.dim(), B):
                 rows = Rows(q.shape[0], fold)         # (Swin's bias, (1, H, N, N), on (B·nW) windows)
+                expand_plan.tapped([mask], q.dim(), rows)
                 new_args, new_kwargs = swap({id(mask): step.tap(mask, live, q.dim(), rows)})
                 return func(*new_args, **new_kwargs)
     if (func is F.linear or func in _MATMULS) and B and not pending \
@@ -194,6 +196,7 @@ def _resolve(pending: tuple, t: torch.Tensor, batch: int) -> bool:
         return False
     for r in pending:
         r.fold = fold
+        expand_plan.resolved(r)
     return True
 
 
@@ -216,10 +219,12 @@ def _to_rows(step: Step, fol: list, others: list, shape: tuple, live: bool, swap
                 if not _resolve(f._pending, batched[0], B):
                     return None
             elif not f._pending and _fills(f.shape, (B,) * len(shape), B):
-                new[id(f)] = step.tap(f, live, len(shape), Rows(R, fold))
+                new[id(f)] = (f, Rows(R, fold))
             else:
                 return None
-        new_args, new_kwargs = swap(new)
+        for f, rows in new.values():
+            expand_plan.tapped([f], len(shape), rows)
+        new_args, new_kwargs = swap({i: step.tap(f, live, len(shape), rows) for i, (f, rows) in new.items()})
         return func(*new_args, **new_kwargs)
     if any(a.requires_grad for a in others) or not any(a.dim() == len(shape) and a.shape[0] == R
                                                         for a in others):
@@ -227,6 +232,7 @@ def _to_rows(step: Step, fol: list, others: list, shape: tuple, live: bool, swap
     if any(f._pending or not _fills(f.shape, (B,) * len(shape), B) for f in fol):
         return None
     rows = Rows(R)
+    expand_plan.tapped(fol, len(shape), rows)
     new_args, new_kwargs = swap({id(f): step.tap(f, live, len(shape), rows) for f in fol})
     return _follow(func(*new_args, **new_kwargs), step, live, roots=_roots_of(fol), pending=(rows,))
 
@@ -354,9 +360,8 @@ def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
     embedding handed its positions by keyword). Its output is then followed to its broadcast
     (:func:`follow_call`) instead of its rule reading dim 0 as the examples; where the sizes coincide, the
     broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Followed eagerly only:
-    under ``torch.compile`` (also in its eager parts, after a graph break) an embedding whose outputs an
-    eager step saw only broadcast over the batch is expanded over it ((args, output),
-    :mod:`.expand_plan`), and any other such call makes the readers raise naming the layer (None)."""
+    under ``torch.compile`` (also in its eager parts, after a graph break) it is expanded as an eager step
+    learned, or refused by name (None): :func:`.expand_plan.compiled`."""
     B = slot.owner._batch
     if not ENABLED or B is None or not isinstance(output, torch.Tensor):
         return False
@@ -366,17 +371,8 @@ def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
             folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
             if isinstance(t, torch.Tensor)):
         return False                   # (a call on rows that fold the batch: its rule reads them so)
-    if in_compiled_region():                   # not followed: the readers raise (a traced flag, replayed;
-        # or eagerly after a graph break, whose followed output compiled code would then trace: a crash)
-        if (got := expand_plan.expanded(slot, inputs, output, B)) is not None:
-            return got                         # (unless an eager step learned its use: .expand_plan)
-        for pn in slot.need:
-            slot.unmeasured[pn] = (
-                f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
-                f"shape {tuple(output.shape)}, the batch {B}) under torch.compile, where such a call is not "
-                f"followed to its broadcast: {expand_plan.advice(slot)}, or expand its input over the "
-                "batch, e.g. pos.unsqueeze(0).expand(B, -1)")
-        return None                            # (refused: its rule does not read the call either)
+    if in_compiled_region():           # not followed (a traced flag, replayed; or eagerly after a graph
+        return expand_plan.compiled(slot, inputs, output, B)   # break, then traced by compiled code: a crash)
     if slot.follow is None:
         slot.follow = Step(slot, layer=True)
     slot.follow.shape = tuple(output.shape)

@@ -12,7 +12,7 @@ from torch.func import vjp, vmap
 from torch.utils._pytree import tree_map
 
 from elasticlab.gns import kernels
-from elasticlab.gns.layers import row_grams
+from elasticlab.gns.layers import expand_plan, row_grams
 
 if TYPE_CHECKING:
     from elasticlab.gns.layers.broadcast_params import Followed
@@ -26,10 +26,11 @@ class Rows:
     a constant of R rows (the shifted windows' mask), that is only later, at the op that takes the result
     with the batch (scaled_dot_product_attention's query): until then ``fold`` is None, and ``cancelled``
     where the result went on to an op that needs the tensor's own gradient (followed as before)."""
-    __slots__ = ("R", "fold", "cancelled", "open")
+    __slots__ = ("R", "fold", "cancelled", "open", "plans")
 
     def __init__(self, R: int, fold=None):
         self.R, self.fold, self.cancelled, self.open = R, fold, False, False
+        self.plans: list = []      # (a watched layer's Step, (dims, leading dims added)): .expand_plan
 
 
 class Step:
@@ -192,6 +193,7 @@ class Step:
                 if r.fold is None and not r.cancelled:
                     r.cancelled = True
                     self.open -= r.open
+                    expand_plan.resolved(r)
 
     def _take(self, f: Followed, shape: tuple, g: torch.Tensor, rows: Rows | None = None) -> None:
         if rows is not None and rows.cancelled:
@@ -200,6 +202,7 @@ class Step:
         if rows is not None:
             if rows.fold is None:
                 self.refuse(f, "an op that never met the batch its rows fold", folded=True)
+                expand_plan.resolved(rows)
                 return
             g = rows.fold.sum_rows(g)                  # (R, …) → (B, …): each example's rows
         self.add([(f, g.detach().reshape(g.shape[0], *shape))])

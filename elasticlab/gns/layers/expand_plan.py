@@ -1,4 +1,4 @@
-"""A batch-less embedding call under ``torch.compile``, expanded over the batch as an eager step saw it used.
+"""A batch-less layer call under ``torch.compile``, expanded over the batch as an eager step saw it used.
 
 Eagerly, an nn.Embedding called without the batch (Hugging Face's ``position_ids`` (1, T), ``arange(T)``) is
 followed to where its output meets the batch (:mod:`.broadcast_params`); compiled code cannot trace that
@@ -19,6 +19,14 @@ own forwards make the positions; a generic leaf module on ``arange(T)``) has its
 its norms are those of the vjp of its one forward at each example's gradient of the expansion,
 ∇θ ℓ_b = J_θ f(θ, x)ᵀ δ_b (:func:`output_norms`: the batched vjp the eager step takes at the broadcast),
 B per-example gradients of its parameters at once, chunked as the generic rule's are.
+
+An output the eager step saw meet the batch on rows that fold it with windows (Swin's relative position
+bias, (1, H, N, N), added to the (B·nW, H, N, N) scores, alone or through the shifted windows' mask) is
+kept with that layout, (rows per example, batch-major) and the model input's shape past the batch, which
+the windows come from. Under compile, at that input shape, its expansion over the batch is repeated to
+each example's rows (:func:`elasticlab.gns.hooks.expanded_call`), so that the gradient reaching the
+expansion is each example's summed over its rows, as the eager tap sums them; at another input shape the
+call is refused by name.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from torch.func import vjp, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
 from elasticlab.gns import kernels
+from elasticlab.gns.folds import Fold
 
 # ops on the followed output alone that keep its shape and values: the expansion commutes with them
 KEEPS = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous, torch.Tensor.clone,
@@ -72,13 +81,33 @@ def begin(fol: list) -> list:
     return mine
 
 
-def tapped(fol: list, ndim: int) -> None:
-    """The op's branch expanded ``fol`` over the batch (dim 0 of a result of ``ndim`` dimensions): for a
-    watched tensor used here first, that is the plan, (its dimensions, the leading ones the op adds)."""
+def tapped(fol: list, ndim: int, rows=None) -> None:
+    """The op's branch expanded ``fol`` over the batch (dim 0 of a result of ``ndim`` dimensions), or with
+    ``rows`` (a :class:`~.broadcast_taps.Rows`) to the R rows that fold it with windows: for a watched tensor
+    used here first, that is the plan, (its dimensions, the leading ones the op adds), and for rows their
+    layout, once known (:func:`resolved`)."""
     for f in fol:
         if getattr(f, "_plan", None) is not None and f._uses == 1:
             _OK[-1].add(id(f))
-            learn(f._plan, (f.dim(), ndim - f.dim()))
+            if rows is None:
+                learn(f._plan, (f.dim(), ndim - f.dim()))
+            else:
+                rows.plans.append((f._plan, (f.dim(), ndim - f.dim())))
+                if rows.fold is not None:
+                    resolved(rows)
+
+
+def resolved(rows) -> None:
+    """The layout of rows a watched output was expanded to is known, or never will be (cancelled: the result
+    went on to another use; or it never met the batch): the plan (dims, leading dims added, rows per
+    example, batch-major, the model input's shape past the batch, which the windows come from), or none."""
+    for step, (dims, lead) in rows.plans:
+        if rows.cancelled or rows.fold is None:
+            step.expand = SPOILED
+        else:
+            shape = step.slot.owner._input_shape
+            learn(step, (dims, lead, rows.fold.per, rows.fold.major, shape and shape[1:]))
+    rows.plans = []
 
 
 def kept(func, fol: list, out) -> None:
@@ -113,11 +142,31 @@ def advice(slot) -> str:
     if slot.shared and slot.follow is not None and slot.follow.expand:
         return ("it is called more than once in a forward and is not a lookup of its first argument, so its "
                 "calls are not expanded under compile: run the model eagerly")
+    plan = None if slot.follow is None else slot.follow.expand
+    if plan and len(plan) > 2:
+        tail = ", ".join(map(str, plan[4] or ()))
+        return (f"an eager step learned the rows that fold the batch with windows, which its output is "
+                f"repeated to, for inputs of shape (B, {tail}), and this one is {slot.owner._input_shape}: "
+                "run one step eagerly at this shape first")
     if slot.follow is not None and slot.follow.expand is SPOILED:
         return ("an eager step saw its output used otherwise than by one broadcast over the batch (permuted, "
                 "indexed, reduced, used twice), so it is not expanded under compile: run the model eagerly")
     return ("run one step eagerly first (the model itself, not compiled), from which an output only "
             "broadcast over the batch is learned and then expanded under compile")
+
+
+def compiled(slot, inputs: tuple, output: torch.Tensor, batch: int):
+    """A batch-less call under torch.compile: :func:`expanded`, or None with the readers made to raise naming
+    the layer (its rule does not read the call either)."""
+    if (got := expanded(slot, inputs, output, batch)) is not None:
+        return got
+    for pn in slot.need:
+        slot.unmeasured[pn] = (
+            f"module {slot.name!r} ({type(slot.module).__name__}) ran without the batch (its output has "
+            f"shape {tuple(output.shape)}, the batch {batch}) under torch.compile, where such a call is not "
+            f"followed to its broadcast: {advice(slot)}, or expand its input over the batch, e.g. "
+            "pos.unsqueeze(0).expand(B, -1)")
+    return None
 
 
 def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
@@ -132,17 +181,23 @@ def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
     plan = None if step is None else step.expand
     if not plan or not applies(slot):
         return None
-    dims, lead = plan
+    dims, lead, *rows = plan
     if output.dim() != dims or (lead == 0 and output.shape[0] != 1):
         return None
     out = output.reshape((1,) * lead + tuple(output.shape))
     out = out.expand(batch, *out.shape[1:])
+    if rows:                            # (to the rows that fold the batch, for the same model input shape)
+        per, major, tail = rows
+        shape = slot.owner._input_shape
+        if slot.shared or shape is None or shape[1:] != tail:
+            return None
+        return args, out, output_norms, Fold(batch, per, major)
     idx = args[0] if args else None
     if _is_lookup(slot) and isinstance(idx, torch.Tensor) and tuple(idx.shape) == tuple(output.shape[:-1]) \
             and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         idx = idx.reshape((1,) * lead + tuple(idx.shape))
-        return (idx.expand(batch, *idx.shape[1:]), *args[1:]), out, None
-    return None if slot.shared else (args, out, output_norms)
+        return (idx.expand(batch, *idx.shape[1:]), *args[1:]), out, None, None
+    return None if slot.shared else (args, out, output_norms, None)
 
 
 def output_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dict:
