@@ -170,12 +170,13 @@ def compiled(slot, inputs: tuple, output: torch.Tensor, batch: int):
 
 
 def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
-    """(args, output, norms) of a batch-less call expanded over the batch as learned, or None: not learned,
-    ruled out, or a call of another shape than the one learned from. ``inputs``: the hook's (a rule with
-    ``kwargs`` gets them as a dict after the others). A lookup
-    of its first argument gets that index expanded too, and ``norms`` None (its rule reads the expanded call);
-    any other call keeps its arguments, ``norms`` then :func:`output_norms` (not for a module called several
-    times in a forward, whose calls' per-example gradients would have to be summed before the norm)."""
+    """(args, output, norms, fold) of a batch-less call expanded over the batch as learned, or None: not
+    learned, ruled out, or a call of another shape than the one learned from. ``inputs``: the hook's (a rule
+    with ``kwargs`` gets them as a dict after the others). A lookup of its first argument gets that index
+    expanded too, and ``norms`` None (its rule reads the expanded call); any other call keeps its
+    arguments, ``norms`` then :func:`output_norms` (not for a module called several times in a forward,
+    whose calls' per-example gradients would have to be summed before the norm). ``fold``: the layout of
+    the rows that fold the batch the expansion is then repeated to, else None."""
     args, kwargs = (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
     step = slot.follow
     plan = None if step is None else step.expand
