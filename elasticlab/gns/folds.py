@@ -276,12 +276,14 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
 def fold_for(slot, x) -> Fold | None:
     """The layout of a row-wise layer's folded input ``x``, or None where dim 0 is the batch (cached per
     input shape). Under ``torch.compile`` the graph cannot be read: the layout an eager step found for this
-    batch and input shape, else None."""
+    batch and input shape, or for another batch with as many rows per example and the same trailing shape
+    (:func:`_at_batch`: the last, smaller batch of an epoch), else None."""
     B = slot.owner._batch
     if torch.compiler.is_compiling():
         if not slot.folds or not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return None                        # (first: no guard on the batch where nothing was learned)
-        return slot.folds.get((B, tuple(x.shape)))
+        key = (B, tuple(x.shape))
+        return slot.folds[key] if key in slot.folds else _at_batch(slot.folds, B, tuple(x.shape))
     if (not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == B
             or x.shape[0] % B or x.grad_fn is None):
         return None
@@ -291,6 +293,19 @@ def fold_for(slot, x) -> Fold | None:
             del slot.folds[next(iter(slot.folds))]
         slot.folds[key] = find(x, B)
     return slot.folds[key]
+
+
+def _at_batch(found: dict, batch: int, shape: tuple) -> Fold | None:
+    """A layout read at another batch, for R = batch·per rows of ``shape``: the same code folds the examples
+    the same way whatever their number, so one found for as many rows per example (and the same shape past
+    dim 0) holds, at this batch."""
+    if shape[0] == batch or shape[0] % batch:
+        return None
+    per = shape[0] // batch
+    for (_, seen), fold in found.items():
+        if fold is not None and fold.per == per and seen[1:] == shape[1:]:
+            return Fold(batch, per, fold.major)
+    return None
 
 
 def unfolding(slot, forward):

@@ -189,3 +189,31 @@ def test_layout_cache_is_bounded(monkeypatch):
             assert psg.sq_norms().shape == (5,)
         sizes = [len(s.folds) for s in psg._slots]
     assert max(sizes) == 3
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_folded_rows_under_compile_at_another_batch(fused, time_major):
+    """The layout an eager step read at B = 5 serves compiled steps at B = 3 and 6 (an epoch's last, smaller
+    batch; a larger one), as many rows per example: exact (before: the readers raised "layers disagree on
+    the batch size", and GNSMonitor with them); at another number of rows per example (T = 9) there is no
+    layout to take, and the readers still raise."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = Folded(time_major=time_major).double()
+    model.norm = nn.Sequential(Gain(6), model.norm).double()   # (a generic-rule leaf on the rows too)
+    xs = [torch.randn(b, t, 4, dtype=torch.float64) for b, t in ((5, 7), (3, 7), (6, 7), (3, 9))]
+    y = torch.randint(0, 3, (6,))
+    wants = [sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
+                                                for b in range(len(x)))).values()) for x in xs]
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        for m, x, want in zip((model, run, run, run), xs, wants):
+            model.zero_grad()
+            _loss(m(x), y[:len(x)]).backward()
+            if x.shape[1] == 9:
+                with pytest.raises(RuntimeError, match=r"disagree on the batch size|under torch.compile"):
+                    psg.sq_norms()
+            else:
+                torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
