@@ -23,6 +23,9 @@ over two steps, each against the float64 reference as above (graph breaks allowe
 elasticlab learns what it cannot read in a traced forward (a batch-less positional embedding's use, a
 module called several times, the layout of rows that fold the batch).
 
+``--last-batch N`` (with ``--compile``, unpadded) adds a compiled step on the first N examples: an epoch's
+last, smaller batch, at which nothing was learned eagerly.
+
 ``--autocast bf16|fp16`` runs the float32 model under ``torch.autocast("cpu")`` in that dtype (fp16 with a
 ``torch.amp.GradScaler``'s loss scale, 2^16, handed to PerSampleGradNorms) and compares with the float64
 reference: ``OK`` when every parameter's median relative error over the examples is
@@ -574,10 +577,12 @@ def _medians(got: dict, want: dict) -> dict:
 
 
 def check_compiled(model, loss, reduction: str, data: dict, counted, backend: str,
-                   eager_first: bool = False) -> str:
+                   eager_first: bool = False, last: int | None = None) -> str:
     """``OK``, ``MISMATCH`` (the step and its ratios) or ``ERROR``: the compiled model's norms over two
     steps against one float64 backward per example of the eager model; with ``eager_first``, after one
-    eager step (step 0), from which a batch-less positional embedding's use is learned."""
+    eager step (step 0), from which a batch-less positional embedding's use is learned; with ``last``, then
+    a compiled step (3) on the batch's first ``last`` examples, an epoch's last, smaller batch (unpadded
+    batches only: each example's reference is then its own loss)."""
     import torch._dynamo
     torch._dynamo.reset()
     model = model.double().train()
@@ -587,11 +592,12 @@ def check_compiled(model, loss, reduction: str, data: dict, counted, backend: st
             model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
         compiled = torch.compile(model, backend=backend)
         with PerSampleGradNorms(model, loss_reduction=reduction) as psn:
-            for step in (0, 1, 2)[0 if eager_first else 1:]:
+            for step in (0, 1, 2, 3)[0 if eager_first else 1:4 if last else 3]:
                 model.zero_grad()
-                loss(compiled if step else model, data, slice(None)).backward()
+                part = slice(None) if step < 3 else slice(0, last)
+                loss(compiled if step else model, data, part).backward()
                 got = psn.sq_norms()
-                if not torch.allclose(got.double(), want, rtol=1e-6, atol=0):
+                if not torch.allclose(got.double(), want[part], rtol=1e-6, atol=0):
                     return f"MISMATCH at step {step} {[round(r, 6) for r in (got.double() / want).tolist()]}"
     except Exception as e:  # noqa: BLE001  (the survey reports whatever stops a model)
         return f"ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -683,11 +689,16 @@ def main() -> None:
                     help="the model under torch.compile with this backend, two steps")
     ap.add_argument("--eager-first", action="store_true",
                     help="with --compile: one eager step before the compiled ones")
+    ap.add_argument("--last-batch", type=int, default=None,
+                    help=f"with --compile: then a compiled step on this many of the {B} examples")
     ap.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                     help="the float32 model under CPU autocast in this dtype, against float64 (2%% medians)")
     args = ap.parse_args()
     if args.seq < 1:
         raise SystemExit(f"--seq must be at least 1, got {args.seq}")
+    if args.last_batch is not None and not (args.compile and not args.pad and 1 <= args.last_batch < B):
+        raise SystemExit(f"--last-batch needs --compile, no --pad, and 1..{B - 1} examples, got "
+                         f"{args.last_batch}")
     try:
         import transformers as tr
     except ImportError as e:
@@ -708,7 +719,8 @@ def main() -> None:
             out[name] = f"BUILD {type(e).__name__}: {str(e).splitlines()[0]}"
             continue
         if args.compile:
-            out[name] = check_compiled(model, loss, reduction, data, counted, args.compile, args.eager_first)
+            out[name] = check_compiled(model, loss, reduction, data, counted, args.compile, args.eager_first,
+                                       args.last_batch)
         elif args.autocast:
             dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float16
             out[name] = check_autocast(model, loss, reduction, data, counted, dtype)
@@ -719,11 +731,13 @@ def main() -> None:
     ok = sum(v.startswith("OK") for v in out.values())
     how = (f", padded {args.pad}" if args.pad else "") + (f", {args.autocast} autocast" * bool(args.autocast))
     how += f", compiled ({args.compile})" * bool(args.compile) + ", after an eager step" * args.eager_first
+    how += f", then a compiled batch of {args.last_batch}" * (args.last_batch is not None)
     verdict = "within 2%" if args.autocast else "exact"
     print(f"{ok} of {len(out)} {verdict}{how}; transformers {tr.__version__}, torch {torch.__version__}")
     print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "pad": args.pad,
                                   "autocast": args.autocast, "compile": args.compile,
-                                  "eager_first": args.eager_first, "cases": out}))
+                                  "eager_first": args.eager_first, "last_batch": args.last_batch,
+                                  "cases": out}))
 
 
 if __name__ == "__main__":

@@ -275,9 +275,10 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
 
 def fold_for(slot, x) -> Fold | None:
     """The layout of a row-wise layer's folded input ``x``, or None where dim 0 is the batch (cached per
-    input shape). Under ``torch.compile`` the graph cannot be read: the layout an eager step found for this
-    batch and input shape, or for another batch with as many rows per example and the same trailing shape
-    (:func:`_at_batch`: the last, smaller batch of an epoch), else None."""
+    input shape). Under ``torch.compile`` (and in its eager parts, on tensors out of compiled graphs) the
+    graph cannot be read: the layout an eager step found for this batch and input shape, or for another
+    batch with as many rows per example and the same trailing shape (:func:`_at_batch`: an epoch's last,
+    smaller batch), else None."""
     B = slot.owner._batch
     if torch.compiler.is_compiling():
         if not slot.folds or not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -289,10 +290,27 @@ def fold_for(slot, x) -> Fold | None:
         return None
     key = (B, tuple(x.shape))
     if key not in slot.folds:
+        if _out_of_compiled(x):                    # (compile's eager parts: a compiled graph's nodes, which
+            return _at_batch(slot.folds, B, key[1])   # find cannot read)
         if len(slot.folds) >= MAX_SHAPES:          # (variable shapes: the oldest layout goes)
             del slot.folds[next(iter(slot.folds))]
         slot.folds[key] = find(x, B)
     return slot.folds[key]
+
+
+def _out_of_compiled(x: torch.Tensor, limit: int = 64) -> bool:
+    """Whether ``x``'s graph reaches, within ``limit`` nodes, the backward of a compiled graph (AOTAutograd's
+    ``CompiledFunctionBackward``): eager code running after a graph break, or beside a compiled frame."""
+    seen, todo = set(), [x.grad_fn]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name().startswith("CompiledFunction"):
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _at_batch(found: dict, batch: int, shape: tuple) -> Fold | None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, folds
 from elasticlab.gns.layers import generic, row_grams
+from elasticlab.gns.reference import example_param_sq_norms
 
 _spec = importlib.util.spec_from_file_location(
     "bench_moe", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py")
@@ -405,3 +406,25 @@ def test_an_expert_given_as_many_tokens_as_examples(form):
     model.gate = Fixed()
     x, y = torch.randn(3, 5, 3, dtype=torch.float64), torch.randint(0, 2, (3,))
     _check(model, x, y, True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_routed_rows_under_compile_at_another_batch(fused):
+    """A router on (B, T, D) whose logits fold the batch (DeepSeek-V3's) and a leaf's experts, compiled after
+    an eager step at B = 4: at B = 4 and at B = 2 (an epoch's last batch) the rows are read by the layout the
+    eager step found, exact (before, at B = 2: the router's tuple, joined eagerly out of the compiled graph,
+    was not read as folded, "none of its inputs has the batch")."""
+    torch.manual_seed(4)
+    model = LeafMoE().double()
+    xs = [torch.randn(b, 6, 3, dtype=torch.float64) for b in (4, 4, 2)]
+    y = torch.randint(0, 2, (4,))
+    wants = [sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
+                                                for b in range(len(x)))).values()) for x in xs]
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
+        for m, x, want in zip((model, run, run), xs, wants):
+            model.zero_grad()
+            _loss(m(x), y[:len(x)]).backward()
+            torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
+    torch._dynamo.reset()
