@@ -275,10 +275,8 @@ def find(t: torch.Tensor, batch: int) -> Fold | None:
 
 def fold_for(slot, x) -> Fold | None:
     """The layout of a row-wise layer's folded input ``x``, or None where dim 0 is the batch (cached per
-    input shape). Under ``torch.compile`` (and in its eager parts, on tensors out of compiled graphs) the
-    graph cannot be read: the layout an eager step found for this batch and input shape, or for another
-    batch with as many rows per example and the same trailing shape (:func:`_at_batch`: an epoch's last,
-    smaller batch), else None."""
+    input shape). Under ``torch.compile``, and out of compiled graphs, it is not read: the layout an eager
+    step found at this batch and input shape, or at another batch (:func:`_at_batch`), else None."""
     B = slot.owner._batch
     if torch.compiler.is_compiling():
         if not slot.folds or not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -290,40 +288,35 @@ def fold_for(slot, x) -> Fold | None:
         return None
     key = (B, tuple(x.shape))
     if key not in slot.folds:
-        if _out_of_compiled(x):                    # (compile's eager parts: a compiled graph's nodes, which
-            return _at_batch(slot.folds, B, key[1])   # find cannot read)
         if len(slot.folds) >= MAX_SHAPES:          # (variable shapes: the oldest layout goes)
             del slot.folds[next(iter(slot.folds))]
-        slot.folds[key] = find(x, B)
+        got = find(x, B)                           # (compile's eager parts: where its nodes hide the layout)
+        slot.folds[key] = _at_batch(slot.folds, B, key[1]) if got is None and _out_of_compiled(x) else got
     return slot.folds[key]
 
 
 def _out_of_compiled(x: torch.Tensor, limit: int = 64) -> bool:
-    """Whether ``x``'s graph reaches, within ``limit`` nodes, the backward of a compiled graph (AOTAutograd's
-    ``CompiledFunctionBackward``): eager code running after a graph break, or beside a compiled frame."""
+    """Whether ``x``'s graph reaches, within ``limit`` nodes, a compiled graph's backward (AOTAutograd's
+    ``CompiledFunctionBackward``): eager code after a graph break, or beside a compiled frame."""
     seen, todo = set(), [x.grad_fn]
     while todo and len(seen) < limit:
         node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node.name().startswith("CompiledFunction"):
-            return True
-        todo.extend(n for n, _ in node.next_functions)
+        if node is not None and node not in seen:
+            if node.name().startswith("CompiledFunction"):
+                return True
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
     return False
 
 
 def _at_batch(found: dict, batch: int, shape: tuple) -> Fold | None:
-    """A layout read at another batch, for R = batch·per rows of ``shape``: the same code folds the examples
-    the same way whatever their number, so one found for as many rows per example (and the same shape past
-    dim 0) holds, at this batch."""
+    """A layout read at another batch for as many rows per example (R = batch·per) and the same shape past
+    dim 0: the same code folds the examples the same way whatever their number."""
     if shape[0] == batch or shape[0] % batch:
         return None
     per = shape[0] // batch
-    for (_, seen), fold in found.items():
-        if fold is not None and fold.per == per and seen[1:] == shape[1:]:
-            return Fold(batch, per, fold.major)
-    return None
+    return next((Fold(batch, per, f.major) for (_, seen), f in found.items()
+                 if f is not None and f.per == per and seen[1:] == shape[1:]), None)
 
 
 def unfolding(slot, forward):
