@@ -282,7 +282,7 @@ def fold_for(slot, x) -> Fold | None:
         if not slot.folds or not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return None                        # (first: no guard on the batch where nothing was learned)
         key = (B, tuple(x.shape))
-        return slot.folds[key] if key in slot.folds else _at_batch(slot.folds, B, tuple(x.shape))
+        return slot.folds[key] if key in slot.folds else _at_batch(slot.folds, B, key[1])
     if (not ENABLED or B is None or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == B
             or x.shape[0] % B or x.grad_fn is None):
         return None

@@ -155,6 +155,12 @@ def advice(slot) -> str:
             "broadcast over the batch is learned and then expanded under compile")
 
 
+def _split(inputs: tuple) -> tuple[tuple, dict]:
+    """A hook's inputs as (positional arguments, keyword arguments: a rule with ``kwargs`` gets them as a
+    dict after the others)."""
+    return (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
+
+
 def compiled(slot, inputs: tuple, output: torch.Tensor, batch: int):
     """A batch-less call under torch.compile: :func:`expanded`, or None with the readers made to raise naming
     the layer (its rule does not read the call either)."""
@@ -177,7 +183,7 @@ def expanded(slot, inputs: tuple, output: torch.Tensor, batch: int):
     arguments, ``norms`` then :func:`output_norms` (not for a module called several times in a forward,
     whose calls' per-example gradients would have to be summed before the norm). ``fold``: the layout of
     the rows that fold the batch the expansion is then repeated to, else None."""
-    args, kwargs = (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
+    args, kwargs = _split(inputs)
     step = slot.follow
     plan = None if step is None else step.expand
     if not plan or not applies(slot):
@@ -206,7 +212,7 @@ def output_norms(module: nn.Module, inputs: tuple, d: torch.Tensor, need) -> dic
     ∇θ ℓ_b = J_θ f(θ, x)ᵀ δ_b, the vjp of the call's one forward (its class's own, so that no hook runs: it
     may be traced) at example b's gradient δ_b of the expansion (d, (B, …)), by vmap in chunks."""
     from elasticlab.gns.layers.generic import chunk_size
-    args, kwargs = (inputs[:-1], inputs[-1]) if inputs and isinstance(inputs[-1], dict) else (inputs, {})
+    args, kwargs = _split(inputs)
     params = {pn: module.get_parameter(pn).detach() for pn in need}
 
     def forward(p):
