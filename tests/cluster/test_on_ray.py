@@ -163,11 +163,13 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(ray_cluster, t
         head = ray.get_runtime_context().get_node_id()
         cl = RayCluster("goodput", interval=1.0, workdir=str(tmp_path), job_kwargs={"fault_grace_s": 3.0})
         assert cl.shape().num_nodes == 3 and cl.slots == 6
-        # a slower emulated device (a sleep per micro-batch): the jobs still train when the node goes. Three
-        # epochs: with two, the window (a checkpoint behind, an epoch ahead, steady on a worker node) was
-        # steps 13-18 of the gns job, and a CI run (2026-11-27) saw every job finish, resizing 1-10 times,
-        # before any poll found one in it
-        common = {"record_samples": True, "checkpoint_every": 10, "lr_rule": "adascale", "epochs": 3,
+        # a slower emulated device (a sleep per micro-batch): the jobs still train when the node goes. The
+        # window (a checkpoint behind, an epoch ahead, steady on a worker node) must outlast the resizes:
+        # with two epochs and a checkpoint every 10 steps it was steps 13-18 of the gns job, and with three
+        # (window 13 to ~20 at its batch of 256) two CI runs (2026-11-27, 2026-12-06) still saw every job
+        # finish before any poll found one in it. Four epochs and a checkpoint every 5 steps: from step 6
+        # to the start of the last epoch (~20-40 steps at 7-14 steps per digits epoch)
+        common = {"record_samples": True, "checkpoint_every": 5, "lr_rule": "adascale", "epochs": 4,
                   "warm": 2, "entry_kwargs": {"step_s": 0.08}}
         cl.submit(JobSpec(f"{EX}:comm_bound", name="comm", max_batch=128, per_slot_batch=(4, 128), **common))
         cl.submit(JobSpec(f"{EX}:compute_bound", name="compute", max_batch=128, per_slot_batch=(4, 64),
@@ -177,7 +179,7 @@ def test_three_jobs_on_three_ray_nodes_finish_when_a_node_is_lost(ray_cluster, t
         cl.start()
 
         def ready(name, st):  # past its first checkpoint, with an epoch of work still ahead
-            return st["step"] > 12 and st["epoch"] < 2
+            return st["step"] > 6 and st["epoch"] < 3
 
         victim, on_it = kill_busy_node(ray_cluster, cl, ready=ready, exclude=(head,), timeout_s=400)
         t_kill = cl.now()
