@@ -105,3 +105,40 @@ def on_device(model, x, y, loss_fn, device, autocast, B=None):
             assert float(((g - want).abs() / want.clamp_min(1e-30)).median()) < 0.02, k
         else:
             torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-8, msg=k)
+
+
+def eager_then_compiled(model, loss_of, eager=(), compiled=(), refused=None, backend="aot_eager", **kwargs):
+    """Steps under PerSampleGradNorms(model, **kwargs): eagerly on each batch of ``eager``, then through
+    ``torch.compile(model, backend)`` on each of ``compiled``. Each step's loss is the plain model's, and its
+    norms (each parameter's and the total) are one backward per example's, in float64. ``loss_of(m, x, s)``:
+    the summed loss of examples ``s`` of batch ``x`` (a tensor, or a tuple of them such as (inputs, targets),
+    the batch first) through ``m``; ``refused``: {index into ``compiled``: regex} for the steps whose readers
+    must raise instead. Returns the PerSampleGradNorms."""
+    import pytest
+    import torch._dynamo
+
+    from elasticlab.gns.reference import example_param_sq_norms
+    refused = {len(eager) + i: r for i, r in (refused or {}).items()}
+    steps = [(model, x) for x in eager] + [(None, x) for x in compiled]
+    wants = [None if i in refused else example_param_sq_norms(
+        model, (loss_of(model, x, slice(b, b + 1)) for b in range(len(x[0] if isinstance(x, tuple) else x))))
+        for i, (_, x) in enumerate(steps)]
+    plains = [loss_of(model, x, slice(None)).detach() for _, x in steps]
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=backend)
+    try:
+        with PerSampleGradNorms(model, **kwargs) as psg:
+            for i, ((m, x), want, plain) in enumerate(zip(steps, wants, plains)):
+                model.zero_grad()
+                loss = loss_of(m or run, x, slice(None))
+                torch.testing.assert_close(loss.detach(), plain, rtol=1e-10, atol=0)
+                loss.backward()
+                if i in refused:
+                    with pytest.raises(RuntimeError, match=refused[i]):
+                        psg.sq_norms()
+                    continue
+                assert_norms(psg.param_sq_norms(), want, rtol=1e-9, atol=1e-30)
+                torch.testing.assert_close(psg.sq_norms(), sum(want.values()), rtol=1e-9, atol=0)
+    finally:
+        torch._dynamo.reset()
+    return psg

@@ -30,7 +30,6 @@ it, and refused by name before it.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 
 import torch
 from torch import nn
@@ -305,15 +304,6 @@ class PerSampleGradNorms:
         if not layers:
             raise RuntimeError("no per-example norms recorded: run forward and loss.backward() inside the "
                                "context")
-        sizes = {k: v.shape[0] for k, v in layers.items()}
-        if len(set(sizes.values())) != 1:
-            batch = Counter(sizes.values()).most_common(1)[0][0]
-            odd = {k: b for k, b in sizes.items() if b != batch}
-            raise RuntimeError(
-                f"layers disagree on the batch size: most say {batch}, but {odd}. Each layer's input needs "
-                "the batch dimension first; a layer called on an input without it and broadcast over the "
-                "batch (a positional embedding on arange(T)) only sees the batch-summed gradient: expand its "
-                "input over the batch, e.g. pos.unsqueeze(0).expand(B, -1)")
         vals = list(layers.values())
         same = len(vals) > 1 and vals[1].dtype == vals[0].dtype and vals[1].device == vals[0].device
         total = vals[0] + vals[1] if same else vals[0].clone()      # = clone then += (no extra copy)

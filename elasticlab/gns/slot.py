@@ -3,6 +3,8 @@ rule, the parameters it needs, its calls, the batch size and the per-example nor
 C++ autograd functions, the buffer their backward writes them into)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -201,6 +203,7 @@ def finish(owner, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Ten
     ``_foreach_mul`` per (f, dtype, device) group instead of a multiply per layer; each element gets the same
     multiply as ``v * f`` (``v * (f / scale²)``) would give it. Every result is a new tensor (f = 1 too):
     recorded norms may be views of buffers reused next step."""
+    one_batch({s.name: v.shape[0] for v, s in zip(vals, slots) if v.dim()})
     out: list[torch.Tensor | None] = list(vals)
     groups: dict[tuple, list[int]] = {}
     for i, (v, s) in enumerate(zip(vals, slots)):
@@ -219,6 +222,21 @@ def finish(owner, vals: list[torch.Tensor], slots: list[Slot]) -> list[torch.Ten
         for i, r in zip(idx, torch._foreach_mul([vals[i] for i in idx], fac)):
             out[i] = r
     return out
+
+
+def one_batch(sizes: dict[str, int]) -> None:
+    """Raises, naming the odd layers, where the recorded norms of {layer: rows} do not share one batch size
+    (the most common one): their rows are not the examples, and a norm per row is not a norm per example."""
+    if len(set(sizes.values())) > 1:
+        batch = Counter(sizes.values()).most_common(1)[0][0]
+        odd = {k: b for k, b in sizes.items() if b != batch}
+        raise RuntimeError(
+            f"layers disagree on the batch size: most say {batch}, but {odd}. Each layer's input needs the "
+            "batch dimension first, or folded into its rows in a layout that can be read: a layer called on "
+            "an input without it and broadcast over the batch (a positional embedding on arange(T)) only "
+            "sees the batch-summed gradient: expand its input over the batch, e.g. "
+            "pos.unsqueeze(0).expand(B, -1); under torch.compile, run one step eagerly first, so that a "
+            "folded input's layout is learned")
 
 
 def layer_totals(slots: list[Slot]) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 raised "layers disagree on the batch size"."""
 import pytest
 import torch
+from layer_check import eager_then_compiled
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms
@@ -31,6 +32,10 @@ class Folded(nn.Module):
 
 def _loss(out, y):
     return torch.nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+def _by_example(m, batch, s):
+    return _loss(m(batch[0][s]), batch[1][s])
 
 
 @pytest.mark.parametrize("T", [7, 5], ids=["T7", "T=B"])
@@ -68,27 +73,14 @@ def test_folded_rows_under_compile_take_the_layout_an_eager_step_found(fused, ti
     """Under torch.compile the graph is not read: the compiled steps after an eager one unfold each layer's
     rows by the layout found there, and their norms are one backward per example's; a compiled step before
     any eager one still raises (before: they raised at every compiled step)."""
-    import torch._dynamo
     torch.manual_seed(0)
     model = Folded(time_major=time_major).double()
     model.norm = nn.Sequential(Gain(6), model.norm).double()   # (a generic-rule leaf on the rows too)
-    x, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
-    want = sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
-                                              for b in range(5))).values())
-    for first in ("compiled", "eager"):
-        torch._dynamo.reset()
-        run = torch.compile(model, backend="aot_eager")
-        with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-            if first == "compiled":
-                _loss(run(x), y).backward()
-                with pytest.raises(RuntimeError, match=r"disagree on the batch size|'norm.0' \(Gain\) ran "
-                                                       r"without the batch .* under torch.compile"):
-                    psg.sq_norms()
-                continue
-            for m in (model, run, run):
-                model.zero_grad()
-                _loss(m(x), y).backward()
-                torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
+    batch = (torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))
+    eager_then_compiled(model, _by_example, (), [batch], fused=fused, loss_reduction="sum",
+                        refused={0: r"disagree on the batch size|'norm.0' \(Gain\) ran without the batch .* "
+                                    r"under torch.compile"})
+    eager_then_compiled(model, _by_example, [batch], [batch, batch], fused=fused, loss_reduction="sum")
 
 
 def test_rows_not_found_folded_still_raise():
@@ -198,22 +190,11 @@ def test_folded_rows_under_compile_at_another_batch(fused, time_major):
     batch; a larger one), as many rows per example: exact (before: the readers raised "layers disagree on
     the batch size", and GNSMonitor with them); at another number of rows per example (T = 9) there is no
     layout to take, and the readers still raise."""
-    import torch._dynamo
     torch.manual_seed(0)
     model = Folded(time_major=time_major).double()
     model.norm = nn.Sequential(Gain(6), model.norm).double()   # (a generic-rule leaf on the rows too)
-    xs = [torch.randn(b, t, 4, dtype=torch.float64) for b, t in ((5, 7), (3, 7), (6, 7), (3, 9))]
     y = torch.randint(0, 3, (6,))
-    wants = [sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
-                                                for b in range(len(x)))).values()) for x in xs]
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-        for m, x, want in zip((model, run, run, run), xs, wants):
-            model.zero_grad()
-            _loss(m(x), y[:len(x)]).backward()
-            if x.shape[1] == 9:
-                with pytest.raises(RuntimeError, match=r"disagree on the batch size|under torch.compile"):
-                    psg.sq_norms()
-            else:
-                torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
+    shapes = ((5, 7), (3, 7), (6, 7), (3, 9))
+    batches = [(torch.randn(b, t, 4, dtype=torch.float64), y[:b]) for b, t in shapes]
+    eager_then_compiled(model, _by_example, batches[:1], batches[1:], fused=fused, loss_reduction="sum",
+                        refused={2: r"disagree on the batch size|under torch.compile"})

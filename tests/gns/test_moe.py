@@ -10,12 +10,11 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
-from layer_check import against_per_example, on_device
+from layer_check import against_per_example, eager_then_compiled, on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms, folds
 from elasticlab.gns.layers import generic, row_grams
-from elasticlab.gns.reference import example_param_sq_norms
 
 _spec = importlib.util.spec_from_file_location(
     "bench_moe", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py")
@@ -56,6 +55,10 @@ class MoE(nn.Module):
 
 def _loss(out, y):
     return F.cross_entropy(out, y, reduction="sum")
+
+
+def _by_example(m, batch, s):
+    return _loss(m(batch[0][s]), batch[1][s])
 
 
 def _check(model, x, y, fused):
@@ -344,29 +347,33 @@ def test_random_ops_are_still_refused_not_looped():
 
 def test_a_tuple_output_under_compile_matches_eager():
     """Under torch.compile a router's tuple output is joined eagerly (its hook skipped by Dynamo: a graph
-    break at the router; before: the readers raised naming it): two compiled steps give eager's norms."""
+    break at the router; before: the readers raised naming it): two compiled steps, no eager one, give one
+    backward per example's norms, the router's included."""
     torch.manual_seed(0)
     model = MoE().double()
-    g = [torch.Generator().manual_seed(i) for i in (1, 2)]
-    xs = [torch.randn(3, 5, 3, dtype=torch.float64, generator=gi) for gi in g]
-    ys = [torch.randint(0, 2, (3,), generator=torch.Generator().manual_seed(i)) for i in (3, 4)]
-    want = []
-    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
-        for x, y in zip(xs, ys):
-            model.zero_grad()
-            _loss(model(x), y).backward()
-            want.append(psg.param_sq_norms())
+    batches = [(torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(i)),
+                torch.randint(0, 2, (3,), generator=torch.Generator().manual_seed(i + 2))) for i in (1, 2)]
+    eager_then_compiled(model, _by_example, (), batches, loss_reduction="sum")
+
+
+def test_a_folded_input_whose_layout_is_not_read_is_refused_not_given_per_row(monkeypatch):
+    """Where the layout of the router's folded input cannot be read (compile's eager parts, nothing learned,
+    ``folds.find`` made to miss), its norms are one per row (15 for 3 examples): every reader refuses them
+    by name (before: ``param_sq_norms`` and ``layer_sq_norms`` returned the 15 rows as if examples)."""
+    torch.manual_seed(0)
+    model = MoE().double()
+    x, y = torch.randn(3, 5, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
     torch._dynamo.reset()
     run = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, loss_reduction="sum") as psg:
-        for x, y, w in zip(xs, ys, want):
-            model.zero_grad()
+    monkeypatch.setattr(folds, "find", lambda x, batch: None)
+    try:
+        with PerSampleGradNorms(model, loss_reduction="sum") as psg:
             _loss(run(x), y).backward()
-            got = psg.param_sq_norms()
-            assert set(got) == set(w) and "gate.weight" in got
-            for k in w:
-                torch.testing.assert_close(got[k], w[k], rtol=1e-9, atol=1e-30, msg=k)
-    torch._dynamo.reset()
+            for read in (psg.param_sq_norms, psg.layer_sq_norms, psg.sq_norms):
+                with pytest.raises(RuntimeError, match=r"most say 3, but \{'gate': 15\}.*one step eager"):
+                    read()
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -416,15 +423,6 @@ def test_routed_rows_under_compile_at_another_batch(fused):
     was not read as folded, "none of its inputs has the batch")."""
     torch.manual_seed(4)
     model = LeafMoE().double()
-    xs = [torch.randn(b, 6, 3, dtype=torch.float64) for b in (4, 4, 2)]
     y = torch.randint(0, 2, (4,))
-    wants = [sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
-                                                for b in range(len(x)))).values()) for x in xs]
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-        for m, x, want in zip((model, run, run), xs, wants):
-            model.zero_grad()
-            _loss(m(x), y[:len(x)]).backward()
-            torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
-    torch._dynamo.reset()
+    batches = [(torch.randn(b, 6, 3, dtype=torch.float64), y[:b]) for b in (4, 4, 2)]
+    eager_then_compiled(model, _by_example, batches[:1], batches[1:], fused=fused, loss_reduction="sum")

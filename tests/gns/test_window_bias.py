@@ -6,7 +6,7 @@ without the batch ... and that output is used by scaled_dot_product_attention"."
 import pytest
 import torch
 import torch.nn.functional as F
-from layer_check import on_device
+from layer_check import eager_then_compiled, on_device
 from torch import nn
 
 from elasticlab.gns import PerSampleGradNorms
@@ -141,18 +141,9 @@ def test_on_the_device_under_autocast(device, autocast):
 
 
 def _compiled_after_eager(model, xs, y, fused):
-    """One eager step on ``xs[0]``, then compiled (aot_eager) ones on each of ``xs``; every step's norms
-    against one backward per example (float64)."""
-    import torch._dynamo
-    wants = [sum(example_param_sq_norms(model, (_loss(model(x[b:b + 1]), y[b:b + 1])
-                                                for b in range(len(x)))).values()) for x in xs]
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, fused=fused, loss_reduction="sum") as psg:
-        for m, x, want in ((model, xs[0], wants[0]), *((run, x, w) for x, w in zip(xs, wants))):
-            model.zero_grad()
-            _loss(m(x), y[:len(x)]).backward()
-            torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=0)
+    """One eager step on ``xs[0]``, then compiled (aot_eager) ones on each of ``xs``."""
+    eager_then_compiled(model, lambda m, x, s: _loss(m(x[s]), y[:len(x)][s]), xs[:1], xs, fused=fused,
+                        loss_reduction="sum")
 
 
 @pytest.mark.parametrize("sdpa", [True, False])
