@@ -395,6 +395,8 @@ def make_step(method: str, model: nn.Module, x, y, prec: str = "fp32", run=None)
     if method in COMPILED:
         return make_step(COMPILED[method], model, x, y, prec, run=compiled(model))
     if method in GRAPHED:
+        if dev.type != "cuda":     # (before the inner step: its context would stay entered, its hooks on)
+            raise Unavailable("CUDA graphs need a CUDA device")
         return graphed(make_step(GRAPHED[method], model, x, y, prec, run=run), dev)
     if method == "plain":
         def step():

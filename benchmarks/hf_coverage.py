@@ -18,10 +18,12 @@ example's gradient of that batch loss: its own loss times ``B · counted_b / cou
 are not -100, after the shift for decoder-only models), one backward per example at the same padding.
 
 ``--compile aot_eager|inductor`` measures ``torch.compile(model, backend=...)`` inside PerSampleGradNorms
-over two steps, each against the float64 reference as above (graph breaks allowed, a crash reported);
-``--eager-first`` runs one eager step of the model before them, as the README advises, from which
-elasticlab learns what it cannot read in a traced forward (a batch-less positional embedding's use, a
-module called several times, the layout of rows that fold the batch).
+as a user runs it: three steps through the compiled model, the first of them eager (PerSampleGradNorms'
+``eager_first``: it learns there what it cannot read in a traced forward, a batch-less positional
+embedding's use, a module called several times, the layout of rows that fold the batch), each against the
+float64 reference as above (graph breaks allowed, a crash reported). ``--compile-first``: with
+``eager_first=False``, two steps compiled from the first; ``--eager-first``: one step of the model itself
+(eager) before two compiled ones.
 
 ``--last-batch N`` (with ``--compile``, unpadded) adds a compiled step on the first N examples: an epoch's
 last, smaller batch, at which nothing was learned eagerly.
@@ -577,12 +579,13 @@ def _medians(got: dict, want: dict) -> dict:
 
 
 def check_compiled(model, loss, reduction: str, data: dict, counted, backend: str,
-                   eager_first: bool = False, last: int | None = None) -> str:
-    """``OK``, ``MISMATCH`` (the step and its ratios) or ``ERROR``: the compiled model's norms over two
-    steps against one float64 backward per example of the eager model; with ``eager_first``, after one
-    eager step (step 0), from which a batch-less positional embedding's use is learned; with ``last``, then
-    a compiled step (3) on the batch's first ``last`` examples, an epoch's last, smaller batch (unpadded
-    batches only: each example's reference is then its own loss)."""
+                   eager_first: bool = False, last: int | None = None, stance: bool = True) -> str:
+    """``OK``, ``MISMATCH`` (the step and its ratios) or ``ERROR``: the compiled model's norms over its
+    steps against one float64 backward per example of the eager model: three (``stance``: the first forced
+    eager by PerSampleGradNorms' ``eager_first``), or two compiled from the first (not ``stance``); with
+    ``eager_first``, two after one step of the model itself; with ``last``, then a compiled step on the
+    batch's first ``last`` examples, an epoch's last, smaller batch (unpadded batches only: each example's
+    reference is then its own loss)."""
     import torch._dynamo
     torch._dynamo.reset()
     model = model.double().train()
@@ -591,11 +594,13 @@ def check_compiled(model, loss, reduction: str, data: dict, counted, backend: st
         want = sum(example_param_sq_norms(
             model, (loss(model, data, slice(b, b + 1)) * weight[b] for b in range(B))).values())
         compiled = torch.compile(model, backend=backend)
-        with PerSampleGradNorms(model, loss_reduction=reduction) as psn:
-            for step in (0, 1, 2, 3)[0 if eager_first else 1:4 if last else 3]:
+        compiled_steps = 2 + (stance and not eager_first)
+        calls = ["model"] * eager_first + ["compiled"] * compiled_steps + ["last"] * bool(last)
+        with PerSampleGradNorms(model, loss_reduction=reduction, eager_first=stance) as psn:
+            for step, call in enumerate(calls):
                 model.zero_grad()
-                part = slice(None) if step < 3 else slice(0, last)
-                loss(compiled if step else model, data, part).backward()
+                part = slice(0, last) if call == "last" else slice(None)
+                loss(model if call == "model" else compiled, data, part).backward()
                 got = psn.sq_norms()
                 if not torch.allclose(got.double(), want[part], rtol=1e-6, atol=0):
                     return f"MISMATCH at step {step} {[round(r, 6) for r in (got.double() / want).tolist()]}"
@@ -688,7 +693,9 @@ def main() -> None:
     ap.add_argument("--compile", choices=("aot_eager", "inductor"), default=None,
                     help="the model under torch.compile with this backend, two steps")
     ap.add_argument("--eager-first", action="store_true",
-                    help="with --compile: one eager step before the compiled ones")
+                    help="with --compile: one eager step of the model before two compiled ones")
+    ap.add_argument("--compile-first", action="store_true",
+                    help="with --compile: eager_first=False, compiled from the first step")
     ap.add_argument("--last-batch", type=int, default=None,
                     help=f"with --compile: then a compiled step on this many of the {B} examples")
     ap.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
@@ -696,6 +703,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.seq < 1:
         raise SystemExit(f"--seq must be at least 1, got {args.seq}")
+    if (args.eager_first or args.compile_first) and not args.compile:
+        raise SystemExit("--eager-first and --compile-first need --compile")
     if args.last_batch is not None and not (args.compile and not args.pad and 1 <= args.last_batch < B):
         raise SystemExit(f"--last-batch needs --compile, no --pad, and 1..{B - 1} examples, got "
                          f"{args.last_batch}")
@@ -720,7 +729,7 @@ def main() -> None:
             continue
         if args.compile:
             out[name] = check_compiled(model, loss, reduction, data, counted, args.compile, args.eager_first,
-                                       args.last_batch)
+                                       args.last_batch, not args.compile_first)
         elif args.autocast:
             dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float16
             out[name] = check_autocast(model, loss, reduction, data, counted, dtype)
@@ -731,12 +740,14 @@ def main() -> None:
     ok = sum(v.startswith("OK") for v in out.values())
     how = (f", padded {args.pad}" if args.pad else "") + (f", {args.autocast} autocast" * bool(args.autocast))
     how += f", compiled ({args.compile})" * bool(args.compile) + ", after an eager step" * args.eager_first
+    how += ", from the first step (eager_first=False)" * args.compile_first
     how += f", then a compiled batch of {args.last_batch}" * (args.last_batch is not None)
     verdict = "within 2%" if args.autocast else "exact"
     print(f"{ok} of {len(out)} {verdict}{how}; transformers {tr.__version__}, torch {torch.__version__}")
     print("RESULT " + json.dumps({"transformers": tr.__version__, "torch": torch.__version__, "pad": args.pad,
                                   "autocast": args.autocast, "compile": args.compile,
                                   "eager_first": args.eager_first, "last_batch": args.last_batch,
+                                  "compile_first": args.compile_first,
                                   "cases": out}))
 
 

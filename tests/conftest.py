@@ -1,5 +1,6 @@
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -25,3 +26,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _compiler_stance_given_back():
+    """No test may leave torch.compile's stance changed (PerSampleGradNorms' eager_first holds it for one
+    step): it would run every later test's compiled model eagerly. An error at the test that did."""
+    yield
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and eval_frame._stance.stance != "default":
+        left = eval_frame._stance.stance
+        from elasticlab.gns.eager_first import EagerFirst
+        EagerFirst._holders, EagerFirst._stance = 0, None
+        torch.compiler.set_stance("default")
+        pytest.fail(f"the test left torch.compile's stance at {left!r}")

@@ -24,8 +24,9 @@ the active saved-tensor hooks, ``capture.kept``; ``save_on_cpu`` offloads them t
 called several times in one forward gets the norm of its gradient summed over the calls (gns.repeated).
 ``torch.compile``: the model may be compiled (``torch.compile(model)``, this context on ``model``); what
 only an eager forward shows (a batch-less positional embedding's broadcast, a module called several times,
-rows that fold the batch) is learned in one eager step of ``model`` and reused by the compiled steps after
-it, and refused by name before it.
+rows that fold the batch) is learned in one eager step and reused by the compiled steps after it; the first
+training step runs eagerly for that (``eager_first``), and with ``eager_first=False`` such calls are
+refused by name until an eager step of ``model``.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.capture import batched_input, frozen, now_training
+from elasticlab.gns.eager_first import EagerFirst
 from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.layers.common import EagerUnderCompile
 from elasticlab.gns.sink import Sinks
@@ -66,11 +68,12 @@ class PerSampleGradNorms:
     makes the readers raise a RuntimeError naming the module (``strict``), or is left out and listed in
     ``left_out`` with a warning.
     ``grad_scaler``: the ``torch.amp.GradScaler`` whose scaled loss is backpropagated (its scale is read,
-    without a host sync, at each forward and divided out of the results).
+    without a host sync, at each forward and divided out of the results). ``eager_first``: the first
+    training step runs eagerly, compiled models too (:mod:`~elasticlab.gns.eager_first`).
     """
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = True,
-                 fused: bool = True, grad_scaler=None):
+                 fused: bool = True, grad_scaler=None, eager_first: bool = True):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(model, nn.Module):
@@ -103,6 +106,7 @@ class PerSampleGradNorms:
         self._repeated = False                             # some module ran twice in a step (gns.repeated)
         self._unfuse: set[int] = set()                     # fused slots found repeated: hooks next step
         self._steps, self._watch = 0, False                # forwards begun; the first keeps fused calls
+        self._eager_first = EagerFirst(eager_first)
         self._active = False
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -113,6 +117,8 @@ class PerSampleGradNorms:
             return
         self._layer_cache = None
         self._steps += module is not None and torch.is_grad_enabled()   # (the model's forwards that train)
+        if self._steps > 1:
+            self._eager_first.release()                    # (this one began eagerly: compiled from the next)
         self._watch = self._steps <= 1                     # the first keeps fused calls: gns.repeated.watch
         if self._unfuse:
             repeated.to_hooks(self)
@@ -185,6 +191,8 @@ class PerSampleGradNorms:
         """Raises the broadcast audit's error or that of several forwards, if any; raises (strict) or warns
         once about :attr:`left_out`; returns {(slot id, param)} to leave out. First, the norms of the modules
         that ran several times (gns.repeated)."""
+        if self._steps:
+            self._eager_first.release()                    # (a step was read: compiled from the next)
         if self._repeated:
             repeated.settle(self._slots)
         for err in (self._audit.error, self._forwards.error):
@@ -258,10 +266,12 @@ class PerSampleGradNorms:
         for t in self._ties:                              # the embeddings' indices, for the output layer
             self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook)) for e in t.embs]
         self._active = True
+        self._eager_first.hold(self._steps)
         self._begin_step()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._eager_first.release()
         self._drop_probes()
         for h in self._handles:
             h.remove()

@@ -526,12 +526,12 @@ def test_positions_without_the_batch_under_compile_are_named():
     loss = lambda o, t: F.cross_entropy(o.reshape(-1, 11), t.reshape(-1), reduction="sum")   # noqa: E731
     want = example_param_sq_norms(model, (loss(model(idx[b:b + 1]), idx[b:b + 1]) for b in range(5)))
     run = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+    with PerSampleGradNorms(model, eager_first=False, loss_reduction="sum") as psn:
         loss(run(idx), idx).backward()
         with pytest.raises(RuntimeError, match=r"module 'pos' \(Embedding\) ran without the batch .* under "
                                                r"torch.compile"):
             psn.param_sq_norms()
-    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
+    with PerSampleGradNorms(model, eager_first=False, loss_reduction="sum", strict=False) as psn:
         model.zero_grad()
         loss(run(idx), idx).backward()
         with warnings.catch_warnings():
@@ -604,13 +604,16 @@ class Absolute(nn.Module):
 
 
 def _absolute_steps(use, fused, first="eager", strict=True, pos="embedding"):
-    """The model's norms over an eager step (``first``) then two compiled (aot_eager) ones, each against one
-    backward per example (float64); the expansion changes no loss."""
+    """The model's norms over an eager step of the model (``first`` "eager"), or none (``first``
+    "stance": PerSampleGradNorms runs the compiled model's first step eagerly; "compiled": compiled from the
+    first, ``eager_first=False``), then two steps of the compiled (aot_eager) one, each against one backward
+    per example (float64); the expansion changes no loss."""
     torch.manual_seed(0)
     model, idx = Absolute(use, pos=pos).double(), torch.randint(0, 11, (5, 6))
     loss = lambda m, x, s: F.cross_entropy(m(x[s]).reshape(-1, 11), x[s].reshape(-1), reduction="sum")  # noqa: E731
-    eager_then_compiled(model, loss, [idx] if first == "eager" else [], [idx, idx], loss_reduction="sum",
-                        fused=fused, strict=strict)
+    eager, compiled = ([idx], [idx] * 2) if first == "eager" else ([], [idx] * (2 + (first == "stance")))
+    eager_then_compiled(model, loss, eager, compiled, loss_reduction="sum", fused=fused, strict=strict,
+                        eager_first=first != "compiled")
 
 
 @pytest.mark.parametrize("use", ["add", "inplace", "expand"])
@@ -707,15 +710,25 @@ def test_a_followed_output_returned_to_compiled_code_is_refused_by_name():
                         loss_reduction="sum")
     torch._dynamo.reset()
     run = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, loss_reduction="sum"):
+    with PerSampleGradNorms(model, eager_first=False, loss_reduction="sum"):
         with pytest.raises(RuntimeError, match=r"module 'bias' \(BiasTable\) returns \['table'\] not yet "
                                                r"broadcast over the batch .* under torch.compile"):
             run(x)
 
 
-def test_gns_monitor_on_a_compiled_model_after_an_eager_step():
-    """GNSMonitor over a model with a batch-less positional embedding: its first step eager, the later ones
-    compiled, every step measured per example with the estimates of an all-eager run."""
+@pytest.mark.parametrize("use", ["add", "expand"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_positions_under_compile_need_no_eager_step_of_the_users(use, fused):
+    """Three steps of the compiled model and none of the model itself: PerSampleGradNorms runs the first
+    eagerly (eager_first) and learns the broadcast there; all three exact (before: refused by name)."""
+    _absolute_steps(use, fused, first="stance")
+
+
+@pytest.mark.parametrize("own_eager_step", [True, False])
+def test_gns_monitor_on_a_compiled_model_after_an_eager_step(own_eager_step):
+    """GNSMonitor over a model with a batch-less positional embedding: its first step eager (the model
+    itself, or the compiled one run eagerly by eager_first), the later ones compiled, every step measured
+    per example with the estimates of an all-eager run."""
     import torch._dynamo
 
     from elasticlab.gns import GNSMonitor
@@ -726,7 +739,7 @@ def test_gns_monitor_on_a_compiled_model_after_an_eager_step():
         torch._dynamo.reset()
         run = torch.compile(model, backend="aot_eager") if compiled else model
         mon, opt = GNSMonitor(model, every=1), torch.optim.SGD(model.parameters(), lr=0.05)
-        for m in (model, run, run):
+        for m in (model if own_eager_step else run, run, run):
             idx = torch.randint(0, 11, (8, 6))
             with mon.step():
                 F.cross_entropy(m(idx).reshape(-1, 11), idx.reshape(-1)).backward()

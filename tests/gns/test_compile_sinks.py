@@ -84,7 +84,7 @@ def _steps(model, batches, loss_fn, backend=None, sunk=True):
     and ``sunk``, checks that every layer's norms came through the sink."""
     out = []
     run = torch.compile(model, backend=backend) if backend else model
-    with PerSampleGradNorms(model) as n:
+    with PerSampleGradNorms(model, eager_first=False) as n:
         for x in batches:
             model.zero_grad()
             loss_fn(run(x)).backward()
@@ -115,7 +115,7 @@ def test_compiled_steps_match_eager_in_one_graph(case):
             torch.testing.assert_close(per[k], per0[k], rtol=1e-10, atol=1e-300)
         for a, b in zip(grads, grads0):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    with PerSampleGradNorms(model):
+    with PerSampleGradNorms(model, eager_first=False):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(model)(batches[0])
     reasons = [r.reason.splitlines()[0] for r in explained.break_reasons]
@@ -269,7 +269,7 @@ def test_cuda_compiled_bf16_block_one_graph(backend):
 
     def steps(run):
         out = []
-        with PerSampleGradNorms(model) as n:
+        with PerSampleGradNorms(model, eager_first=False) as n:
             for _ in range(2):
                 model.zero_grad()
                 with torch.autocast("cuda", dtype=torch.bfloat16):

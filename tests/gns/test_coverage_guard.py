@@ -380,14 +380,14 @@ def test_tied_weights_under_compile_match_eager(pad):
     run = torch.compile(model, backend="aot_eager")
     for x, y in zip(xs, ys):
         ref = func_param_sq_norms(model, lm_loss, x, y)
-        with PerSampleGradNorms(model, loss_reduction="sum") as n:
+        with PerSampleGradNorms(model, eager_first=False, loss_reduction="sum") as n:
             model.zero_grad()
             lm_loss(run(x), y).backward()
             got = n.param_sq_norms()
         assert set(got) == set(ref)
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12, msg=k)
-    with PerSampleGradNorms(model):
+    with PerSampleGradNorms(model, eager_first=False):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(model)(xs[0])
     assert explained.graph_count >= 1

@@ -71,16 +71,19 @@ class Gain(nn.Module):
 @pytest.mark.parametrize("fused", [True, False])
 def test_folded_rows_under_compile_take_the_layout_an_eager_step_found(fused, time_major):
     """Under torch.compile the graph is not read: the compiled steps after an eager one unfold each layer's
-    rows by the layout found there, and their norms are one backward per example's; a compiled step before
-    any eager one still raises (before: they raised at every compiled step)."""
+    rows by the layout found there, and their norms are one backward per example's; with eager_first=False
+    a compiled step before any eager one still raises (before: they raised at every compiled step); by
+    default the compiled model's first step is the eager one (eager_first), and all three are exact."""
     torch.manual_seed(0)
     model = Folded(time_major=time_major).double()
     model.norm = nn.Sequential(Gain(6), model.norm).double()   # (a generic-rule leaf on the rows too)
     batch = (torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))
-    eager_then_compiled(model, _by_example, (), [batch], fused=fused, loss_reduction="sum",
+    eager_then_compiled(model, _by_example, (), [batch], fused=fused, loss_reduction="sum", eager_first=False,
                         refused={0: r"disagree on the batch size|'norm.0' \(Gain\) ran without the batch .* "
                                     r"under torch.compile"})
     eager_then_compiled(model, _by_example, [batch], [batch, batch], fused=fused, loss_reduction="sum")
+    # no eager step of the user's: eager_first runs the compiled model's first step eagerly
+    eager_then_compiled(model, _by_example, (), [batch] * 3, fused=fused, loss_reduction="sum")
 
 
 def test_rows_not_found_folded_still_raise():

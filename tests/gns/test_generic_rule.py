@@ -234,14 +234,14 @@ def test_compiled_before_any_eager_step_is_one_graph():
     model = nn.Sequential(nn.Linear(3, 6), HFStyleRMSNorm(6), nn.Linear(6, 2)).double()
     x = torch.randn(5, 4, 3, dtype=torch.float64)
     torch._dynamo.reset()
-    with PerSampleGradNorms(model):
+    with PerSampleGradNorms(model, eager_first=False):
         explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
     assert explained.graph_count == 1
     generic._checked.clear()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as psn:
+    with PerSampleGradNorms(model, eager_first=False) as psn:
         compiled(x).pow(2).mean().backward()
         got = psn.param_sq_norms()
     want = func_param_sq_norms(model, lambda out, y: (out - y).pow(2).sum(), x, torch.zeros(5, 4, 2,
@@ -264,7 +264,7 @@ def test_compiled_module_mixing_examples_gives_nan():
     model = nn.Sequential(nn.Linear(3, 4), Centre(), nn.Linear(4, 2))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as psn:
+    with PerSampleGradNorms(model, eager_first=False) as psn:
         compiled(torch.randn(6, 3)).pow(2).sum().backward()
         got = psn.param_sq_norms()
     assert got["1.g"].isnan().all() and got["0.weight"].isfinite().all()
@@ -338,12 +338,12 @@ def test_compiled_call_without_the_batch_is_named():
     torch.manual_seed(0)
     model = WithTableBias()
     x = torch.randn(3, 5, 4)
-    with PerSampleGradNorms(model) as psn:
+    with PerSampleGradNorms(model, eager_first=False) as psn:
         model(x).pow(2).sum().backward()
         assert psn.param_sq_norms()["bias.table"].shape == (3,)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as psn:
+    with PerSampleGradNorms(model, eager_first=False) as psn:
         compiled(x).pow(2).sum().backward()
         with pytest.raises(RuntimeError, match=r"module 'bias' \(TableBias\) ran without the batch .* under "
                                                r"torch.compile"):

@@ -176,7 +176,7 @@ def test_compiled_equals_eager_in_one_graph(cell):
     def loss_of(run, idx):
         return F.cross_entropy(run(idx).flatten(0, 1), idx.flatten())
     with torch._dynamo.config.patch(allow_rnn=True):
-        with PerSampleGradNorms(model) as n:
+        with PerSampleGradNorms(model, eager_first=False) as n:
             explained = torch._dynamo.explain(model)(batches[0])
             compiled = torch.compile(model, backend="aot_eager")
             for idx in batches:

@@ -400,7 +400,7 @@ def test_repeated_module_under_compile_is_an_error(fused):
     torch._dynamo.reset()
     model = Calls(lambda m, x: m.lin(torch.tanh(m.lin(x))), lin=nn.Linear(4, 4))
     compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model, fused=fused):
+    with PerSampleGradNorms(model, eager_first=False, fused=fused):
         for _ in range(2):
             with pytest.raises(RuntimeError, match=r"'lin' \(Linear\) ran 2 times in one forward under"):
                 compiled(torch.randn(3, 4)).sum().backward()
