@@ -37,15 +37,25 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(T)}
 
 
-def train(tmp_path, callback, steps, accum=1, model=None):
+class TokensWithoutPositions(Tokens):
+    """The model makes its positions, (1, T), broadcast over the batch."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        del item["position_ids"]
+        return item
+
+
+def train(tmp_path, callback, steps, accum=1, model=None, data=None, **arguments):
     model = model or tiny_gpt2()
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=B, gradient_accumulation_steps=accum,
         max_steps=steps, learning_rate=0.0, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+        disable_tqdm=True, seed=0, **arguments)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data or Tokens(),
+                                   callbacks=[callback])
     trainer.train()
     return trainer, seen
 
@@ -76,6 +86,29 @@ def test_tiny_gpt2_per_example_matches_the_estimator(tmp_path):
     torch.testing.assert_close(torch.tensor([e["gns/b_simple"] for e in logged]), torch.tensor(expected),
                                rtol=1e-4, atol=0)
     assert any(k.startswith("gns/layer/transformer.h.0.attn.c_attn") for k in logged[-1])
+
+
+def test_trainer_with_torch_compile_measures_every_step_per_example(tmp_path):
+    """HF Trainer with ``torch_compile=True`` (aot_eager) and the model making its own positions: the
+    callback's first step runs eagerly (eager_first), the later ones compiled, each per example with the
+    estimates of an eager run on the same batches (before: GNSMonitor raised at the first step, naming
+    transformer.wpe)."""
+    cb = GradientNoiseScaleCallback()
+    model = tiny_gpt2()
+    ref_model = copy.deepcopy(model)
+    trainer, seen = train(tmp_path, cb, 3, model=model, data=TokensWithoutPositions(), torch_compile=True,
+                          torch_compile_backend="aot_eager")
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule" and len(seen) == 3
+    ref, expected = GNSEstimator(beta=0.99), []
+    with PerSampleGradNorms(ref_model) as norms:
+        for ids in seen:
+            ref_model.zero_grad()
+            ref_model(input_ids=ids, labels=ids).loss.backward()
+            ref.update_from(norms)
+            expected.append(ref.b_simple)
+    assert [h["method"] for h in cb.history] == ["per_example"] * 3
+    torch.testing.assert_close(torch.tensor([h["b_simple"] for h in cb.history]), torch.tensor(expected),
+                               rtol=1e-4, atol=0)
 
 
 def test_tiny_gpt2_gradient_accumulation_and_tied_weights(tmp_path):
