@@ -36,8 +36,9 @@ import torch
 from elasticlab.gns.folds import fold_for
 
 _COMPILED = ("the per-example norms of a module called several times are formed eagerly, from every call's "
-             "gradient: run one step eagerly first (the model itself, not compiled), after which such a "
-             "module's calls are kept eagerly under compile, or run the model eagerly")
+             "gradient: run one step eagerly first (eager_first=True, the default, or a step of the model "
+             "itself, not compiled), after which such a module's calls are kept eagerly under compile, or "
+             "run the model eagerly")
 
 
 def again(slot) -> None:

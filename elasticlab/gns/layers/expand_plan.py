@@ -151,8 +151,9 @@ def advice(slot) -> str:
     if slot.follow is not None and slot.follow.expand is SPOILED:
         return ("an eager step saw its output used otherwise than by one broadcast over the batch (permuted, "
                 "indexed, reduced, used twice), so it is not expanded under compile: run the model eagerly")
-    return ("run one step eagerly first (the model itself, not compiled), from which an output only "
-            "broadcast over the batch is learned and then expanded under compile")
+    return ("run one step eagerly first (PerSampleGradNorms' eager_first=True, the default, or a step of "
+            "the model itself, not compiled), from which an output only broadcast over the batch is learned "
+            "and then expanded under compile")
 
 
 def _split(inputs: tuple) -> tuple[tuple, dict]:
