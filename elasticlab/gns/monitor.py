@@ -187,6 +187,8 @@ class GNSMonitor:
             self._given_sizes.append(_check_size(batch_size))
         if self._use_psn() and self._psn._active:
             self._psn._begin_step()
+            if batch_size is not None and self._psn._batch is None:
+                self._psn._batch = int(batch_size)   # (what a batch-less layer's output is broadcast to)
 
     def _on_forward(self, module, args, kwargs):
         if self._open and self._measuring and torch.is_grad_enabled() and not recomputing():

@@ -109,6 +109,49 @@ def test_per_example_history_and_logged_metrics(precision):
     assert len(logged(logger, "gns/trace_cov")) == 4 and len(logged(logger, "gns/layer/net.2")) == 4
 
 
+class Positions(nn.Module):
+    """The 6 features as 3 tokens of 2, plus a positional embedding on arange(3): batch-less, broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.pos, self.head = nn.Linear(2, 8), nn.Embedding(3, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x.reshape(x.shape[0], 3, 2)) + self.pos(torch.arange(3))
+        return self.head(torch.tanh(h)).mean(1)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_batchless_positions_in_a_submodule_eager_and_compiled(compiled):
+    """``training_step`` calls a submodule (the root's forward never runs) holding a batch-less positional
+    embedding, eagerly or ``torch.compile``'d (aot_eager): the callback's batch size tells the norms what
+    the embedding's output is broadcast to, and under compile the first step runs eagerly (eager_first);
+    every step per example, with the estimates of a plain loop (before: "layers disagree on the batch size"
+    at the first step, eager or compiled)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    cb = GradientNoiseScale()
+    module = Module(torch.compile(Positions(), backend="aot_eager") if compiled else Positions())
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, callbacks=[cb],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(module, DataLoader(dataset(), batch_size=B))
+    finally:
+        torch._dynamo.reset()
+    net, ref, expected = Positions(), GNSEstimator(beta=0.99), []
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    with PerSampleGradNorms(net) as norms:
+        for x, y in module.seen:
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            ref.update_from(norms)
+            expected.append(ref.b_simple)
+            opt.step()
+    assert [h["method"] for h in cb.history] == ["per_example"] * 3
+    assert [h["b_simple"] for h in cb.history] == pytest.approx(expected, rel=1e-5)
+
+
 def test_accumulate_grad_batches_uses_the_micro_batch_form_and_the_controller():
     ctl = BatchSizeController(init_batch=16, max_batch=256, lr_rule="sqrt", multiple_of=8)
     cb = GradientNoiseScale(controller=ctl)
