@@ -118,7 +118,7 @@ class PerSampleGradNorms:
         self._layer_cache = None
         self._steps += module is not None and torch.is_grad_enabled()   # (the model's forwards that train)
         if self._steps > 1:
-            self._eager_first.release()                    # (this one began eagerly: compiled from the next)
+            self._eager_first.release(True)                # (this one began eagerly: compiled from the next)
         self._watch = self._steps <= 1                     # the first keeps fused calls: gns.repeated.watch
         if self._unfuse:
             repeated.to_hooks(self)
@@ -191,8 +191,7 @@ class PerSampleGradNorms:
         """Raises the broadcast audit's error or that of several forwards, if any; raises (strict) or warns
         once about :attr:`left_out`; returns {(slot id, param)} to leave out. First, the norms of the modules
         that ran several times (gns.repeated)."""
-        if self._steps:
-            self._eager_first.release()                    # (a step was read: compiled from the next)
+        self._eager_first.release(True)                    # (a step was read: compiled from the next)
         if self._repeated:
             repeated.settle(self._slots)
         for err in (self._audit.error, self._forwards.error):
@@ -266,12 +265,12 @@ class PerSampleGradNorms:
         for t in self._ties:                              # the embeddings' indices, for the output layer
             self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook)) for e in t.embs]
         self._active = True
-        self._eager_first.hold(self._steps)
+        self._eager_first.hold()
         self._begin_step()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._eager_first.release()
+        self._eager_first.release(self._steps > 0)
         self._drop_probes()
         for h in self._handles:
             h.remove()

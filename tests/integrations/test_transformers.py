@@ -93,12 +93,18 @@ def test_trainer_with_torch_compile_measures_every_step_per_example(tmp_path):
     callback's first step runs eagerly (eager_first), the later ones compiled, each per example with the
     estimates of an eager run on the same batches (before: GNSMonitor raised at the first step, naming
     transformer.wpe)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
     cb = GradientNoiseScaleCallback()
     model = tiny_gpt2()
     ref_model = copy.deepcopy(model)
     trainer, seen = train(tmp_path, cb, 3, model=model, data=TokensWithoutPositions(), torch_compile=True,
                           torch_compile_backend="aot_eager")
     assert type(trainer.model_wrapped).__name__ == "OptimizedModule" and len(seen) == 3
+    assert counters["stats"]["calls_captured"] > 0          # (the later steps traced)
+    torch._dynamo.reset()
     ref, expected = GNSEstimator(beta=0.99), []
     with PerSampleGradNorms(ref_model) as norms:
         for ids in seen:
