@@ -65,19 +65,26 @@ def loss_of(model, ids, scale=1.0):
     return model(input_ids=ids, labels=ids, position_ids=pos).loss * scale
 
 
+def estimates(model, seen, loss):
+    """B_simple after each of the batches ``seen``, by GNSEstimator on PerSampleGradNorms of ``model``
+    (learning rate 0 in these runs: the model stays put); ``loss(model, ids)``."""
+    ref, out = GNSEstimator(beta=0.99), []
+    with PerSampleGradNorms(model) as norms:
+        for ids in seen:
+            model.zero_grad()
+            loss(model, ids).backward()
+            ref.update_from(norms)
+            out.append(ref.b_simple)
+    return out
+
+
 def test_tiny_gpt2_per_example_matches_the_estimator(tmp_path):
     cb = GradientNoiseScaleCallback(log_layers=True)
     model = tiny_gpt2()
     ref_model = copy.deepcopy(model)                           # learning rate 0: the model stays put
     trainer, seen = train(tmp_path, cb, 3, model=model)
     assert len(seen) == 3 and all(s.shape == (B, T) for s in seen)
-    ref, expected = GNSEstimator(beta=0.99), []
-    with PerSampleGradNorms(ref_model) as norms:
-        for ids in seen:
-            ref_model.zero_grad()
-            loss_of(ref_model, ids).backward()
-            ref.update_from(norms)
-            expected.append(ref.b_simple)
+    expected = estimates(ref_model, seen, loss_of)
     got = [h["b_simple"] for h in cb.history]
     assert [h["method"] for h in cb.history] == ["per_example"] * 3       # Conv1D covered by its rule
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=0)
@@ -105,13 +112,7 @@ def test_trainer_with_torch_compile_measures_every_step_per_example(tmp_path):
     assert type(trainer.model_wrapped).__name__ == "OptimizedModule" and len(seen) == 3
     assert counters["stats"]["calls_captured"] > 0          # (the later steps traced)
     torch._dynamo.reset()
-    ref, expected = GNSEstimator(beta=0.99), []
-    with PerSampleGradNorms(ref_model) as norms:
-        for ids in seen:
-            ref_model.zero_grad()
-            ref_model(input_ids=ids, labels=ids).loss.backward()
-            ref.update_from(norms)
-            expected.append(ref.b_simple)
+    expected = estimates(ref_model, seen, lambda m, ids: m(input_ids=ids, labels=ids).loss)
     assert [h["method"] for h in cb.history] == ["per_example"] * 3
     torch.testing.assert_close(torch.tensor([h["b_simple"] for h in cb.history]), torch.tensor(expected),
                                rtol=1e-4, atol=0)
