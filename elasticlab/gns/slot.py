@@ -27,8 +27,9 @@ class Quiet:
 
 
 def recomputing() -> bool:
-    """Whether a forward runs inside a backward (activation checkpointing's recomputation; eager only)."""
-    return torch._C._current_graph_task_id() != -1
+    """Whether a forward runs inside a backward (activation checkpointing's recomputation; eager only: while
+    Dynamo traces, never: a traced recomputation runs no hooks, and the task id would break the graph)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class Slot:

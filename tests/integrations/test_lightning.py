@@ -149,6 +149,48 @@ def test_batchless_positions_in_a_submodule_eager_and_compiled(compiled):
     assert [h["b_simple"] for h in cb.history] == pytest.approx(expected, rel=1e-5)
 
 
+class Root(pl.LightningModule):
+    """Positions as the root's own forward, for Lightning's ``torch.compile(module)`` path."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Positions()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def test_a_compiled_lightning_module():
+    """``trainer.fit(torch.compile(module))``: Lightning unwraps the module and compiles its ``forward`` and
+    ``training_step``, so that the callback's hooks on the root are traced with them. Every step per
+    example, with a plain loop's estimates; the later steps traced, and broken only where the norms begin a
+    step eagerly (before: also at the monitor's hook, which asked autograd for its task id while traced)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    cb = GradientNoiseScale()
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, callbacks=[cb],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(torch.compile(Root(), backend="aot_eager"), DataLoader(dataset(), batch_size=B))
+        assert counters["stats"]["calls_captured"] > 0
+        breaks = " ".join(counters["graph_break"])
+        assert "_current_graph_task_id" not in breaks and "_begin_step" in breaks
+    finally:
+        torch._dynamo.reset()
+    expected = per_example_reference(3, net=Positions())
+    assert [h["method"] for h in cb.history] == ["per_example"] * 3
+    assert [h["b_simple"] for h in cb.history] == pytest.approx(expected, rel=1e-5)
+
+
 def test_accumulate_grad_batches_uses_the_micro_batch_form_and_the_controller():
     ctl = BatchSizeController(init_batch=16, max_batch=256, lr_rule="sqrt", multiple_of=8)
     cb = GradientNoiseScale(controller=ctl)
