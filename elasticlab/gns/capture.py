@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch.autograd import Variable
 
+from elasticlab.gns import sharded
+
 
 def batched_input(args: tuple, kwargs: dict | None = None, depth: int = 0) -> torch.Tensor | None:
     """The first tensor with a dimension among a forward's arguments, positional then by keyword (one level
@@ -77,6 +79,11 @@ def now_training(params: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
     return tuple(n for n, p in params if p.requires_grad)
 
 
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖ in float32, or in t's own dtype where that is wider (float64)."""
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.promote_types(t.dtype, torch.float32))
+
+
 class StepGradients:
     """Per-backward gradient norms of ``params`` between :meth:`start` and :meth:`stop`.
 
@@ -110,18 +117,29 @@ class StepGradients:
         p = self.params[i]
 
         def hook(g):
-            tid = torch._C._current_graph_task_id()
-            if tid != self._task:             # the first gradient of a new backward
-                self._task = tid
-                self.backwards += 1
-                self._micro.append([])
-                Variable._execution_engine.queue_callback(self._queue_again)
-            if self.backwards >= 2:           # ‖·‖ in float32, no copy; squared in float64 when read
+            self._seen()
+            if self.backwards >= 2:           # ‖·‖ in float32 at least, no copy; squared in float64 when read
                 if self.backwards == 2 and p.grad is not None:     # .grad still holds h_1 alone
-                    self._micro[0].append((i, torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)))
-                self._micro[-1].append((i, torch.linalg.vector_norm(g.detach(), dtype=torch.float32)))
+                    self._micro[0].append((i, _norm(p.grad)))
+                self._micro[-1].append((i, _norm(g)))
             return None
         return hook
+
+    def _seen(self, g=None) -> None:
+        tid = torch._C._current_graph_task_id()
+        if tid != self._task:                 # the first gradient of a new backward
+            self._task = tid
+            self.backwards += 1
+            self._micro.append([])
+            Variable._execution_engine.queue_callback(self._queue_again)
+
+    def watch(self, output) -> None:
+        """Count the backwards through a forward's ``output`` (its tensors that need a gradient, in tuples,
+        lists and dicts), for parameters whose own hooks never fire (FSDP2's: :mod:`elasticlab.gns.sharded`);
+        the per-backward norms ``micro_sq`` come from the parameters' hooks only."""
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self._hooks.append(t.register_hook(self._seen))
 
     def _queue_again(self) -> None:
         Variable._execution_engine.queue_callback(self._read)
@@ -133,7 +151,11 @@ class StepGradients:
                 self.after_backward()
             return
         have = [i for i, p in enumerate(self.params) if p.grad is not None]
-        norms = torch._foreach_norm([self.params[i].grad.detach() for i in have], 2, dtype=torch.float32)
+        grads = [self.params[i].grad.detach() for i in have]
+        norms = [_norm(sharded.local(g)) for g in grads] if any(g.dtype == torch.float64 for g in grads) \
+            else torch._foreach_norm([sharded.local(g) for g in grads], 2, dtype=torch.float32)
+        if sharded.is_sharded(grads):         # FSDP2: ‖shard‖² summed over the shards
+            norms = [v.sqrt() for v in sharded.reduce_sq([v.double().square() for v in norms], grads)]
         self._last = list(zip(have, norms))
         if self.after_backward is not None:
             self.after_backward()

@@ -28,6 +28,7 @@ norms are skipped and counted (``skipped``). Under ``torch.autocast`` the norms 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 
@@ -37,7 +38,7 @@ from torch import nn
 
 from elasticlab.checks import whole
 from elasticlab.gns import ddp as _ddp
-from elasticlab.gns import loss_scale
+from elasticlab.gns import loss_scale, sharded
 from elasticlab.gns.capture import StepGradients, batch_of, frozen, now_training
 from elasticlab.gns.estimator import GNSEstimator, check_beta
 from elasticlab.gns.norms import PerSampleGradNorms
@@ -57,8 +58,7 @@ def check_settings(every, beta, method) -> int:
     return every
 
 
-def _check_size(n) -> int:
-    return whole("batch_size", n, 1, "an integer >= 1")
+_check_size = functools.partial(whole, "batch_size", least=1, need="an integer >= 1")
 
 
 class GNSMonitor:
@@ -78,6 +78,7 @@ class GNSMonitor:
         if not isinstance(model, nn.Module):
             raise ValueError(f"GNSMonitor needs an nn.Module, got {type(model).__name__}")
         every = check_settings(every, beta, method)
+        sharded.refuse_fsdp1(model)
         if accumulation not in ("mean", "sum"):
             raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
         if loss_reduction not in ("mean", "sum"):     # (else 'auto' would take it for norms unavailable)
@@ -109,6 +110,8 @@ class GNSMonitor:
         self._accumulating = False            # auto: a step had several backwards, per-example norms unused
         self._track()
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._out = self._sharded and self.module.register_forward_hook(   # FSDP2: backwards seen at its
+            torch.compiler.disable(self._on_output))                       # output (gns.sharded)
         self._open = self._measuring = self._fixed_size = False
         self._reset_step()
 
@@ -129,6 +132,9 @@ class GNSMonitor:
         if not named:
             raise ValueError("GNSMonitor: the model has no trainable parameters")
         self._params = [p for _, p in named]
+        self._sharded = sharded.is_sharded(self._params)
+        if self._sharded and (self.method == "micro_batch" or self._psn is None):
+            raise ValueError(sharded.PER_EXAMPLE_ONLY.format(self._psn_error or "method='micro_batch' asked"))
         self._frozen = frozen(self.module)    # unfrozen later: tracked again at begin()
         self._grads = StepGradients(self._params, self._after_backward)
         self._layer_of = [n.rpartition(".")[0] for n, _ in named]
@@ -196,6 +202,10 @@ class GNSMonitor:
             if b is not None:
                 self._fwd_sizes.append(b)
 
+    def _on_output(self, module, args, output):
+        if self._open and self._measuring and torch.is_grad_enabled():
+            self._grads.watch(output)
+
     def _after_backward(self) -> None:
         """End of one backward: the per-example norms of the first (more backwards: micro-batch form)."""
         if self._grads.backwards == 1 and self._use_psn() and self._psn._active:
@@ -221,16 +231,8 @@ class GNSMonitor:
         if not self._measuring:
             return None
         k = self._grads.backwards
-        if k == 0:
-            self.unmeasured += 1
-            return None
-        if self._replicas is not None:
-            rec = self._fold_replicas(k)
-        elif k >= 2:
-            self._accumulating = True
-            rec = self._fold_micro_batches(k)
-        else:
-            rec = self._fold_per_example()
+        rec = None if k == 0 else self._fold_replicas(k) if self._replicas is not None else \
+            self._fold_micro_batches(k) if k >= 2 else self._fold_per_example()
         if rec is None:
             self.unmeasured += 1
             return None
@@ -284,6 +286,9 @@ class GNSMonitor:
     def _fold_micro_batches(self, k: int):
         """Micro-batch form; on a process group with a plain model (gradients averaged by a DDP wrapper
         elsewhere), every replica's micro-batches by one all-reduce: [Σ ‖ḡ_k‖², Σ 1/b_k, count]."""
+        if self._sharded:
+            raise RuntimeError(sharded.PER_EXAMPLE_ONLY.format(f"this step had {k} backwards"))
+        self._accumulating = True                           # (auto: per-example norms off from now on)
         sizes = self._sizes(k)
         w2 = self._weight(k) ** 2 * self._scale_sq()
         small = self._grads.micro_sq() / w2                  # ‖ḡ_k‖², (k, P)
@@ -383,7 +388,8 @@ class GNSMonitor:
         """Remove the monitor's hooks from the model (a DDP comm hook cannot be removed and stays)."""
         if self._open:
             self.abort()
-        self._root.remove()
+        for h in (self._root, self._out) if self._out else (self._root,):
+            h.remove()
 
     def __repr__(self) -> str:
         return (f"GNSMonitor(b_simple={self.b_simple:.4g}, steps={self.steps}, measured={len(self.history)}, "

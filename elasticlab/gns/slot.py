@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from elasticlab.gns import repeated
+from elasticlab.gns import repeated, sharded
 from elasticlab.gns.block import ROWS
 from elasticlab.gns.registry import covered_params, rule_for, uncovered
 
@@ -261,6 +261,7 @@ def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[
     device, not one per parameter), and the (slot, parameter) pairs whose gradient is nonzero though their
     module ran and recorded no norm of them (their sums are given as 0: the norms leave them out too)."""
     sums: list[list[torch.Tensor]] = []
+    grads: list[torch.Tensor] = []
     unseen: list[tuple[int, int, str]] = []                # (slot, position in its row, parameter)
     for i, s in enumerate(slots):
         row = []
@@ -271,8 +272,12 @@ def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[
             if p is not None and p.grad is not None:
                 if s.calls and pname not in s.norms:
                     unseen.append((i, len(row), pname))
-                row.append(p.grad.detach().double().pow(2).sum())
+                row.append(sharded.local(p.grad.detach()).double().pow(2).sum())
+                grads.append(p.grad)
         sums.append(row)
+    if sharded.is_sharded(grads):                          # FSDP2: each shard's sum, summed over the shards
+        whole = iter(sharded.reduce_sq([t for row in sums for t in row], grads))
+        sums = [[next(whole) for _ in row] for row in sums]
     by_dev: dict[torch.device, list[torch.Tensor]] = {}
     for row in sums:
         for t in row:

@@ -1,0 +1,78 @@
+"""Gradients sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``): norms of the whole gradient.
+
+Under FSDP2 a parameter and its ``.grad`` are DTensors, each process holding a shard; the per-example norms
+need nothing of this (they come from each layer's activations and output gradients, whole in the forward),
+but ‖ḡ‖² does: Σ g² of a DTensor's local shard, summed over the mesh dimensions it is sharded along
+(replicated dimensions hold the same values and are not summed). The sharded parameters are not in the
+autograd graph (the forward runs on their unsharded copies), so hooks on them never fire: a backward is seen
+at a forward's output instead (:meth:`~elasticlab.gns.capture.StepGradients.watch`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:                                       # (torch without distributed)
+    DTensor = ()
+
+PER_EXAMPLE_ONLY = ("GNSMonitor: an FSDP2 (fully_shard) model is measured by its per-example norms, one "
+                    "backward a step (the micro-batch form needs each backward's whole gradient, which FSDP2 "
+                    "reduces away), but {}")
+
+
+def refuse_fsdp1(model) -> None:
+    """A clear error for FSDP1 (``FullyShardedDataParallel``): its flat parameters' gradients never reach the
+    hooks the norms and the monitor read them by, so every step would go unmeasured."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:
+        return
+    if any(isinstance(m, FSDP1) for m in model.modules()):
+        raise ValueError("GNSMonitor: FSDP1 (FullyShardedDataParallel) is not supported: shard the model "
+                         "with FSDP2's torch.distributed.fsdp.fully_shard instead, which the monitor "
+                         "measures per example (or measure it unsharded, or under DDP)")
+
+
+def is_sharded(params) -> bool:
+    """Whether any of ``params`` is a DTensor (FSDP2)."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of ``t`` (``t`` itself when it is not a DTensor); a partial DTensor (whose
+    values are the sum of the shards, not their union) is summed first."""
+    if not isinstance(t, DTensor):
+        return t
+    if any(p.is_partial() for p in t.placements):
+        return t.full_tensor()
+    return t.to_local()
+
+
+def _shard_dims(t) -> tuple[int, ...]:
+    if not isinstance(t, DTensor) or any(p.is_partial() for p in t.placements):
+        return ()                                         # (partial: made whole by local())
+    return tuple(d for d, p in enumerate(t.placements) if p.is_shard())
+
+
+def reduce_sq(vals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``vals[i]``, Σ g² of ``local(grads[i])`` (0-dim), made Σ g² of the whole ``grads[i]``: one all-reduce
+    per mesh dimension the sharded ones are split along, all of them together. Every process must call it
+    with the same gradients (as FSDP2's are)."""
+    groups: dict[tuple, tuple] = {}
+    for i, g in enumerate(grads):
+        dims = _shard_dims(g)
+        if dims:
+            key = (id(g.device_mesh), dims)
+            groups.setdefault(key, (g.device_mesh, dims, []))[2].append(i)
+    if not groups:
+        return vals
+    out = list(vals)
+    for mesh, dims, idx in groups.values():
+        t = torch.stack([vals[i] for i in idx])
+        for d in dims:
+            dist.all_reduce(t, group=mesh.get_group(d))
+        for k, i in enumerate(idx):
+            out[i] = t[k]
+    return out
