@@ -3,6 +3,7 @@ per-example form over the global batch, equal to one process's on the same batch
 unmeasured, silently, since the sharded parameters' hooks never fire); the forms FSDP2 cannot give, and
 FSDP1, refused by name."""
 import functools
+import math
 
 import pytest
 import torch
@@ -21,24 +22,25 @@ def make():
                          nn.Linear(32, 3)).double()
 
 
-def batches():
+def batches(world=WORLD):
     g = torch.Generator().manual_seed(3)
-    return [torch.randn(WORLD * B_LOCAL, 6, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+    return [torch.randn(world * B_LOCAL, 6, generator=g, dtype=torch.float64) for _ in range(STEPS)]
 
 
-def sharded():
+def sharded(mesh_shape=(WORLD,)):
+    """The model under FSDP2 on a mesh of ``mesh_shape``: (R, S) is HSDP, R replicas of S shards."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
     net = make()
     for m in (net[0], net[3], net[5]):
         fsdp.fully_shard(m, mesh=mesh)
     return fsdp.fully_shard(net, mesh=mesh)
 
 
-def train(net, monitor, rows, forward=None):
+def train(net, monitor, rows, forward=None, world=WORLD):
     """SGD steps, each batch's rows ``rows`` (a slice) on this process."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for x in batches():
+    for x in batches(world):
         opt.zero_grad()
         with monitor.step():
             (forward or net)(x[rows]).pow(2).mean().backward()
@@ -47,25 +49,29 @@ def train(net, monitor, rows, forward=None):
         | {"method": [h["method"] for h in monitor.history]}
 
 
-def worker(rank, compiled=False):
-    net = sharded()
+def worker(rank, compiled=False, mesh_shape=(WORLD,)):
+    net = sharded(mesh_shape)
     import torch._dynamo
     torch._dynamo.reset()
     forward = torch.compile(net, backend="aot_eager") if compiled else None
     try:
-        return train(net, GNSMonitor(net), slice(rank * B_LOCAL, (rank + 1) * B_LOCAL), forward)
+        return train(net, GNSMonitor(net), slice(rank * B_LOCAL, (rank + 1) * B_LOCAL), forward,
+                     world=math.prod(mesh_shape))
     finally:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fsdp2_matches_one_process(tmp_path, compiled):
-    res = run_gloo(functools.partial(worker, compiled=compiled), WORLD, tmp_path)
+@pytest.mark.parametrize("compiled,mesh_shape", [(False, (2,)), (True, (2,)), (False, (2, 2))])
+def test_fsdp2_matches_one_process(tmp_path, compiled, mesh_shape):
+    """(2, 2): HSDP on 4 processes, the gradients replicated along one mesh dimension, sharded along the
+    other: their shards' sums all-reduced along the second only."""
+    world = math.prod(mesh_shape)
+    res = run_gloo(functools.partial(worker, compiled=compiled, mesh_shape=mesh_shape), world, tmp_path)
     net = make()
-    ref = train(net, GNSMonitor(net), slice(None))
+    ref = train(net, GNSMonitor(net), slice(None), world=world)
     assert ref["method"] == ["per_example"] * STEPS
     for r in res:
-        assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [WORLD * B_LOCAL] * STEPS
+        assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [world * B_LOCAL] * STEPS
         for k in ("b_simple", "grad_sq", "trace_cov"):
             assert r[k] == pytest.approx(ref[k], rel=1e-9), k
 
