@@ -8,6 +8,8 @@ Two ways to combine R replicas (McCandlish et al. App. A.1):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -72,6 +74,22 @@ class ReplicaGradNorms:
     def reset(self) -> None:
         """Forget the recorded ‖g_local‖² (callers that fold it themselves do this after each step)."""
         self._local.zero_()
+
+    def fold(self, estimator: GNSEstimator, div: float, batch: int, big: float):
+        """GNSMonitor's replica form, unequal batches by their harmonic mean H (Eq. A.1): this replica's
+        ‖g_local‖²/``div`` against ``big``, ‖ḡ‖² of the averaged gradient (divided alike); one all-reduce of
+        [Σ_r ‖ḡ_r‖², Σ 1/b_r, Σ b_r, R]. Returns (folded, Σ b_r), or None where this replica had no
+        gradient; resets."""
+        local = float(self._local)
+        self.reset()
+        t = torch.tensor([local / div, 1.0 / batch, float(batch), 1.0], dtype=torch.float64,
+                         device=_comm_device(self.group))
+        dist.all_reduce(t, group=self.group)
+        small, inv, total, r = t.tolist()
+        h = r / inv
+        if local == 0.0 or not math.isfinite(h):
+            return None
+        return estimator.update_two_batch(small / r, big, h, r * h), int(round(total))
 
     def update(self, estimator: GNSEstimator, local_batch: int) -> bool:
         """Fold the two-batch estimate of the last backward into ``estimator`` and reset."""

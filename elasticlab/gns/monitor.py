@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 
 import torch
@@ -140,7 +139,7 @@ class GNSMonitor:
         self._layer_of = [n.rpartition(".")[0] for n, _ in named]
 
     def _reset_step(self) -> None:
-        self._psn_snap = None
+        self._psn_snap, self._psn_rows = None, []     # (rows: FSDP2's, every micro-batch's per-example norms)
         self._fwd_sizes: list[int] = []
         self._given_sizes: list[int] = []
         self._scale = None
@@ -208,9 +207,12 @@ class GNSMonitor:
 
     def _after_backward(self) -> None:
         """End of one backward: the per-example norms of the first (more backwards: micro-batch form)."""
-        if self._grads.backwards == 1 and self._use_psn() and self._psn._active:
+        if (self._grads.backwards == 1 or self._sharded) and self._use_psn() and self._psn._active:
             try:
-                self._psn_snap = self._read_psn()
+                if self._sharded:
+                    self._psn_rows.append(self._psn.sq_norms())
+                else:
+                    self._psn_snap = self._read_psn()
             except RuntimeError as e:
                 self._psn_snap = e
 
@@ -232,7 +234,7 @@ class GNSMonitor:
             return None
         k = self._grads.backwards
         rec = None if k == 0 else self._fold_replicas(k) if self._replicas is not None else \
-            self._fold_micro_batches(k) if k >= 2 else self._fold_per_example()
+            self._fold_per_example(k) if k == 1 or self._sharded else self._fold_micro_batches(k)
         if rec is None:
             self.unmeasured += 1
             return None
@@ -286,8 +288,6 @@ class GNSMonitor:
     def _fold_micro_batches(self, k: int):
         """Micro-batch form; on a process group with a plain model (gradients averaged by a DDP wrapper
         elsewhere), every replica's micro-batches by one all-reduce: [Σ ‖ḡ_k‖², Σ 1/b_k, count]."""
-        if self._sharded:
-            raise RuntimeError(sharded.PER_EXAMPLE_ONLY.format(f"this step had {k} backwards"))
         self._accumulating = True                           # (auto: per-example norms off from now on)
         sizes = self._sizes(k)
         w2 = self._weight(k) ** 2 * self._scale_sq()
@@ -314,12 +314,17 @@ class GNSMonitor:
             groups.setdefault(name, []).append(i)
         return groups
 
-    def _fold_per_example(self):
+    def _fold_per_example(self, k: int = 1):
         snap = self._psn_snap
         if isinstance(snap, RuntimeError):
             raise RuntimeError(f"GNSMonitor: no per-example norms for this step ({snap}); run the model's "
                                "forward inside the step: with monitor.step(): loss_fn(model(x), y).backward()"
                                ) from snap
+        if self._sharded:                     # FSDP2: over every micro-batch of the step (gns.sharded.fold)
+            w2, means, rows = self._weight(k) ** 2, self._loss_reduction == "mean", self._psn_rows
+            grad_sq = self._psn.grad_sq_norm(sum(r.numel() for r in rows)) / (w2 * k * k if means else w2)
+            folded, n = sharded.fold(self.estimator, [r / w2 for r in rows], k, grad_sq, means, self.group)
+            return folded, n, "per_example", None
         if snap is None:
             if self._psn is None:
                 raise RuntimeError(
@@ -335,22 +340,11 @@ class GNSMonitor:
         return folded, int(sq.shape[0]), "per_example", layers
 
     def _fold_replicas(self, k: int):
-        """Replica two-batch form; the one extra all-reduce: [Σ_r ‖ḡ_r‖², Σ 1/b_r, Σ b_r, R]."""
-        b = sum(self._sizes(k))
-        local = self._replicas.local_sq_norm
-        self._replicas.reset()
-        w2 = self._weight(k) ** 2 * self._scale_sq()          # this replica's mean gradient: local/(w·k)
-        mean_sq = local / (w2 * k * k)
-        dev = _ddp._comm_device(self.group)
-        t = torch.tensor([mean_sq, 1.0 / b, float(b), 1.0], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, group=self.group)
-        t = t.cpu()
-        r, h = float(t[3]), float(t[3]) / float(t[1])
-        big = float(self._grads.grad_sq().sum()) / (w2 * k * k)   # .grad: DDP averaged the replicas
-        if local == 0.0 or not math.isfinite(h):
-            return None
-        folded = self.estimator.update_two_batch(float(t[0]) / r, big, h, r * h)
-        return folded, int(round(float(t[2]))), "replica", None
+        """Replica two-batch form (:meth:`~elasticlab.gns.ddp.ReplicaGradNorms.fold`)."""
+        div = self._weight(k) ** 2 * self._scale_sq() * k * k      # this replica's mean gradient: local/(w·k)
+        big = float(self._grads.grad_sq().sum()) / div             # .grad: DDP averaged the replicas
+        rec = self._replicas.fold(self.estimator, div, sum(self._sizes(k)), big)
+        return rec and (*rec, "replica", None)
 
     # ------------------------------------------------------------------------------------------ read-out
     @property

@@ -17,9 +17,9 @@ try:
 except ImportError:                                       # (torch without distributed)
     DTensor = ()
 
-PER_EXAMPLE_ONLY = ("GNSMonitor: an FSDP2 (fully_shard) model is measured by its per-example norms, one "
-                    "backward a step (the micro-batch form needs each backward's whole gradient, which FSDP2 "
-                    "reduces away), but {}")
+PER_EXAMPLE_ONLY = ("GNSMonitor: an FSDP2 (fully_shard) model is measured by its per-example norms, over "
+                    "every micro-batch of a step (the micro-batch form needs each backward's whole gradient, "
+                    "which FSDP2 reduces away), but {}")
 
 
 def refuse_fsdp1(model) -> None:
@@ -76,3 +76,22 @@ def reduce_sq(vals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch
         for k, i in enumerate(idx):
             out[i] = t[k]
     return out
+
+
+def fold(estimator, rows: list[torch.Tensor], k: int, grad_sq: float, means: bool, group=None):
+    """The per-example form (McCandlish App. A.1) over the k micro-batches of one step on every process:
+    ``rows``, each micro-batch's (b,) ‖g_i‖²; ``grad_sq``, ‖ḡ‖² of the step's gradient, the mean over the
+    processes of the micro-batches' mean gradients (``means``: B_big = m·H for m micro-batches of harmonic
+    mean size H, Eq. A.1) or of the examples' sum over their number (B_big = the number of examples). One
+    all-reduce of [Σ ‖g_i‖², examples, Σ 1/b, micro-batches]. Returns (folded, examples)."""
+    if len(rows) != k:
+        raise RuntimeError(f"GNSMonitor: {k} backwards in this step but per-example norms for {len(rows)}; "
+                           "run each micro-batch's forward inside the step")
+    t = torch.tensor([float(torch.cat(rows).double().sum()), float(sum(r.numel() for r in rows)),
+                      sum(1.0 / r.numel() for r in rows), float(k)], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        from elasticlab.gns.ddp import _comm_device
+        t = t.to(_comm_device(group))
+        dist.all_reduce(t, group=group)
+    total, n, inv, m = t.tolist()
+    return estimator.update_two_batch(total / n, grad_sq, 1.0, m * m / inv if means else n), int(round(n))
