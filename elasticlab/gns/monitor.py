@@ -109,8 +109,8 @@ class GNSMonitor:
         self._accumulating = False            # auto: a step had several backwards, per-example norms unused
         self._track()
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-        self._out = self._sharded and self.module.register_forward_hook(   # FSDP2: backwards seen at its
-            torch.compiler.disable(self._on_output))                       # output (gns.sharded)
+        self._out = [m.register_forward_hook(torch.compiler.disable(self._on_output))  # FSDP2: backwards
+                     for m in (sharded.watched(self.module) if self._sharded else ())]    # seen at outputs
         self._open = self._measuring = self._fixed_size = False
         self._reset_step()
 
@@ -382,7 +382,7 @@ class GNSMonitor:
         """Remove the monitor's hooks from the model (a DDP comm hook cannot be removed and stays)."""
         if self._open:
             self.abort()
-        for h in (self._root, self._out) if self._out else (self._root,):
+        for h in (self._root, *self._out):
             h.remove()
 
     def __repr__(self) -> str:

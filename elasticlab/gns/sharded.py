@@ -35,6 +35,24 @@ def refuse_fsdp1(model) -> None:
                          "measures per example (or measure it unsharded, or under DDP)")
 
 
+def watched(model) -> list:
+    """``model`` and its outermost FSDP2 units: the modules whose outputs show a backward through sharded
+    parameters (every sharded parameter lives in a unit), also where the model's own forward never runs (a
+    LightningModule's ``training_step`` calling a submodule)."""
+    from torch.distributed.fsdp import FSDPModule
+    out = [model]
+
+    def visit(m):
+        for c in m.children():
+            if isinstance(c, FSDPModule):
+                out.append(c)
+            else:
+                visit(c)
+    if not isinstance(model, FSDPModule):
+        visit(model)
+    return out
+
+
 def is_sharded(params) -> bool:
     """Whether any of ``params`` is a DTensor (FSDP2)."""
     return any(isinstance(p, DTensor) for p in params)
