@@ -53,6 +53,17 @@ def watched(model) -> list:
     return out
 
 
+def refuse_distributed_weights(slot) -> None:
+    """A clear error for a layer whose parameters are still DTensors in its forward (tensor parallelism, as
+    ``parallelize_module`` leaves them; FSDP2's are whole there): its per-example norms would need the whole
+    weight gradient, of which this process holds a part."""
+    names = [n for n in slot.need if isinstance(slot.module._parameters.get(n), DTensor)]
+    if names:
+        raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): its parameters {names} are "
+                         "DTensors in its forward (tensor parallelism), for which per-example gradient norms "
+                         "are not supported; measure the model under data parallelism (DDP or FSDP2)")
+
+
 def is_sharded(params) -> bool:
     """Whether any of ``params`` is a DTensor (FSDP2)."""
     return any(isinstance(p, DTensor) for p in params)

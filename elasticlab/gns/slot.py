@@ -84,6 +84,8 @@ class Slot:
             return False
         if self.rule.check is not None:
             self.rule.check(self.module)
+        if self.owner._watch:                  # (the first step: which layers are tensor-parallel)
+            sharded.refuse_distributed_weights(self)
         if unbatched:
             self.follow.calls += 1
         self.calls += 1
