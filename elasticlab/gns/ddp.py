@@ -25,17 +25,23 @@ def _grad_sq(params) -> float:
 
 
 def update_per_example(estimator: GNSEstimator, sq_norms: torch.Tensor, grad_sq_norm: float,
-                       group=None) -> bool:
+                       group=None, layers: dict | None = None) -> bool:
     """Fold one step: ``sq_norms`` (b,) of this replica's examples (``PerSampleGradNorms.sq_norms()``) and
-    ``grad_sq_norm`` ‖ḡ‖² of the all-reduced mean gradient (identical on every replica)."""
-    t = torch.stack([sq_norms.detach().double().sum().cpu(), torch.tensor(float(sq_norms.numel()),
-                                                                           dtype=torch.float64)])
+    ``grad_sq_norm`` ‖ḡ‖² of the all-reduced mean gradient (identical on every replica); ``layers``:
+    {module: ((b,) its norms, its ‖ḡ‖²)}, folded per layer too, their sums in the same all-reduce."""
+    names = list(layers or {})
+    sums = torch.stack([sq_norms.detach().double().sum()]
+                       + [layers[k][0].detach().double().sum() for k in names]).cpu()
+    t = torch.cat([sums[:1], torch.tensor([float(sq_norms.numel())], dtype=torch.float64), sums[1:]])
     if dist.is_available() and dist.is_initialized():
         t = t.to(_comm_device(group))
         dist.all_reduce(t, group=group)
         t = t.cpu()
     n = int(round(float(t[1])))
-    return estimator.update_per_example(float(t[0]) / n, n, grad_sq_norm)
+    folded = estimator.update_per_example(float(t[0]) / n, n, grad_sq_norm)
+    for i, k in enumerate(names):
+        estimator.update_per_example(float(t[2 + i]) / n, n, layers[k][1], layer=k)
+    return folded
 
 
 def _comm_device(group) -> torch.device:

@@ -210,7 +210,8 @@ class GNSMonitor:
         if (self._grads.backwards == 1 or self._sharded) and self._use_psn() and self._psn._active:
             try:
                 if self._sharded:
-                    self._psn_rows.append(self._psn.sq_norms())
+                    psn = self._psn
+                    self._psn_rows.append((psn.sq_norms(), self.per_layer and psn.layer_sq_norms()))
                 else:
                     self._psn_snap = self._read_psn()
             except RuntimeError as e:
@@ -219,7 +220,7 @@ class GNSMonitor:
     def _read_psn(self):
         psn = self._psn
         sq = psn.sq_norms()
-        if self.per_layer and self.world == 1:
+        if self.per_layer:
             layers, lg = psn.layer_sq_norms(), psn.layer_grad_sq_norms(sq.shape[0])
             return sq, sum(lg.values()), {k: (layers[k], lg[k]) for k in layers}
         return sq, psn.grad_sq_norm(sq.shape[0]), None
@@ -293,18 +294,18 @@ class GNSMonitor:
         w2 = self._weight(k) ** 2 * self._scale_sq()
         small = self._grads.micro_sq() / w2                  # ‖ḡ_k‖², (k, P)
         big = self._grads.grad_sq() / (w2 * k * k)            # ‖ḡ‖² of the mean gradient, (P,)
-        t = torch.tensor([float(small.sum()), sum(1.0 / b for b in sizes), float(k), float(sum(sizes))],
-                         dtype=torch.float64)
+        groups = self._layer_groups() if self.per_layer else {}    # (their sums in the same all-reduce)
+        t = torch.tensor([float(small.sum()), sum(1.0 / b for b in sizes), float(k), float(sum(sizes)),
+                          *(float(small[:, c].sum()) for c in groups.values())], dtype=torch.float64)
         if self.world > 1:
             t = t.to(_ddp._comm_device(self.group))
             dist.all_reduce(t, group=self.group)
             t = t.cpu()
         n, h = float(t[2]), float(t[2]) / float(t[1])         # micro-batches, their harmonic mean size
-        est, layers = self.estimator, ({} if self.per_layer and self.world == 1 else None)
+        est, layers = self.estimator, ({} if self.per_layer else None)
         folded = est.update_two_batch(float(t[0]) / n, float(big.sum()), h, n * h)
-        for name, cols in (self._layer_groups().items() if layers is not None else ()):
-            est.update_two_batch(float(small[:, cols].sum(1).mean()), float(big[cols].sum()), h, k * h,
-                                 layer=name)
+        for i, (name, cols) in enumerate(groups.items()):
+            est.update_two_batch(float(t[4 + i]) / n, float(big[cols].sum()), h, n * h, layer=name)
             layers[name] = None
         return folded, int(round(float(t[3]))), "micro_batch", layers
 
@@ -322,9 +323,14 @@ class GNSMonitor:
                                ) from snap
         if self._sharded:                     # FSDP2: over every micro-batch of the step (gns.sharded.fold)
             w2, means, rows = self._weight(k) ** 2, self._loss_reduction == "mean", self._psn_rows
-            grad_sq = self._psn.grad_sq_norm(sum(r.numel() for r in rows)) / (w2 * k * k if means else w2)
-            folded, n = sharded.fold(self.estimator, [r / w2 for r in rows], k, grad_sq, means, self.group)
-            return folded, n, "per_example", None
+            div, n = (w2 * k * k if means else w2), sum(r.numel() for r, _ in rows)
+            lg = {name: v / div for name, v in self._psn.layer_grad_sq_norms(n).items()} if self.per_layer \
+                else {}
+            layers = {name: ([lr[name] / w2 for _, lr in rows], v) for name, v in lg.items()}
+            grad_sq = sum(lg.values()) if self.per_layer else self._psn.grad_sq_norm(n) / div
+            folded, n = sharded.fold(self.estimator, [r / w2 for r, _ in rows], k, grad_sq, means, self.group,
+                                     layers)
+            return folded, n, "per_example", layers
         if snap is None:
             if self._psn is None:
                 raise RuntimeError(
@@ -334,8 +340,8 @@ class GNSMonitor:
             return None                                        # per-example norms off after accumulation
         sq, grad_sq, layers = snap
         if self.world > 1:
-            folded = _ddp.update_per_example(self.estimator, sq, grad_sq, self.group)
-            return folded, int(sq.shape[0]) * self.world, "per_example", None
+            folded = _ddp.update_per_example(self.estimator, sq, grad_sq, self.group, layers)
+            return folded, int(sq.shape[0]) * self.world, "per_example", layers
         folded = self.estimator.update(sq, grad_sq, layers=layers)
         return folded, int(sq.shape[0]), "per_example", layers
 

@@ -13,7 +13,7 @@ from gloo_util import run_gloo
 from torch import nn
 
 from elasticlab.gns import GNSEstimator, GNSMonitor
-from elasticlab.gns.reference import func_sq_norms
+from elasticlab.gns.reference import func_param_sq_norms
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 WORLD, B_LOCAL, STEPS = 2, 5, 3
@@ -49,7 +49,7 @@ def train(net, monitor, rows, forward=None, world=WORLD):
             (forward or net)(x[rows]).pow(2).mean().backward()
         opt.step()
     return {k: [h[k] for h in monitor.history] for k in ("b_simple", "grad_sq", "trace_cov", "batch_size")} \
-        | {"method": [h["method"] for h in monitor.history]}
+        | {"method": [h["method"] for h in monitor.history], "layers": monitor.layer_b_simple()}
 
 
 def worker(rank, compiled=False, mesh_shape=(WORLD,)):
@@ -77,6 +77,8 @@ def test_fsdp2_matches_one_process(tmp_path, compiled, mesh_shape):
         assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [world * B_LOCAL] * STEPS
         for k in ("b_simple", "grad_sq", "trace_cov"):
             assert r[k] == pytest.approx(ref[k], rel=1e-9), k
+        assert set(r["layers"]) == set(ref["layers"]) == {"0", "2", "3", "5"}     # per layer, sharded too
+        assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9)
 
 
 class Block(nn.Module):
@@ -119,6 +121,7 @@ def test_fsdp2_with_activation_checkpointing(tmp_path):
     for r in run_gloo(checkpointed, WORLD, tmp_path):
         assert r["method"] == ["per_example"] * STEPS
         assert r["b_simple"] == pytest.approx(ref["b_simple"], rel=1e-9)
+        assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 7
 
 
 PARTS = (2, 3)                                     # each process's micro-batches (unequal)
@@ -134,7 +137,8 @@ def accumulate(rank):
             for part in x[rank * B_LOCAL:(rank + 1) * B_LOCAL].split(PARTS):
                 (net(part).pow(2).mean() / len(PARTS)).backward()
         opt.step()
-    return {k: [h[k] for h in monitor.history] for k in ("b_simple", "batch_size", "micro_batches", "method")}
+    keys = ("b_simple", "batch_size", "micro_batches", "method")
+    return {k: [h[k] for h in monitor.history] for k in keys} | {"layers": monitor.layer_b_simple()}
 
 
 def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path):
@@ -145,13 +149,17 @@ def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path):
     net, ref, expected = make(), GNSEstimator(beta=0.99), []
     params = list(net.parameters())
     sizes = PARTS * WORLD
+    names = [n.rpartition(".")[0] for n, _ in net.named_parameters()]            # each parameter's module
     for x in batches():
         parts = x.split(sizes)
-        sq = func_sq_norms(net, lambda out, _: out.pow(2).mean(), x, torch.zeros(len(x)))
+        per = func_param_sq_norms(net, lambda out, _: out.pow(2).mean(), x, torch.zeros(len(x)))
         means = [torch.autograd.grad(net(p).pow(2).mean(), params) for p in parts]
         g = [sum(m[i] for m in means) / len(means) for i in range(len(params))]
         h = len(sizes) / sum(1.0 / b for b in sizes)
-        ref.update_two_batch(float(sq.mean()), sum(float(t.pow(2).sum()) for t in g), 1.0, len(sizes) * h)
+        for layer in (None, *dict.fromkeys(names)):          # the whole model, then each layer
+            sq = sum(v for v, n in zip(per.values(), names) if layer in (None, n))
+            big = sum(float(t.pow(2).sum()) for t, n in zip(g, names) if layer in (None, n))
+            ref.update_two_batch(float(sq.mean()), big, 1.0, len(sizes) * h, layer=layer)
         expected.append(ref.b_simple)
         with torch.no_grad():
             for p, t in zip(params, g):
@@ -160,6 +168,7 @@ def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path):
         assert r["method"] == ["per_example"] * STEPS and r["micro_batches"] == [len(PARTS)] * STEPS
         assert r["batch_size"] == [WORLD * B_LOCAL] * STEPS
         assert r["b_simple"] == pytest.approx(expected, rel=1e-9)
+        assert r["layers"] == pytest.approx(ref.layer_b_simple(), rel=1e-9) and len(r["layers"]) == 4
 
 
 def refusals(rank):
