@@ -1,6 +1,7 @@
 """The Hugging Face Trainer callback on a tiny GPT-2 (built from a config, nothing downloaded) against
 GNSEstimator fed the same batches by hand: per-example (GPT-2's Conv1D rule), gradient accumulation."""
 import copy
+import os
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ from elasticlab.gns import GNSEstimator, PerSampleGradNorms  # noqa: E402
 from elasticlab.gns.reference import example_param_sq_norms  # noqa: E402
 from elasticlab.integrations.transformers import GradientNoiseScaleCallback  # noqa: E402
 
-T, V, B = 12, 40, 4
+T, V, B, WORLD = 12, 40, 4, 2
 
 
 def tiny_gpt2(tied=False):
@@ -65,10 +66,11 @@ def loss_of(model, ids, scale=1.0):
     return model(input_ids=ids, labels=ids, position_ids=pos).loss * scale
 
 
-def estimates(model, seen, loss):
-    """B_simple after each of the batches ``seen``, by GNSEstimator on PerSampleGradNorms of ``model``
-    (learning rate 0 in these runs: the model stays put); ``loss(model, ids)``."""
-    ref, out = GNSEstimator(beta=0.99), []
+def estimates(model, seen, loss, ref=None):
+    """B_simple after each of the batches ``seen``, by GNSEstimator (``ref``, else a new one) on
+    PerSampleGradNorms of ``model`` (learning rate 0 in these runs: the model stays put);
+    ``loss(model, ids)``."""
+    ref, out = ref or GNSEstimator(beta=0.99), []
     with PerSampleGradNorms(model) as norms:
         for ids in seen:
             model.zero_grad()
@@ -93,6 +95,50 @@ def test_tiny_gpt2_per_example_matches_the_estimator(tmp_path):
     torch.testing.assert_close(torch.tensor([e["gns/b_simple"] for e in logged]), torch.tensor(expected),
                                rtol=1e-4, atol=0)
     assert any(k.startswith("gns/layer/transformer.h.0.attn.c_attn") for k in logged[-1])
+
+
+class Repeats(Tokens):
+    """A token repeated along each sequence: a signal the examples share, so that ‖G‖² > 0 and B_simple is
+    finite in a few steps (random tokens leave it infinite)."""
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.full((T,), i % 3), "labels": torch.full((T,), i % 3)}
+
+
+def _ddp_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))    # processes made here
+    torch.set_num_threads(1)
+    cb = GradientNoiseScaleCallback(log_layers=True)
+    _, seen = train(out, cb, 3, data=Repeats(), ddp_backend="gloo")
+    torch.save({"history": cb.history, "seen": seen}, f"{out}/{rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_two_gloo_processes_per_example_and_per_layer(tmp_path):
+    """The Trainer under DDP (2 gloo processes): the callback sees the plain model on the process group, so
+    per example over both ranks' batches, per layer too (before: no per-layer estimates there), equal to one
+    process on the union of the batches each rank saw."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ddp_worker, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    res = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert not torch.equal(res[0]["seen"][0], res[1]["seen"][0])         # the ranks had different data
+    ref = GNSEstimator(beta=0.99)
+    union = [torch.cat([r["seen"][i] for r in res]) for i in range(3)]
+    expected = estimates(tiny_gpt2(), union, loss_of, ref)
+    assert all(0 < e < float("inf") for e in expected)
+    for r in res:
+        h = r["history"]
+        assert [e["method"] for e in h] == ["per_example"] * 3 and h[-1]["batch_size"] == WORLD * B
+        assert [e["b_simple"] for e in h] == pytest.approx(expected, rel=1e-4)
+        layers = ref.layer_b_simple()
+        assert "transformer.h.0.attn.c_attn" in h[-1]["layers"] and set(h[-1]["layers"]) == set(layers)
+        assert h[-1]["layers"] == pytest.approx(layers, rel=1e-4)
 
 
 def test_trainer_with_torch_compile_measures_every_step_per_example(tmp_path):
