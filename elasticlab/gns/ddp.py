@@ -61,48 +61,74 @@ class ReplicaGradNorms:
             raise ValueError("ReplicaGradNorms needs a DistributedDataParallel model, got "
                              f"{type(ddp_model).__name__}")
         self.model, self.group = ddp_model, process_group
-        self._local = torch.zeros((), dtype=torch.float64)
+        named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+        self._index = {id(p): i for i, (_, p) in enumerate(named)}
+        self.layer_of = [n.rpartition(".")[0] for n, _ in named]     # each parameter's module
+        self._per = torch.zeros(len(named), dtype=torch.float64)    # each local gradient's Σ g² (its device)
         ddp_model.register_comm_hook(self, ReplicaGradNorms._hook)
 
     @staticmethod
     def _hook(state: ReplicaGradNorms, bucket):
         buf = bucket.buffer()
-        state._local += buf.detach().double().pow(2).sum().cpu()
+        state._record(bucket)
         world = dist.get_world_size(state.group)
         fut = dist.all_reduce(buf.div_(world), group=state.group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
+    def _record(self, bucket) -> None:
+        """Each parameter's ‖g_local‖² in ``bucket`` (before the averaging), added on the device: no host
+        synchronisation in the backward."""
+        grads = [g.detach() for g in bucket.gradients()]
+        if not grads:
+            return
+        dev = grads[0].device
+        if self._per.device != dev:
+            self._per = self._per.to(dev)
+        norms = torch._foreach_norm(grads, 2) if all(g.dtype == grads[0].dtype for g in grads) else \
+            [torch.linalg.vector_norm(g) for g in grads]
+        idx = torch.tensor([self._index[id(p)] for p in bucket.parameters()], device=dev)
+        self._per.index_add_(0, idx, torch.stack(norms).double().square())
+
     @property
     def local_sq_norm(self) -> float:
         """‖g_local‖² of this replica's gradient in the last synchronised backward."""
-        return float(self._local)
+        return float(self._per.sum())
 
     def reset(self) -> None:
         """Forget the recorded ‖g_local‖² (callers that fold it themselves do this after each step)."""
-        self._local.zero_()
+        self._per.zero_()
 
-    def fold(self, estimator: GNSEstimator, div: float, batch: int, big: float):
+    def fold(self, estimator: GNSEstimator, div: float, batch: int, big: float, layers: dict | None = None):
         """GNSMonitor's replica form, unequal batches by their harmonic mean H (Eq. A.1): this replica's
-        ‖g_local‖²/``div`` against ``big``, ‖ḡ‖² of the averaged gradient (divided alike); one all-reduce of
-        [Σ_r ‖ḡ_r‖², Σ 1/b_r, Σ b_r, R]. Returns (folded, Σ b_r), or None where this replica had no
-        gradient; resets."""
-        local = float(self._local)
+        ‖g_local‖²/``div`` against ``big``, ‖ḡ‖² of the averaged gradient (divided alike); ``layers``:
+        {module: its ‖ḡ‖²}, folded per layer too. One all-reduce of [Σ_r ‖ḡ_r‖², Σ 1/b_r, Σ b_r, R, and
+        per layer Σ_r ‖ḡ_r‖²]. Returns (folded, Σ b_r), or None where this replica had no gradient; resets."""
+        per = self._per.tolist()                                   # (read before the reset zeroes it)
         self.reset()
-        t = torch.tensor([local / div, 1.0 / batch, float(batch), 1.0], dtype=torch.float64,
-                         device=_comm_device(self.group))
+        names = list(layers or {})
+        by_layer = dict.fromkeys(names, 0.0)
+        for name, v in zip(self.layer_of, per):
+            if name in by_layer:
+                by_layer[name] += v
+        local = math.fsum(per)
+        t = torch.tensor([local / div, 1.0 / batch, float(batch), 1.0, *(by_layer[n] / div for n in names)],
+                         dtype=torch.float64, device=_comm_device(self.group))
         dist.all_reduce(t, group=self.group)
-        small, inv, total, r = t.tolist()
+        small, inv, total, r, *per_layer = t.tolist()
         h = r / inv
         if local == 0.0 or not math.isfinite(h):
             return None
-        return estimator.update_two_batch(small / r, big, h, r * h), int(round(total))
+        folded = estimator.update_two_batch(small / r, big, h, r * h)
+        for n, v in zip(names, per_layer):
+            estimator.update_two_batch(v / r, layers[n], h, r * h, layer=n)
+        return folded, int(round(total))
 
     def update(self, estimator: GNSEstimator, local_batch: int) -> bool:
         """Fold the two-batch estimate of the last backward into ``estimator`` and reset."""
         world = dist.get_world_size(self.group)
         if world < 2:
             raise ValueError(f"the replica two-batch estimator needs >= 2 replicas, got world size {world}")
-        t = torch.tensor([float(self._local), float(local_batch)], dtype=torch.float64)
+        t = torch.tensor([self.local_sq_norm, float(local_batch)], dtype=torch.float64)
         t = t.to(_comm_device(self.group))
         dist.all_reduce(t, group=self.group)
         t = t.cpu()

@@ -348,9 +348,10 @@ class GNSMonitor:
     def _fold_replicas(self, k: int):
         """Replica two-batch form (:meth:`~elasticlab.gns.ddp.ReplicaGradNorms.fold`)."""
         div = self._weight(k) ** 2 * self._scale_sq() * k * k      # this replica's mean gradient: local/(w·k)
-        big = float(self._grads.grad_sq().sum()) / div             # .grad: DDP averaged the replicas
-        rec = self._replicas.fold(self.estimator, div, sum(self._sizes(k)), big)
-        return rec and (*rec, "replica", None)
+        big = self._grads.grad_sq() / div                          # .grad: DDP averaged the replicas
+        layers = {n: float(big[c].sum()) for n, c in (self._layer_groups() if self.per_layer else {}).items()}
+        rec = self._replicas.fold(self.estimator, div, sum(self._sizes(k)), float(big.sum()), layers)
+        return rec and (*rec, "replica", layers or None)
 
     # ------------------------------------------------------------------------------------------ read-out
     @property

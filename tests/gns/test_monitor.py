@@ -282,8 +282,9 @@ def test_ddp_replica_form_two_gloo_processes(tmp_path):
     for x, y in batches(STEPS, WORLD * B_LOCAL):
         local, micro = parts_of(x, y, B_LOCAL), parts_of(x, y, B_LOCAL // 2)
         mean = [sum(g[i] for g in local) / WORLD for i in range(len(params))]
-        refs["replica"].update_two_batch(sum(map(sq, local)) / WORLD, sq(mean), B_LOCAL, WORLD * B_LOCAL)
         for layer in (None, *dict.fromkeys(names)):          # the whole model, then each layer
+            refs["replica"].update_two_batch(sum(sq(g, layer) for g in local) / WORLD, sq(mean, layer),
+                                             B_LOCAL, WORLD * B_LOCAL, layer=layer)
             refs["micro_batch"].update_two_batch(sum(sq(g, layer) for g in micro) / len(micro),
                                                  sq(mean, layer), B_LOCAL // 2, WORLD * B_LOCAL, layer=layer)
         with PerSampleGradNorms(model) as norms:
@@ -302,11 +303,10 @@ def test_ddp_replica_form_two_gloo_processes(tmp_path):
             h = res[r][key]
             assert [e["method"] for e in h] == [method] * STEPS and h[-1]["batch_size"] == WORLD * B_LOCAL
             assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (key, r, h[-1], ref)
-            if key[0] == "inner":         # per layer too (before: none under a process group)
-                layers = ref.layer_b_simple()
-                assert set(h[-1]["layers"]) == set(layers) == {"0", "2", "3"}
-                for name, v in layers.items():
-                    assert close(h[-1]["layers"][name], v, 1e-5), (key, name, h[-1]["layers"], layers)
+            layers = ref.layer_b_simple()                   # per layer too (before: none when world > 1)
+            assert set(h[-1]["layers"]) == set(layers) == {"0", "2", "3"}
+            for name, v in layers.items():
+                assert close(h[-1]["layers"][name], v, 1e-5), (key, name, h[-1]["layers"], layers)
 
 
 @pytest.mark.parametrize("kwargs, msg", [
