@@ -3,6 +3,7 @@ accumulate_grad_batches, bf16-mixed, the DDP strategy on 2 gloo processes (repli
 ModelParallelStrategy with FSDP2 (per-example form)."""
 import copy
 import datetime
+import gc
 import os
 import socket
 
@@ -286,8 +287,14 @@ def _fsdp2_worker(rank, port, out):
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=WORLD, strategy=strategy, logger=False,
                          callbacks=[cb], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    trainer.fit(module, DataLoader(dataset(), batch_size=B))
-    torch.save({"history": cb.history, "seen": module.seen}, f"{out}/{rank}.pt")
+    try:
+        trainer.fit(module, DataLoader(dataset(), batch_size=B))
+        torch.save({"history": cb.history, "seen": module.seen}, f"{out}/{rank}.pt")
+        torch.distributed.barrier()
+    finally:                 # the process group left by the strategy: gloo's threads may abort the exit
+        gc.collect()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The Hugging Face Trainer callback on a tiny GPT-2 (built from a config, nothing downloaded) against
 GNSEstimator fed the same batches by hand: per-example (GPT-2's Conv1D rule), gradient accumulation."""
 import copy
+import gc
 import os
 import warnings
 
@@ -110,8 +111,14 @@ def _ddp_worker(rank, port, out):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))    # processes made here
     torch.set_num_threads(1)
     cb = GradientNoiseScaleCallback(log_layers=True)
-    _, seen = train(out, cb, 3, data=Repeats(), ddp_backend="gloo")
-    torch.save({"history": cb.history, "seen": seen}, f"{out}/{rank}.pt")
+    try:
+        _, seen = train(out, cb, 3, data=Repeats(), ddp_backend="gloo")
+        torch.save({"history": cb.history, "seen": seen}, f"{out}/{rank}.pt")
+        torch.distributed.barrier()
+    finally:                 # the Trainer leaves its process group: gloo's threads may abort the exit
+        gc.collect()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
