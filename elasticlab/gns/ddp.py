@@ -84,8 +84,7 @@ class ReplicaGradNorms:
         dev = grads[0].device
         if self._per.device != dev:
             self._per = self._per.to(dev)
-        norms = torch._foreach_norm(grads, 2) if all(g.dtype == grads[0].dtype for g in grads) else \
-            [torch.linalg.vector_norm(g) for g in grads]
+        norms = torch._foreach_norm(grads, 2)                     # (a DDP bucket holds one dtype)
         idx = torch.tensor([self._index[id(p)] for p in bucket.parameters()], device=dev)
         self._per.index_add_(0, idx, torch.stack(norms).double().square())
 
