@@ -129,15 +129,16 @@ class CheckpointDir:
                 pass
         return p
 
-    def latest(self, exclude=()) -> tuple[Path | None, list[tuple[Path, str]]]:
+    def latest(self, exclude=(), at_most: int | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
         """The newest checkpoint that verifies, and the (path, reason) of newer ones that did not.
 
-        Paths in ``exclude`` (checkpoints found unloadable before) are passed over without a reason."""
+        Paths in ``exclude`` (checkpoints found unloadable before) are passed over without a reason; with
+        ``at_most``, so are the checkpoints of later steps."""
         bad = []
         skip = {str(p) for p in exclude}
         for step in reversed(self.steps()):
             p = self.path(step)
-            if str(p) in skip:
+            if str(p) in skip or (at_most is not None and step > at_most):
                 continue
             try:
                 verify(p)

@@ -105,6 +105,65 @@ def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_pat
     assert not session_processes(session)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
+    """A worker's sample rows wait in its actor's mailbox until the controller drains it; a worker that dies
+    takes the undrained ones with it. The controller is held (no drain) until rank 0 writes a checkpoint
+    past the last step of rank 1's rows it has, then rank 1's actor is killed: the job goes on from a
+    checkpoint that the record covers for every rank, so every epoch's record is exactly-once and the
+    replayed steps are as many as it counts. (CI of 24b3f1b lost 56 samples of an epoch to this race: the
+    newest checkpoint was taken, past rows that were never drained.)"""
+    import threading
+
+    cluster = local_cluster(1, 2)
+    session = session_dir(cluster)
+    job, gate = None, threading.Event()
+    gate.set()
+    try:
+        rec = tmp_path / "samples.jsonl"
+        job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
+                     name="undrained", epochs=2, checkpoint_every=3, record_samples=str(rec),
+                     entry_kwargs={"step_s": 0.05}, fault_grace_s=2.0)
+        pump = job._pump
+
+        def held_pump():  # the controller thread waits here while the test holds the gate
+            gate.wait()
+            pump()
+
+        job._pump = held_pump
+        job.start()
+        assert until(lambda: job.status()["step"] >= 4 or job.state in ("failed", "finished"), timeout=200)
+        assert job.state == "running", job.status()
+        gate.clear()
+        time.sleep(0.5)  # a pump in progress ends; none starts
+        held = min(job._recorded.values())
+        assert until(lambda: any(s > held for s in job.checkpoint_dir.steps()), 60, interval=0.01), held
+        victim = job._workers[job._ranks[1]]["actor"]
+        ray.kill(victim, no_restart=True)
+        gate.set()
+        assert job.wait(timeout=200) and job.state == "finished", (job.status(), _kinds(job.events()))
+        st = job.status()
+        restart = [e for e in job.events() if e["kind"] == "restart"]
+        assert st["faults"] == 1 and len(restart) == 1, _kinds(job.events())
+        rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
+        from elasticlab.elastic import check_exactly_once
+
+        rep = check_exactly_once(rows, 1797)  # the digits set
+        assert rep["ok"] and all(v["complete"] for v in rep["epochs"].values()), \
+            {e: len(v["missing"]) for e, v in rep["epochs"].items()}
+        assert _replayed_steps(str(rec)) == st["lost_steps"] > 0
+        assert restart[0].get("recorded_through") == held, restart
+        assert int(restart[0]["checkpoint"].rsplit("-", 1)[1][:-3]) <= held
+        assert not [e for e in job.events() if e["kind"] == "record_gap"]
+    finally:
+        gate.set()
+        if job is not None:
+            job.stop()
+        shutdown(cluster)
+    assert not session_processes(session)
+
+
 def test_session_processes_are_found_by_their_session_directory(tmp_path):
     """What shutdown ends and the tests count: processes naming the session directory on their command
     line (GCS, raylets) or holding a file in it (workers, whose title ``ray::<class>`` selects an actor

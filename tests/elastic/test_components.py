@@ -110,6 +110,9 @@ def test_checkpoint_atomic_checksum_and_fallback(tmp_path):
     best, bad = d.latest()
     assert best == d.path(10) and [b[0] for b in bad] == [p20, p15]
     assert ck.load(best)["step"] == 10
+    # at_most: the later ones are passed over, not reported as bad
+    assert d.latest(at_most=14) == (d.path(10), [])
+    assert d.latest(at_most=9) == (None, [])
     (tmp_path / "ckpt-000000099.pt").write_bytes(b"junk")
     with pytest.raises(CheckpointError, match="truncated"):
         ck.load(tmp_path / "ckpt-000000099.pt")

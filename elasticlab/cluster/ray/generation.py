@@ -47,6 +47,8 @@ class RayGenerations:
             self._events.emit("actors_start", workers=new, nodes=[self._workers[w]["node"] for w in new])
         self._gen += 1
         self._ranks, self._ended = ranks, None
+        # the step up to which each rank's sample rows have reached the controller (from the start step)
+        self._gen_start, self._recorded = self._seen, dict.fromkeys(range(len(ranks)), self._seen)
         host = self._host
         self._runs = {w: self._workers[w]["actor"].run.remote(M.Join(
             self._gen, r, len(self._ranks), self._port, checkpoint, str(self.checkpoint_dir.directory),
@@ -91,7 +93,11 @@ class RayGenerations:
         if isinstance(m, M.Step):
             self._on_step(m.record)
         elif isinstance(m, M.Samples):
-            self._seen = max(self._seen, int(m.row["step"]))
+            step = int(m.row["step"])
+            self._seen = max(self._seen, step)
+            if m.row.get("generation") == self._gen:
+                rank = int(m.row["rank"])
+                self._recorded[rank] = max(self._recorded.get(rank, step), step)
             if self._rec is not None:
                 self._rec.write(json.dumps(m.row) + "\n")
         elif isinstance(m, M.Checkpointed):
@@ -152,7 +158,7 @@ class RayGenerations:
         self._kill(list(self._runs))  # still in a collective with a dead peer
         self._runs = {}
         self._pump()  # what the survivors sent last
-        path, _ = self.checkpoint_dir.latest()
+        path, through = self._restart_checkpoint()
         ck_step = 0
         if path is not None:
             from elasticlab.elastic.checkpoint import load
@@ -173,9 +179,26 @@ class RayGenerations:
         self._kill([w for w in self._workers if w not in alive])
         n = max(min(len(alive), self._target), 1) if alive else max(min(self._target, 1), 1)
         self._events.emit("restart", generation=self._gen + 1, world_size=n, checkpoint=str(path),
-                          lost_steps=lost)
+                          lost_steps=lost, recorded_through=through)
         self._form(n, None, str(path) if path is not None else None)
         return True
+
+    def _restart_checkpoint(self):
+        """The checkpoint to go on from after a fault, and the step through which every rank's sample rows
+        arrived (None when the job keeps no sample record). A rank's rows wait in its actor's mailbox until
+        the next drain, and a dead node's are lost with it: so the newest checkpoint at or before that step,
+        whose steps the record then holds for every rank (the later ones run again), or none (from the
+        start) if the generation began there; else the newest, and a ``record_gap`` event says so."""
+        if self._rec is None or not self._recorded:
+            return self.checkpoint_dir.latest()[0], None
+        through = min(self._recorded.values())
+        path, _ = self.checkpoint_dir.latest(at_most=through)
+        if path is None and self._gen_start > 0:
+            path, _ = self.checkpoint_dir.latest()
+            if path is not None:
+                self._events.emit("record_gap", generation=self._gen, recorded_through=through,
+                                  checkpoint=str(path))
+        return path, through
 
     def _kill(self, wids) -> None:
         self._gang.kill(wids)

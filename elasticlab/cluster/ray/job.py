@@ -14,7 +14,9 @@ The job handle the scheduler drives (``status``, ``metrics``, ``events``, ``step
 * fault: a worker dies (its node is gone) or raises -- the others leave the broken group (or are ended if
   stuck in it), and the job resumes from the
   newest valid checkpoint on the workers that remain; the steps since that checkpoint are replayed
-  (counted in ``lost_steps``; the sample record keeps both, the later generation counts).
+  (counted in ``lost_steps``; the sample record keeps both, the later generation counts). With a sample
+  record, the newest checkpoint whose steps the controller holds every rank's rows of (a dead actor's
+  undrained rows are lost with it).
 
 Checkpoints go to ``checkpoint_dir``, which every node must reach (a shared file system). This module holds
 the handle and the requests; forming, draining and ending the generations is its base
@@ -86,6 +88,7 @@ class RayJob(RayGenerations):
         self._ended = None  # how the generation ended: "left", "finished", "fault"
         self._ckpt: str | None = None
         self._faults = self._lost = self._streak = self._seen = 0  # _seen: the last step any rank reported
+        self._gen_start, self._recorded = 0, {}  # the generation's first step; each rank's rows reached
         self._suspect: set = set()  # nodes where a worker of this job died
         self._requests: list[dict] = []  # from the caller, taken by the controller thread
         self._pending: dict | None = None  # the request in flight
