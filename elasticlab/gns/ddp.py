@@ -2,7 +2,7 @@
 
 Two ways to combine R replicas (McCandlish et al. App. A.1):
 - per-example: all-reduce Σ_i ‖g_i‖² and the example count, with ‖ḡ‖² of the all-reduced (global) gradient,
-  gives the per-example estimator over the global batch (:func:`update_per_example`);
+  gives the per-example estimator over the global batch (:func:`elasticlab.gns.forms.per_example`);
 - two-batch: each replica's local gradient norm (B_small = local batch), taken by a DDP communication hook
   before the all-reduce, against the all-reduced one (B_big = global batch) (:class:`ReplicaGradNorms`).
 """
@@ -13,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from elasticlab.gns import forms
 from elasticlab.gns.estimator import GNSEstimator
 
 
@@ -22,31 +23,6 @@ def _grad_sq(params) -> float:
         if p.grad is not None:
             tot += p.grad.detach().double().pow(2).sum().cpu()
     return float(tot)
-
-
-def update_per_example(estimator: GNSEstimator, sq_norms: torch.Tensor, grad_sq_norm: float,
-                       group=None, layers: dict | None = None) -> bool:
-    """Fold one step: ``sq_norms`` (b,) of this replica's examples (``PerSampleGradNorms.sq_norms()``) and
-    ``grad_sq_norm`` ‖ḡ‖² of the all-reduced mean gradient (identical on every replica); ``layers``:
-    {module: ((b,) its norms, its ‖ḡ‖²)}, folded per layer too, their sums in the same all-reduce."""
-    names = list(layers or {})
-    sums = torch.stack([sq_norms.detach().double().sum()]
-                       + [layers[k][0].detach().double().sum() for k in names]).cpu()
-    t = torch.cat([sums[:1], torch.tensor([float(sq_norms.numel())], dtype=torch.float64), sums[1:]])
-    if dist.is_available() and dist.is_initialized():
-        t = t.to(_comm_device(group))
-        dist.all_reduce(t, group=group)
-        t = t.cpu()
-    n = int(round(float(t[1])))
-    folded = estimator.update_per_example(float(t[0]) / n, n, grad_sq_norm)
-    for i, k in enumerate(names):
-        estimator.update_per_example(float(t[2 + i]) / n, n, layers[k][1], layer=k)
-    return folded
-
-
-def _comm_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 class ReplicaGradNorms:
@@ -63,7 +39,7 @@ class ReplicaGradNorms:
         self.model, self.group = ddp_model, process_group
         named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
         self._index = {id(p): i for i, (_, p) in enumerate(named)}
-        self.layer_of = [n.rpartition(".")[0] for n, _ in named]     # each parameter's module
+        self.layer_of = forms.layer_of(named)                       # each parameter's module
         self._per = torch.zeros(len(named), dtype=torch.float64)    # each local gradient's Σ g² (its device)
         ddp_model.register_comm_hook(self, ReplicaGradNorms._hook)
 
@@ -111,7 +87,7 @@ class ReplicaGradNorms:
                 by_layer[name] += v
         local = math.fsum(per)
         t = torch.tensor([local / div, 1.0 / batch, float(batch), 1.0, *(by_layer[n] / div for n in names)],
-                         dtype=torch.float64, device=_comm_device(self.group))
+                         dtype=torch.float64, device=forms.comm_device(self.group))
         dist.all_reduce(t, group=self.group)
         small, inv, total, r, *per_layer = t.tolist()
         h = r / inv
@@ -128,7 +104,7 @@ class ReplicaGradNorms:
         if world < 2:
             raise ValueError(f"the replica two-batch estimator needs >= 2 replicas, got world size {world}")
         t = torch.tensor([self.local_sq_norm, float(local_batch)], dtype=torch.float64)
-        t = t.to(_comm_device(self.group))
+        t = t.to(forms.comm_device(self.group))
         dist.all_reduce(t, group=self.group)
         t = t.cpu()
         if abs(float(t[1]) - world * local_batch) > 0.5:

@@ -8,18 +8,16 @@
         opt.step()
     monitor.b_simple, monitor.history
 
-Which form of McCandlish et al.'s App. A.1 estimator each measured step uses (``method="auto"``):
+Which form of McCandlish et al.'s App. A.1 estimator (:mod:`~elasticlab.gns.forms`) each measured step
+uses (``method="auto"``):
 - ``"replica"``: ``model`` is a ``DistributedDataParallel`` over >= 2 processes: each replica's local
   gradient ‖g_r‖² (taken before the averaging by :class:`~elasticlab.gns.ddp.ReplicaGradNorms`, a DDP comm
-  hook) against the all-reduced one; B_small = local batch, B_big = global batch; one extra all-reduce
-  of 4 numbers.
+  hook) against the all-reduced one; B_small = local batch, B_big = global batch.
 - ``"micro_batch"``: several backwards in one step (gradient accumulation): each micro-batch's ‖h_k‖²
   (tensor hooks see the gradient before it is added to ``.grad``) against the accumulated one.
 - ``"per_example"``: one backward on one process: per-example norms (:class:`PerSampleGradNorms`); on an
-  initialised group with a plain (not DDP) model, the per-example sums are all-reduced
-  (:func:`~elasticlab.gns.ddp.update_per_example`).
-Unequal micro-batch or replica batches b_k enter through their harmonic mean H: E mean_k‖ḡ_k‖² =
-‖G‖² + tr Σ/H and, gradients averaged with equal weights, E‖ḡ‖² = ‖G‖² + tr Σ/(K·H) (Eq. A.1).
+  initialised group with a plain (not DDP) model, the per-example sums are all-reduced; under FSDP2, every
+  micro-batch's (:mod:`~elasticlab.gns.sharded`).
 
 Gradients are read at the end of each backward (:class:`~elasticlab.gns.capture.StepGradients`): clipping
 after it changes nothing. A ``grad_scaler``'s loss scale is divided out; an overflowed step's non-finite
@@ -37,13 +35,12 @@ from torch import nn
 
 from elasticlab.checks import whole
 from elasticlab.gns import ddp as _ddp
-from elasticlab.gns import loss_scale, sharded
+from elasticlab.gns import forms, loss_scale, sharded
 from elasticlab.gns.capture import StepGradients, batch_of, frozen, now_training
 from elasticlab.gns.estimator import GNSEstimator, check_beta
+from elasticlab.gns.forms import METHODS
 from elasticlab.gns.norms import PerSampleGradNorms
 from elasticlab.gns.slot import recomputing
-
-METHODS = ("auto", "per_example", "micro_batch", "replica")
 
 
 def check_settings(every, beta, method) -> int:
@@ -136,7 +133,7 @@ class GNSMonitor:
             raise ValueError(sharded.PER_EXAMPLE_ONLY.format(self._psn_error or "method='micro_batch' asked"))
         self._frozen = frozen(self.module)    # unfrozen later: tracked again at begin()
         self._grads = StepGradients(self._params, self._after_backward)
-        self._layer_of = [n.rpartition(".")[0] for n, _ in named]
+        self._groups = forms.layer_groups(forms.layer_of(named))
 
     def _reset_step(self) -> None:
         self._psn_snap, self._psn_rows = None, []     # (rows: FSDP2's, every micro-batch's per-example norms)
@@ -234,8 +231,14 @@ class GNSMonitor:
         if not self._measuring:
             return None
         k = self._grads.backwards
-        rec = None if k == 0 else self._fold_replicas(k) if self._replicas is not None else \
-            self._fold_per_example(k) if k == 1 or self._sharded else self._fold_micro_batches(k)
+        if k == 0:
+            rec = None
+        elif self._replicas is not None:
+            rec = self._fold_replicas(k)
+        elif k == 1 or self._sharded:
+            rec = self._fold_per_example(k)
+        else:
+            rec = self._fold_micro_batches(k)
         if rec is None:
             self.unmeasured += 1
             return None
@@ -287,33 +290,15 @@ class GNSMonitor:
         return 1.0 / k if self.accumulation == "mean" else 1.0
 
     def _fold_micro_batches(self, k: int):
-        """Micro-batch form; on a process group with a plain model (gradients averaged by a DDP wrapper
-        elsewhere), every replica's micro-batches by one all-reduce: [Σ ‖ḡ_k‖², Σ 1/b_k, count]."""
+        """Micro-batch form (:func:`~elasticlab.gns.forms.micro_batch`)."""
         self._accumulating = True                           # (auto: per-example norms off from now on)
-        sizes = self._sizes(k)
         w2 = self._weight(k) ** 2 * self._scale_sq()
         small = self._grads.micro_sq() / w2                  # ‖ḡ_k‖², (k, P)
         big = self._grads.grad_sq() / (w2 * k * k)            # ‖ḡ‖² of the mean gradient, (P,)
-        groups = self._layer_groups() if self.per_layer else {}    # (their sums in the same all-reduce)
-        t = torch.tensor([float(small.sum()), sum(1.0 / b for b in sizes), float(k), float(sum(sizes)),
-                          *(float(small[:, c].sum()) for c in groups.values())], dtype=torch.float64)
-        if self.world > 1:
-            t = t.to(_ddp._comm_device(self.group))
-            dist.all_reduce(t, group=self.group)
-            t = t.cpu()
-        n, h = float(t[2]), float(t[2]) / float(t[1])         # micro-batches, their harmonic mean size
-        est, layers = self.estimator, ({} if self.per_layer else None)
-        folded = est.update_two_batch(float(t[0]) / n, float(big.sum()), h, n * h)
-        for i, (name, cols) in enumerate(groups.items()):
-            est.update_two_batch(float(t[4 + i]) / n, float(big[cols].sum()), h, n * h, layer=name)
-            layers[name] = None
-        return folded, int(round(float(t[3]))), "micro_batch", layers
-
-    def _layer_groups(self) -> dict[str, list[int]]:
-        groups: dict[str, list[int]] = {}
-        for i, name in enumerate(self._layer_of):
-            groups.setdefault(name, []).append(i)
-        return groups
+        groups = self._groups if self.per_layer else {}
+        folded, n = forms.micro_batch(self.estimator, small, big, self._sizes(k), groups, self.world,
+                                      self.group)
+        return folded, n, "micro_batch", (dict.fromkeys(groups) if self.per_layer else None)
 
     def _fold_per_example(self, k: int = 1):
         snap = self._psn_snap
@@ -339,17 +324,14 @@ class GNSMonitor:
                     "micro-batches per step (micro-batch form) or train under DDP (replica form)")
             return None                                        # per-example norms off after accumulation
         sq, grad_sq, layers = snap
-        if self.world > 1:
-            folded = _ddp.update_per_example(self.estimator, sq, grad_sq, self.group, layers)
-            return folded, int(sq.shape[0]) * self.world, "per_example", layers
-        folded = self.estimator.update(sq, grad_sq, layers=layers)
-        return folded, int(sq.shape[0]), "per_example", layers
+        folded, n = forms.per_example(self.estimator, sq, grad_sq, layers, self.world, self.group)
+        return folded, n, "per_example", layers
 
     def _fold_replicas(self, k: int):
         """Replica two-batch form (:meth:`~elasticlab.gns.ddp.ReplicaGradNorms.fold`)."""
         div = self._weight(k) ** 2 * self._scale_sq() * k * k      # this replica's mean gradient: local/(w·k)
         big = self._grads.grad_sq() / div                          # .grad: DDP averaged the replicas
-        layers = {n: float(big[c].sum()) for n, c in (self._layer_groups() if self.per_layer else {}).items()}
+        layers = {n: float(big[c].sum()) for n, c in (self._groups if self.per_layer else {}).items()}
         rec = self._replicas.fold(self.estimator, div, sum(self._sizes(k)), float(big.sum()), layers)
         return rec and (*rec, "replica", layers or None)
 

@@ -124,8 +124,8 @@ def fold(estimator, rows: list[torch.Tensor], k: int, grad_sq: float, means: boo
     counts = [float(sum(r.numel() for r in rows)), sum(1.0 / r.numel() for r in rows), float(k)]
     t = torch.cat([sums[:1], torch.tensor(counts, dtype=torch.float64), sums[1:]])
     if dist.is_available() and dist.is_initialized():
-        from elasticlab.gns.ddp import _comm_device
-        t = t.to(_comm_device(group))
+        from elasticlab.gns.forms import comm_device
+        t = t.to(comm_device(group))
         dist.all_reduce(t, group=group)
     total, n, inv, m, *per_layer = t.tolist()
     b_big = m * m / inv if means else n

@@ -10,7 +10,8 @@ from gloo_util import run_gloo
 from torch import nn
 
 from elasticlab.gns import GNSEstimator, PerSampleGradNorms
-from elasticlab.gns.ddp import ReplicaGradNorms, update_per_example
+from elasticlab.gns.ddp import ReplicaGradNorms
+from elasticlab.gns.forms import per_example
 
 B_LOCAL, WORLD = 6, 2
 
@@ -51,7 +52,7 @@ def worker(rank, kind="mlp"):
     with PerSampleGradNorms(model) as n:
         loss_fn(ddp, x[sl], y[sl]).backward()
     grad_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
-    update_per_example(per_ex, n.sq_norms(), grad_sq)
+    per_example(per_ex, n.sq_norms(), grad_sq, world=torch.distributed.get_world_size())
     local_sq = replicas.local_sq_norm
     replicas.update(two, B_LOCAL)
     return {"local_norms": n.sq_norms(), "per_ex": per_ex.state_dict(), "two": two.state_dict(),

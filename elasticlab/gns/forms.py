@@ -1,0 +1,83 @@
+"""The forms of McCandlish et al.'s App. A.1 estimator that :class:`~elasticlab.gns.monitor.GNSMonitor`
+measures a step by, each folding what the step left into a :class:`~elasticlab.gns.estimator.GNSEstimator`.
+
+- ``"per_example"``: one backward's per-example ‖g_i‖² against ‖ḡ‖² (:func:`per_example`), on a process
+  group over every process's examples; under FSDP2, every micro-batch's
+  (:func:`~elasticlab.gns.sharded.fold`).
+- ``"micro_batch"``: several backwards (gradient accumulation): each micro-batch's ‖ḡ_k‖² against the
+  accumulated ‖ḡ‖² (:func:`micro_batch`).
+- ``"replica"``: each DDP replica's local ‖ḡ_r‖² against the averaged one
+  (:meth:`~elasticlab.gns.ddp.ReplicaGradNorms.fold`).
+
+Unequal batches b_k enter through their harmonic mean H: E mean_k‖ḡ_k‖² = ‖G‖² + tr Σ/H and, gradients
+averaged with equal weights, E‖ḡ‖² = ‖G‖² + tr Σ/(K·H) (Eq. A.1). Each returns (folded, examples).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from elasticlab.gns.estimator import GNSEstimator
+
+#: The forms, and ``"auto"``: the monitor's choice (module docstring of :mod:`~elasticlab.gns.monitor`).
+METHODS = ("auto", "per_example", "micro_batch", "replica")
+
+
+def layer_of(named) -> list[str]:
+    """Each parameter's module name, from ``(name, parameter)`` pairs: the key of its per-layer estimate."""
+    return [n.rpartition(".")[0] for n, _ in named]
+
+
+def layer_groups(layers: list[str]) -> dict[str, list[int]]:
+    """{module: the indices of its parameters} from :func:`layer_of`'s list."""
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(layers):
+        groups.setdefault(name, []).append(i)
+    return groups
+
+
+def comm_device(group) -> torch.device:
+    """Where a collective of ``group`` takes its tensors: the current GPU under NCCL, else the CPU."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def per_example(estimator: GNSEstimator, sq: torch.Tensor, grad_sq: float, layers: dict | None = None,
+                world: int = 1, group=None) -> tuple[bool, int]:
+    """One backward's (b,) per-example ‖g_i‖² (``PerSampleGradNorms.sq_norms()``) against ``grad_sq``, ‖ḡ‖²
+    of the mean gradient (all-reduced: identical on every process); ``layers``: {module: ((b,) its norms,
+    its ‖ḡ‖²)}, folded per layer too. Over ``world`` > 1 processes, every process's examples: one
+    all-reduce of [Σ ‖g_i‖², examples, Σ per layer]."""
+    if world <= 1:
+        return estimator.update(sq, grad_sq, layers=layers), int(sq.shape[0])
+    names = list(layers or {})
+    sums = torch.stack([sq.detach().double().sum()] + [layers[k][0].detach().double().sum() for k in names])
+    t = torch.cat([sums[:1].cpu(), torch.tensor([float(sq.numel())], dtype=torch.float64), sums[1:].cpu()])
+    t = t.to(comm_device(group))
+    dist.all_reduce(t, group=group)
+    total, count, *per_layer = t.tolist()
+    n = int(round(count))
+    folded = estimator.update_per_example(total / n, n, grad_sq)
+    for k, v in zip(names, per_layer):
+        estimator.update_per_example(v / n, n, layers[k][1], layer=k)
+    return folded, n
+
+
+def micro_batch(estimator: GNSEstimator, small: torch.Tensor, big: torch.Tensor, sizes: list[int],
+                groups: dict[str, list[int]], world: int = 1, group=None) -> tuple[bool, int]:
+    """``small``: (k, P) each micro-batch's mean-gradient ‖ḡ_k‖² per parameter, ``big``: (P,) ‖ḡ‖² of the
+    step's mean gradient, ``sizes`` the k micro-batch sizes; ``groups``: per-layer columns, folded per
+    layer too. On a process group with a plain model (gradients averaged by a DDP wrapper elsewhere),
+    every replica's micro-batches by one all-reduce of [Σ ‖ḡ_k‖², Σ 1/b_k, count, examples, per layer]."""
+    k = small.shape[0]
+    t = torch.tensor([float(small.sum()), sum(1.0 / b for b in sizes), float(k), float(sum(sizes)),
+                      *(float(small[:, c].sum()) for c in groups.values())], dtype=torch.float64)
+    if world > 1:
+        t = t.to(comm_device(group))
+        dist.all_reduce(t, group=group)
+        t = t.cpu()
+    n, h = float(t[2]), float(t[2]) / float(t[1])         # micro-batches, their harmonic mean size
+    folded = estimator.update_two_batch(float(t[0]) / n, float(big.sum()), h, n * h)
+    for i, (name, cols) in enumerate(groups.items()):
+        estimator.update_two_batch(float(t[4 + i]) / n, float(big[cols].sum()), h, n * h, layer=name)
+    return folded, int(round(float(t[3])))
