@@ -1,9 +1,8 @@
 """The forms of McCandlish et al.'s App. A.1 estimator that :class:`~elasticlab.gns.monitor.GNSMonitor`
 measures a step by, each folding what the step left into a :class:`~elasticlab.gns.estimator.GNSEstimator`.
 
-- ``"per_example"``: one backward's per-example ‖g_i‖² against ‖ḡ‖² (:func:`per_example`), on a process
-  group over every process's examples; under FSDP2, every micro-batch's
-  (:func:`~elasticlab.gns.sharded.fold`).
+- ``"per_example"``: per-example ‖g_i‖² against ‖ḡ‖² (:func:`per_example`): one backward's, on a process
+  group every process's; under FSDP2, those of every micro-batch of the step.
 - ``"micro_batch"``: several backwards (gradient accumulation): each micro-batch's ‖ḡ_k‖² against the
   accumulated ‖ḡ‖² (:func:`micro_batch`).
 - ``"replica"``: each DDP replica's local ‖ḡ_r‖² against the averaged one
@@ -42,25 +41,32 @@ def comm_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def per_example(estimator: GNSEstimator, sq: torch.Tensor, grad_sq: float, layers: dict | None = None,
-                world: int = 1, group=None) -> tuple[bool, int]:
-    """One backward's (b,) per-example ‖g_i‖² (``PerSampleGradNorms.sq_norms()``) against ``grad_sq``, ‖ḡ‖²
-    of the mean gradient (all-reduced: identical on every process); ``layers``: {module: ((b,) its norms,
-    its ‖ḡ‖²)}, folded per layer too. Over ``world`` > 1 processes, every process's examples: one
-    all-reduce of [Σ ‖g_i‖², examples, Σ per layer]."""
-    if world <= 1:
-        return estimator.update(sq, grad_sq, layers=layers), int(sq.shape[0])
+def per_example(estimator: GNSEstimator, rows: list[torch.Tensor], grad_sq: float, means: bool = True,
+                layers: dict | None = None, world: int = 1, group=None) -> tuple[bool, int]:
+    """``rows``: each micro-batch's (b,) per-example ‖g_i‖² (``PerSampleGradNorms.sq_norms()``) of one step
+    on this process, against ``grad_sq``, ‖ḡ‖² of the step's gradient (identical on every process);
+    ``layers``: {module: (its rows, its ‖ḡ‖²)}, folded per layer too. B_small = 1; B_big: with ``means`` (each
+    micro-batch's loss a mean, the micro-batches' and processes' gradients averaged) m·H for m micro-batches
+    of harmonic mean size H (Eq. A.1), else the number of examples. On ``world`` > 1 processes one
+    all-reduce of [Σ ‖g_i‖², examples, Σ 1/b, micro-batches, Σ per layer]."""
+    rows = [rows] if isinstance(rows, torch.Tensor) else list(rows)      # (one micro-batch's)
     names = list(layers or {})
-    sums = torch.stack([sq.detach().double().sum()] + [layers[k][0].detach().double().sum() for k in names])
-    t = torch.cat([sums[:1].cpu(), torch.tensor([float(sq.numel())], dtype=torch.float64), sums[1:].cpu()])
-    t = t.to(comm_device(group))
-    dist.all_reduce(t, group=group)
-    total, count, *per_layer = t.tolist()
-    n = int(round(count))
-    folded = estimator.update_per_example(total / n, n, grad_sq)
+    if world <= 1 and len(rows) == 1:    # one batch: B_big = b either way (non-finite rows skipped, counted)
+        one = {k: (layers[k][0][0], layers[k][1]) for k in names}
+        return estimator.update(rows[0], grad_sq, layers=one), int(rows[0].shape[0])
+    sums = torch.stack([torch.cat(rows).double().sum()]
+                       + [torch.cat(layers[k][0]).double().sum() for k in names]).cpu()
+    counts = [float(sum(r.numel() for r in rows)), sum(1.0 / r.numel() for r in rows), float(len(rows))]
+    t = torch.cat([sums[:1], torch.tensor(counts, dtype=torch.float64), sums[1:]])
+    if world > 1:
+        t = t.to(comm_device(group))
+        dist.all_reduce(t, group=group)
+    total, n, inv, m, *per_layer = t.tolist()
+    b_big = m * m / inv if means else n
+    folded = estimator.update_two_batch(total / n, grad_sq, 1.0, b_big)
     for k, v in zip(names, per_layer):
-        estimator.update_per_example(v / n, n, layers[k][1], layer=k)
-    return folded, n
+        estimator.update_two_batch(v / n, layers[k][1], 1.0, b_big, layer=k)
+    return folded, int(round(n))
 
 
 def micro_batch(estimator: GNSEstimator, small: torch.Tensor, big: torch.Tensor, sizes: list[int],

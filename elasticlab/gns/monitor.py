@@ -306,15 +306,19 @@ class GNSMonitor:
             raise RuntimeError(f"GNSMonitor: no per-example norms for this step ({snap}); run the model's "
                                "forward inside the step: with monitor.step(): loss_fn(model(x), y).backward()"
                                ) from snap
-        if self._sharded:                     # FSDP2: over every micro-batch of the step (gns.sharded.fold)
-            w2, means, rows = self._weight(k) ** 2, self._loss_reduction == "mean", self._psn_rows
+        means = self._loss_reduction == "mean"
+        if self._sharded:                     # FSDP2: over every micro-batch of the step
+            w2, rows = self._weight(k) ** 2, self._psn_rows
+            if len(rows) != k:
+                raise RuntimeError(f"GNSMonitor: {k} backwards in this step but per-example norms for "
+                                   f"{len(rows)}; run each micro-batch's forward inside the step")
             div, n = (w2 * k * k if means else w2), sum(r.numel() for r, _ in rows)
             lg = {name: v / div for name, v in self._psn.layer_grad_sq_norms(n).items()} if self.per_layer \
                 else {}
             layers = {name: ([lr[name] / w2 for _, lr in rows], v) for name, v in lg.items()}
             grad_sq = sum(lg.values()) if self.per_layer else self._psn.grad_sq_norm(n) / div
-            folded, n = sharded.fold(self.estimator, [r / w2 for r, _ in rows], k, grad_sq, means, self.group,
-                                     layers)
+            folded, n = forms.per_example(self.estimator, [r / w2 for r, _ in rows], grad_sq, means, layers,
+                                          self.world, self.group)
             return folded, n, "per_example", layers
         if snap is None:
             if self._psn is None:
@@ -324,7 +328,8 @@ class GNSMonitor:
                     "micro-batches per step (micro-batch form) or train under DDP (replica form)")
             return None                                        # per-example norms off after accumulation
         sq, grad_sq, layers = snap
-        folded, n = forms.per_example(self.estimator, sq, grad_sq, layers, self.world, self.group)
+        layers = layers and {name: ([ln], lg) for name, (ln, lg) in layers.items()}
+        folded, n = forms.per_example(self.estimator, [sq], grad_sq, means, layers, self.world, self.group)
         return folded, n, "per_example", layers
 
     def _fold_replicas(self, k: int):

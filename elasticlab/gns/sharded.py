@@ -105,31 +105,3 @@ def reduce_sq(vals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch
         for k, i in enumerate(idx):
             out[i] = t[k]
     return out
-
-
-def fold(estimator, rows: list[torch.Tensor], k: int, grad_sq: float, means: bool, group=None,
-         layers: dict | None = None):
-    """The per-example form (McCandlish App. A.1) over the k micro-batches of one step on every process:
-    ``rows``, each micro-batch's (b,) ‖g_i‖²; ``grad_sq``, ‖ḡ‖² of the step's gradient, the mean over the
-    processes of the micro-batches' mean gradients (``means``: B_big = m·H for m micro-batches of harmonic
-    mean size H, Eq. A.1) or of the examples' sum over their number (B_big = the number of examples);
-    ``layers``: {module: (its rows, its ‖ḡ‖²)}, folded per layer too. One all-reduce of [Σ ‖g_i‖²,
-    examples, Σ 1/b, micro-batches, Σ per layer]. Returns (folded, examples)."""
-    if len(rows) != k:
-        raise RuntimeError(f"GNSMonitor: {k} backwards in this step but per-example norms for {len(rows)}; "
-                           "run each micro-batch's forward inside the step")
-    names = list(layers or {})
-    sums = torch.stack([torch.cat(rows).double().sum()]
-                       + [torch.cat(layers[n][0]).double().sum() for n in names]).cpu()
-    counts = [float(sum(r.numel() for r in rows)), sum(1.0 / r.numel() for r in rows), float(k)]
-    t = torch.cat([sums[:1], torch.tensor(counts, dtype=torch.float64), sums[1:]])
-    if dist.is_available() and dist.is_initialized():
-        from elasticlab.gns.forms import comm_device
-        t = t.to(comm_device(group))
-        dist.all_reduce(t, group=group)
-    total, n, inv, m, *per_layer = t.tolist()
-    b_big = m * m / inv if means else n
-    folded = estimator.update_two_batch(total / n, grad_sq, 1.0, b_big)
-    for name, v in zip(names, per_layer):
-        estimator.update_two_batch(v / n, layers[name][1], 1.0, b_big, layer=name)
-    return folded, int(round(n))

@@ -52,7 +52,7 @@ def worker(rank, kind="mlp"):
     with PerSampleGradNorms(model) as n:
         loss_fn(ddp, x[sl], y[sl]).backward()
     grad_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
-    per_example(per_ex, n.sq_norms(), grad_sq, world=torch.distributed.get_world_size())
+    per_example(per_ex, [n.sq_norms()], grad_sq, world=torch.distributed.get_world_size())
     local_sq = replicas.local_sq_norm
     replicas.update(two, B_LOCAL)
     return {"local_norms": n.sq_norms(), "per_ex": per_ex.state_dict(), "two": two.state_dict(),

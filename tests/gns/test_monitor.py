@@ -309,6 +309,49 @@ def test_ddp_replica_form_two_gloo_processes(tmp_path):
                 assert close(h[-1]["layers"][name], v, 1e-5), (key, name, h[-1]["layers"], layers)
 
 
+SIZES = (7, 3)   # unequal process batches (an elastic sampler's, a last partial batch)
+
+
+def _unequal_worker(rank):
+    model = nn.parallel.DistributedDataParallel(make_model())
+    mon = GNSMonitor(model.module, beta=0.5)           # the plain module on the process group (the HF case)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(STEPS, sum(SIZES)):
+        xs, ys = x.split(SIZES)[rank], y.split(SIZES)[rank]
+        opt.zero_grad()
+        with mon.step():
+            F.cross_entropy(model(xs), ys).backward()
+        opt.step()
+    return mon.history
+
+
+def test_per_example_form_over_unequal_process_batches_uses_their_harmonic_mean(tmp_path):
+    """Per-example form on 2 processes with batches of 7 and 3: DDP averages the two batch means, so
+    E‖ḡ‖² = ‖G‖² + tr Σ/(R·H) (McCandlish Eq. A.1, H the batches' harmonic mean), not tr Σ/n: B_big = R·H
+    (4.2 here; the fold used n = 10 before)."""
+    res = run_gloo(_unequal_worker, WORLD, tmp_path)
+    model = make_model()
+    params = list(model.parameters())
+    ref, b_big = GNSEstimator(beta=0.5), WORLD * WORLD / sum(1.0 / b for b in SIZES)
+    for x, y in batches(STEPS, sum(SIZES)):
+        parts = [torch.autograd.grad(F.cross_entropy(model(xb), yb), params)
+                 for xb, yb in zip(x.split(SIZES), y.split(SIZES))]
+        mean = [sum(g[i] for g in parts) / WORLD for i in range(len(params))]
+        with PerSampleGradNorms(model) as norms:
+            F.cross_entropy(model(x), y).backward()
+            sq = norms.sq_norms()
+        ref.update_two_batch(float(sq.double().mean()), sum(float(g.double().pow(2).sum()) for g in mean),
+                             1, b_big)
+        model.zero_grad()
+        with torch.no_grad():
+            for p, g in zip(params, mean):
+                p -= 0.1 * g
+    for r in range(WORLD):
+        h = res[r]
+        assert [e["method"] for e in h] == ["per_example"] * STEPS and h[-1]["batch_size"] == sum(SIZES)
+        assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (r, h[-1]["b_simple"], ref.b_simple)
+
+
 @pytest.mark.parametrize("kwargs, msg", [
     ({"every": True}, "every must be an integer >= 1, got True"),
     ({"every": "2"}, "every must be an integer >= 1, got '2'"),
