@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elasticlab.gns import sharded
 from elasticlab.gns.capture import kept, pack_again
 from elasticlab.gns.folds import fold_for
 from elasticlab.gns.layers.broadcast_params import follow_call, unbatched
@@ -22,11 +23,15 @@ from elasticlab.gns.slot import Quiet, recomputing
 
 
 def install(owner, slot):
-    """The hook on ``slot``'s module (its handle). A tied slot's (:mod:`.tied`) runs eagerly under
-    ``torch.compile``: a graph break at the module, whose rules then record in the slot as in eager mode."""
+    """The hook on ``slot``'s module (its handle). A tied slot's (:mod:`.tied`) and a tensor-parallel one's
+    (:func:`.sharded.tensor_parallel`) run eagerly under ``torch.compile``: a graph break at the module,
+    whose rules then record in the slot as in eager mode."""
     hook = forward_hook(owner, slot)
     hook.eager = torch.compiler.disable(hook)
-    return slot.host.register_forward_hook(hook.eager if slot.tied else hook, with_kwargs=True)
+    # (a tensor-parallel layer's first: its output as the layer made it, before parallelize_module's hook
+    # redistributes it, so that its gradient is the one the layer's weight gradient is made of)
+    return slot.host.register_forward_hook(hook.eager if slot.tied or slot.tp else hook, with_kwargs=True,
+                                           prepend=slot.tp)
 
 
 def forward_hook(owner, slot):
@@ -130,6 +135,9 @@ def on_grad(slot, module, inputs, output=None):
 
     def run(g):
         saved = get()
+        if slot.tp:                         # this process's shards (gns.sharded.reduce_norms sums them)
+            saved, g = tuple(sharded.local(t) if isinstance(t, torch.Tensor) else t for t in saved), \
+                sharded.local(g)
         if fold is not None and slot.rule.folds:
             saved, g = fold.unfold_call(saved, g)
         g = tuple(None if t is None else t.detach() for t in g) if isinstance(g, tuple) else g.detach()

@@ -105,6 +105,8 @@ class GNSMonitor:
         self._loss_reduction = loss_reduction
         self._accumulating = False            # auto: a step had several backwards, per-example norms unused
         self._track()
+        if process_group is None and self.world > 1 and any(s.tp for s in getattr(self._psn, "_slots", ())):
+            raise ValueError(sharded.TP_GROUP)
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         self._out = [m.register_forward_hook(torch.compiler.disable(self._on_output))  # FSDP2: backwards
                      for m in (sharded.watched(self.module) if self._sharded else ())]    # seen at outputs

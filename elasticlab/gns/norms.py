@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from elasticlab.gns import folds, hooks, loss_scale, repeated
+from elasticlab.gns import folds, hooks, loss_scale, repeated, sharded
 from elasticlab.gns import layers as _layers  # noqa: F401  (registers the rules)
 from elasticlab.gns.block import NormBlock
 from elasticlab.gns.broadcast import Audit
@@ -98,7 +98,7 @@ class PerSampleGradNorms:
         self._patched: list[tuple[nn.Module, object]] = []
         self._bufs: list[torch.Tensor] | None = None       # slots' own C++-backward buffers, reset each step
         for i, s in enumerate(self._slots):
-            s.index = i
+            s.index, s.tp = i, sharded.tensor_parallel(model, s)
         self._block = NormBlock(self._slots)               # the C++ backwards' rows: one reset, one read
         self._sinks = Sinks([s for s in self._slots if s.need])   # norms out of compiled backwards
         self._audit = Audit()                              # layers broadcast over the batch (gns.broadcast)
@@ -192,6 +192,7 @@ class PerSampleGradNorms:
         once about :attr:`left_out`; returns {(slot id, param)} to leave out. First, the norms of the modules
         that ran several times (gns.repeated)."""
         self._eager_first.release(True)                    # (a step was read: compiled from the next)
+        sharded.reduce_norms(self._slots)                  # (tensor-parallel layers: their shards' summed)
         if self._repeated:
             repeated.settle(self._slots)
         for err in (self._audit.error, self._forwards.error):
@@ -248,7 +249,7 @@ class PerSampleGradNorms:
         for s in self._slots:
             fused_only = s.rule.norms is None
             fwd = (s.rule.fused(s.module, s) if (self.fused or fused_only) and s.rule.fused and not (
-                   s.shared and not fused_only)          # (repeated: hooks) reads its own _parameters:
+                   s.shared and not fused_only or s.tp)  # (repeated, tensor-parallel: hooks) its _parameters:
                    and not parametrize.is_parametrized(s.module) else None)
             if fwd is None and fused_only:
                 self.__exit__()

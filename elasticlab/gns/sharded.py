@@ -6,6 +6,11 @@ but ‖ḡ‖² does: Σ g² of a DTensor's local shard, summed over the mesh di
 (replicated dimensions hold the same values and are not summed). The sharded parameters are not in the
 autograd graph (the forward runs on their unsharded copies), so hooks on them never fire: a backward is seen
 at a forward's output instead (:meth:`~elasticlab.gns.capture.StepGradients.watch`).
+
+Tensor parallelism (``parallelize_module``'s ColwiseParallel / RowwiseParallel on ``nn.Linear``): the layer's
+weight stays a DTensor in its forward; each process's per-example norms are those of its shard of the weight,
+from its shards of the input and of the output gradient, summed over the mesh dimensions the weight is sharded
+along (:func:`tensor_parallel`, :func:`reduce_norms`).
 """
 from __future__ import annotations
 
@@ -17,9 +22,9 @@ try:
 except ImportError:                                       # (torch without distributed)
     DTensor = ()
 
-PER_EXAMPLE_ONLY = ("GNSMonitor: an FSDP2 (fully_shard) model is measured by its per-example norms, over "
-                    "every micro-batch of a step (the micro-batch form needs each backward's whole gradient, "
-                    "which FSDP2 reduces away), but {}")
+PER_EXAMPLE_ONLY = ("GNSMonitor: an FSDP2 (fully_shard) or tensor-parallel model is measured by its "
+                    "per-example norms, over every micro-batch of a step (the micro-batch form needs each "
+                    "backward's whole gradient, which FSDP2 reduces away), but {}")
 
 
 def refuse_fsdp1(model) -> None:
@@ -54,14 +59,52 @@ def watched(model) -> list:
 
 
 def refuse_distributed_weights(slot) -> None:
-    """A clear error for a layer whose parameters are still DTensors in its forward (tensor parallelism, as
-    ``parallelize_module`` leaves them; FSDP2's are whole there): its per-example norms would need the whole
-    weight gradient, of which this process holds a part."""
+    """A clear error for a layer other than a tensor-parallel ``nn.Linear`` whose parameters are still
+    DTensors in its forward (tensor parallelism, as ``parallelize_module`` leaves them, FSDP2 around it or
+    not; FSDP2's alone are whole there): its per-example norms would need the whole weight gradient, of which
+    this process holds a part."""
     names = [n for n in slot.need if isinstance(slot.module._parameters.get(n), DTensor)]
-    if names:
+    if names and not slot.tp:
         raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): its parameters {names} are "
                          "DTensors in its forward (tensor parallelism), for which per-example gradient norms "
-                         "are not supported; measure the model under data parallelism (DDP or FSDP2)")
+                         "are supported on nn.Linear alone (ColwiseParallel, RowwiseParallel) and not under "
+                         "FSDP2; measure this layer replicated, or the model under data parallelism")
+
+
+TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes see the same examples: pass "
+            "process_group=, the data-parallel group over which the examples differ (a ('dp', 'tp') mesh's "
+            "mesh['dp'].get_group(), of size 1 under tensor parallelism alone)")
+
+
+def tensor_parallel(model, slot) -> bool:
+    """Whether ``slot``'s module is an ``nn.Linear`` whose needed parameters are DTensors in its forward
+    (``parallelize_module``'s ColwiseParallel or RowwiseParallel) under no FSDP2 unit (whose parameters are
+    whole there; FSDP2 and tensor parallelism together are refused)."""
+    if not (isinstance(slot.module, torch.nn.Linear)
+            and any(isinstance(slot.module._parameters.get(n), DTensor) for n in slot.need)):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    m = model
+    for part in [None, *(slot.name.split(".") if slot.name else ())]:
+        m = m if part is None else m._modules[part]
+        if isinstance(m, FSDPModule):
+            return False
+    return True
+
+
+def reduce_norms(slots) -> None:
+    """The per-example norms of the tensor-parallel layers' parameters (each from this process's shard of
+    the layer's input and output gradient: ``local`` of them, in :func:`elasticlab.gns.hooks.on_grad`), made
+    those of the whole parameters once per backward: summed over the mesh dimensions the parameter is
+    sharded along (a Shard(0) weight of ColwiseParallel, Shard(1) of RowwiseParallel, the former's bias),
+    not over those it is replicated along (RowwiseParallel's bias). One all-reduce per mesh dimension."""
+    where = [(s, pn) for s in slots if s.tp and s.tp_pending for pn in s.norms]
+    if not where:
+        return
+    vals = reduce_sq([s.norms[pn] for s, pn in where], [s.module._parameters[pn] for s, pn in where])
+    for (s, pn), v in zip(where, vals):
+        s.norms[pn] = v
+        s.tp_pending = False
 
 
 def is_sharded(params) -> bool:

@@ -63,6 +63,8 @@ class Slot:
         self.unmeasured: dict[str, str] = {}   # needed params used this step in a way no rule takes: why
         self.follow = None          # its layers.broadcast_params.Step: bare parameters, or unbatched calls
         self.folds: dict = {}       # (batch, input shape) -> its rows' layout, or None (elasticlab.gns.folds)
+        self.tp = False             # a tensor-parallel Linear (gns.sharded.tensor_parallel): hooks, shards
+        self.tp_pending = False     # its norms are its shards' still (gns.sharded.reduce_norms)
 
     def full(self, pname: str) -> str:
         return f"{self.name}.{pname}" if self.name else pname
@@ -84,7 +86,7 @@ class Slot:
             return False
         if self.rule.check is not None:
             self.rule.check(self.module)
-        if self.owner._watch:                  # (the first step: which layers are tensor-parallel)
+        if self.owner._watch:                  # (the first step: tensor-parallel layers but Linear refused)
             sharded.refuse_distributed_weights(self)
         if unbatched:
             self.follow.calls += 1
@@ -101,6 +103,7 @@ class Slot:
         self.batch = batch
         self.owner._layer_cache = None
         self.on_block = False
+        self.tp_pending = self.tp
         for pname, v in norms.items():
             if pname in self.need:
                 self.norms[pname] = v if not v.requires_grad else v.detach()

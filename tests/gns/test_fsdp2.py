@@ -179,10 +179,12 @@ def refusals(rank):
         out.append(str(e))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    tp = parallelize_module(make(), init_device_mesh("cpu", (WORLD,)), {"3": ColwiseParallel(),
-                                                                          "5": RowwiseParallel()})
-    monitor = GNSMonitor(tp)
-    try:                                           # tensor parallelism: before, an error from deep inside
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    tp = parallelize_module(make(), mesh["tp"], {"3": ColwiseParallel(), "5": RowwiseParallel()})
+    for m in (tp[3], tp[5], tp):                   # FSDP2 with tensor parallelism (2-D): not supported yet
+        fsdp.fully_shard(m, mesh=mesh["dp"])
+    monitor = GNSMonitor(tp, process_group=mesh["dp"].get_group())
+    try:                                           # before, an error from deep inside
         with monitor.step():
             tp(batches()[0]).pow(2).mean().backward()
     except ValueError as e:
@@ -197,5 +199,5 @@ def refusals(rank):
 def test_refused_by_name_micro_batch_method_tensor_parallel_and_fsdp1(tmp_path):
     for msgs in run_gloo(refusals, WORLD, tmp_path):
         assert len(msgs) == 3 and "FSDP2" in msgs[0] and "method='micro_batch'" in msgs[0]
-        assert "module '3' (Linear)" in msgs[1] and "tensor parallelism" in msgs[1]
+        assert "module '3' (FSDPLinear)" in msgs[1] and "tensor parallelism" in msgs[1] and "FSDP2" in msgs[1]
         assert "FSDP1" in msgs[2] and "fully_shard" in msgs[2]

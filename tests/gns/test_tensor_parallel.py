@@ -1,0 +1,136 @@
+"""Per-example gradient norms and the GNS monitor under tensor parallelism (``parallelize_module``'s
+ColwiseParallel / RowwiseParallel on nn.Linear, 2 gloo processes on 127.0.0.1), against torch.func and one
+process in float64. Before, every tensor-parallel layer was refused ("not supported"). Each process's norms
+are those of its shard of the weight; the whole weight's are their sum over the mesh dimension it is
+sharded along, a replicated bias counted once. Also: a layer's output redistributed by its parallel style
+(a sequence-sharded RowwiseParallel output) is read before the redistribution; the monitor asks for the
+data-parallel group; other tensor-parallel layers, and FSDP2 with tensor parallelism, are refused by name."""
+import functools
+
+import pytest
+import torch
+from gloo_util import run_gloo
+from torch import nn
+
+from elasticlab.gns import GNSMonitor, PerSampleGradNorms
+from elasticlab.gns.reference import func_param_sq_norms
+
+pytest.importorskip("torch.distributed.tensor.parallel")
+WORLD, B, STEPS = 2, 5, 3
+
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, 3)).double()
+
+
+def batch(seq: bool, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 4, 6, generator=g, dtype=torch.float64) if seq else \
+        torch.randn(B, 6, generator=g, dtype=torch.float64)
+
+
+def parallel(mesh, seq_out: bool = False):
+    """The Megatron pair on layers 3 (column-wise) and 5 (row-wise); ``seq_out``: layer 5's output
+    reduce-scattered along the sequence (each process its half of the positions)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    row = RowwiseParallel(output_layouts=Shard(1)) if seq_out else RowwiseParallel()
+    return parallelize_module(make(), mesh, {"3": ColwiseParallel(), "5": row})
+
+
+def norms_worker(rank, fused, seq, seq_out):
+    from torch.distributed.device_mesh import init_device_mesh
+    tp = parallel(init_device_mesh("cpu", (WORLD,)), seq_out)
+    with PerSampleGradNorms(tp, loss_reduction="sum", fused=fused) as psn:
+        out = tp(batch(seq))
+        assert out.shape[1] == (2 if seq_out else 4) or not seq
+        out.pow(2).sum().backward()          # with seq_out: each process's positions; their sum is the loss
+        return {"layers": psn.layer_sq_norms(), "params": psn.param_sq_norms(), "total": psn.sq_norms(),
+                "grad_sq": psn.grad_sq_norm()}
+
+
+@pytest.mark.parametrize("fused,seq,seq_out", [(True, False, False), (True, True, False),
+                                               (False, True, False), (True, True, True)])
+def test_tensor_parallel_norms_match_torch_func(tmp_path, fused, seq, seq_out):
+    res = run_gloo(functools.partial(norms_worker, fused=fused, seq=seq, seq_out=seq_out), WORLD, tmp_path)
+    net, x = make(), batch(seq)
+    ref = func_param_sq_norms(net, lambda o, y: o.pow(2).sum(), x, torch.zeros(B))
+    net(x).pow(2).sum().backward()
+    grad_sq = sum(float(p.grad.pow(2).sum()) for p in net.parameters()) / B ** 2
+    for r in res:
+        assert set(r["params"]) == set(ref)
+        for name, v in ref.items():                   # the row-wise bias (replicated) counted once
+            assert torch.allclose(r["params"][name], v, rtol=1e-9), (name, r["params"][name] / v)
+        assert torch.allclose(r["total"], sum(ref.values()), rtol=1e-9)
+        assert sorted(r["layers"]) == ["0", "2", "3", "5"]
+        assert r["grad_sq"] == pytest.approx(grad_sq, rel=1e-9)
+
+
+def train(net, monitor, forward=None):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for k in range(STEPS):
+        opt.zero_grad()
+        with monitor.step():
+            (forward or net)(batch(True, seed=k)).pow(2).mean().backward()
+        opt.step()
+    return {k: [h[k] for h in monitor.history] for k in ("b_simple", "method", "batch_size")} | {
+        "layers": monitor.layer_b_simple()}
+
+
+def monitor_worker(rank, compiled):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    tp = parallel(mesh["tp"])
+    try:
+        GNSMonitor(tp)                        # the processes see the same examples: which group differs?
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    import torch._dynamo
+    torch._dynamo.reset()
+    forward = torch.compile(tp, backend="aot_eager") if compiled else None   # (a graph break at each layer)
+    try:
+        return train(tp, GNSMonitor(tp, process_group=mesh["dp"].get_group()), forward) | {"refused": refused}
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_monitor_under_tensor_parallelism_matches_one_process(tmp_path, compiled):
+    net = make()
+    ref = train(net, GNSMonitor(net))
+    for r in run_gloo(functools.partial(monitor_worker, compiled=compiled), WORLD, tmp_path):
+        assert "process_group=" in r["refused"] and "mesh['dp'].get_group()" in r["refused"]
+        assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [B] * STEPS
+        assert r["b_simple"] == pytest.approx(ref["b_simple"], rel=1e-9)
+        assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 4
+
+
+class Embedded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 8), nn.Linear(8, 2)
+
+    def forward(self, i):
+        return self.out(self.emb(i))
+
+
+def refused_worker(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (WORLD,))
+    net = parallelize_module(Embedded().double(), mesh, {"emb": RowwiseParallel()})
+    try:
+        with PerSampleGradNorms(net):
+            net(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_other_tensor_parallel_layers_are_refused_by_name(tmp_path):
+    for msg in run_gloo(refused_worker, WORLD, tmp_path):
+        assert msg is not None and "module 'emb' (Embedding)" in msg and "tensor parallelism" in msg
+        assert "nn.Linear alone" in msg
