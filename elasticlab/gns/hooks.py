@@ -31,7 +31,7 @@ def install(owner, slot):
     # (a tensor-parallel layer's first: its output as the layer made it, before parallelize_module's hook
     # redistributes it, so that its gradient is the one the layer's weight gradient is made of)
     return slot.host.register_forward_hook(hook.eager if slot.tied or slot.tp else hook, with_kwargs=True,
-                                           prepend=slot.tp)
+                                           prepend=bool(slot.tp))
 
 
 def forward_hook(owner, slot):

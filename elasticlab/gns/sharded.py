@@ -59,16 +59,15 @@ def watched(model) -> list:
 
 
 def refuse_distributed_weights(slot) -> None:
-    """A clear error for a layer other than a tensor-parallel ``nn.Linear`` whose parameters are still
-    DTensors in its forward (tensor parallelism, as ``parallelize_module`` leaves them, FSDP2 around it or
-    not; FSDP2's alone are whole there): its per-example norms would need the whole weight gradient, of which
-    this process holds a part."""
+    """A clear error for a layer other than a tensor-parallel ``nn.Linear`` (:func:`tensor_parallel`) whose
+    parameters are still DTensors in its forward (tensor parallelism, as ``parallelize_module`` leaves them;
+    FSDP2's alone are whole there): its per-example norms would need a rule of its own."""
     names = [n for n in slot.need if isinstance(slot.module._parameters.get(n), DTensor)]
     if names and not slot.tp:
         raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): its parameters {names} are "
                          "DTensors in its forward (tensor parallelism), for which per-example gradient norms "
-                         "are supported on nn.Linear alone (ColwiseParallel, RowwiseParallel) and not under "
-                         "FSDP2; measure this layer replicated, or the model under data parallelism")
+                         "are supported on nn.Linear alone (ColwiseParallel, RowwiseParallel); measure this "
+                         "layer replicated, or the model under data parallelism")
 
 
 TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes see the same examples: pass "
@@ -76,35 +75,59 @@ TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes s
             "mesh['dp'].get_group(), of size 1 under tensor parallelism alone)")
 
 
-def tensor_parallel(model, slot) -> bool:
-    """Whether ``slot``'s module is an ``nn.Linear`` whose needed parameters are DTensors in its forward
-    (``parallelize_module``'s ColwiseParallel or RowwiseParallel) under no FSDP2 unit (whose parameters are
-    whole there; FSDP2 and tensor parallelism together are refused)."""
-    if not (isinstance(slot.module, torch.nn.Linear)
-            and any(isinstance(slot.module._parameters.get(n), DTensor) for n in slot.need)):
-        return False
+def tensor_parallel(model, slot) -> dict:
+    """{parameter: (mesh, the mesh dimensions it is sharded along)} in its forward, for ``slot``'s module if
+    it is an ``nn.Linear`` whose needed parameters are DTensors there (``parallelize_module``'s
+    ColwiseParallel or RowwiseParallel, FSDP2 around it or not); else {}. Under FSDP2, the layout FSDP2
+    unshards them to (its parameter records: a private API, looked up defensively; a layer it cannot read is
+    refused by name when it runs)."""
+    params = {n: slot.module._parameters.get(n) for n in slot.need}
+    if not isinstance(slot.module, torch.nn.Linear) or not any(isinstance(p, DTensor)
+                                                                for p in params.values()):
+        return {}
     from torch.distributed.fsdp import FSDPModule
-    m = model
+    m, unit = model, None
     for part in [None, *(slot.name.split(".") if slot.name else ())]:
         m = m if part is None else m._modules[part]
-        if isinstance(m, FSDPModule):
-            return False
-    return True
+        unit = m if isinstance(m, FSDPModule) else unit          # the innermost FSDP2 unit holds them
+    if unit is None:
+        return {n: (p.device_mesh, _shard_dims(p)) for n, p in params.items() if isinstance(p, DTensor)}
+    try:
+        records = {id(fp.sharded_param): fp for g in unit._get_fsdp_state()._fsdp_param_groups
+                   for fp in g.fsdp_params}
+        out = {}
+        for n, p in params.items():
+            fp = records[id(p)]
+            if not fp.is_dtensor:                 # FSDP2's alone: whole in the forward
+                return {}
+            spec = fp._unsharded_dtensor_spec
+            out[n] = (spec.mesh, tuple(d for d, q in enumerate(spec.placements) if not q.is_replicate()))
+        return out
+    except (AttributeError, KeyError):           # (another FSDP2 version's records)
+        return {}
 
 
 def reduce_norms(slots) -> None:
     """The per-example norms of the tensor-parallel layers' parameters (each from this process's shard of
     the layer's input and output gradient: ``local`` of them, in :func:`elasticlab.gns.hooks.on_grad`), made
     those of the whole parameters once per backward: summed over the mesh dimensions the parameter is
-    sharded along (a Shard(0) weight of ColwiseParallel, Shard(1) of RowwiseParallel, the former's bias),
-    not over those it is replicated along (RowwiseParallel's bias). One all-reduce per mesh dimension."""
-    where = [(s, pn) for s in slots if s.tp and s.tp_pending for pn in s.norms]
-    if not where:
-        return
-    vals = reduce_sq([s.norms[pn] for s, pn in where], [s.module._parameters[pn] for s, pn in where])
-    for (s, pn), v in zip(where, vals):
-        s.norms[pn] = v
-        s.tp_pending = False
+    sharded along in the forward (a Shard(0) weight of ColwiseParallel, Shard(1) of RowwiseParallel, the
+    former's bias), not over those it is replicated along (RowwiseParallel's bias). One all-reduce per mesh
+    dimension."""
+    groups: dict[tuple, tuple] = {}
+    for s in slots:
+        if s.tp and s.tp_pending:
+            s.tp_pending = False
+            for pn in s.norms:
+                mesh, dims = s.tp.get(pn, (None, ()))
+                if dims:
+                    groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append((s, pn))
+    for mesh, dims, where in groups.values():
+        t = torch.stack([s.norms[pn] for s, pn in where])
+        for d in dims:
+            dist.all_reduce(t, group=mesh.get_group(d))
+        for (s, pn), v in zip(where, t):
+            s.norms[pn] = v
 
 
 def is_sharded(params) -> bool:
@@ -125,7 +148,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def _shard_dims(t) -> tuple[int, ...]:
     if not isinstance(t, DTensor) or any(p.is_partial() for p in t.placements):
         return ()                                         # (partial: made whole by local())
-    return tuple(d for d, p in enumerate(t.placements) if p.is_shard())
+    # not replicated: Shard, and _StridedShard (FSDP2's dimension around tensor parallelism)
+    return tuple(d for d, p in enumerate(t.placements) if not p.is_replicate())
 
 
 def reduce_sq(vals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:

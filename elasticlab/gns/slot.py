@@ -63,7 +63,7 @@ class Slot:
         self.unmeasured: dict[str, str] = {}   # needed params used this step in a way no rule takes: why
         self.follow = None          # its layers.broadcast_params.Step: bare parameters, or unbatched calls
         self.folds: dict = {}       # (batch, input shape) -> its rows' layout, or None (elasticlab.gns.folds)
-        self.tp = False             # a tensor-parallel Linear (gns.sharded.tensor_parallel): hooks, shards
+        self.tp: dict = {}          # a tensor-parallel Linear's layout (gns.sharded.tensor_parallel): hooks
         self.tp_pending = False     # its norms are its shards' still (gns.sharded.reduce_norms)
 
     def full(self, pname: str) -> str:
@@ -103,7 +103,7 @@ class Slot:
         self.batch = batch
         self.owner._layer_cache = None
         self.on_block = False
-        self.tp_pending = self.tp
+        self.tp_pending = bool(self.tp)
         for pname, v in norms.items():
             if pname in self.need:
                 self.norms[pname] = v if not v.requires_grad else v.detach()

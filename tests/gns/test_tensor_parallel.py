@@ -4,7 +4,8 @@ process in float64. Before, every tensor-parallel layer was refused ("not suppor
 are those of its shard of the weight; the whole weight's are their sum over the mesh dimension it is
 sharded along, a replicated bias counted once. Also: a layer's output redistributed by its parallel style
 (a sequence-sharded RowwiseParallel output) is read before the redistribution; the monitor asks for the
-data-parallel group; other tensor-parallel layers, and FSDP2 with tensor parallelism, are refused by name."""
+data-parallel group; FSDP2 around tensor parallelism (2-D) too; other tensor-parallel layers are refused by
+name."""
 import functools
 
 import pytest
@@ -25,10 +26,10 @@ def make():
                          nn.Linear(16, 3)).double()
 
 
-def batch(seq: bool, seed: int = 3):
+def batch(seq: bool, seed: int = 3, n: int = B):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, 4, 6, generator=g, dtype=torch.float64) if seq else \
-        torch.randn(B, 6, generator=g, dtype=torch.float64)
+    return torch.randn(n, 4, 6, generator=g, dtype=torch.float64) if seq else \
+        torch.randn(n, 6, generator=g, dtype=torch.float64)
 
 
 def parallel(mesh, seq_out: bool = False):
@@ -68,12 +69,12 @@ def test_tensor_parallel_norms_match_torch_func(tmp_path, fused, seq, seq_out):
         assert r["grad_sq"] == pytest.approx(grad_sq, rel=1e-9)
 
 
-def train(net, monitor, forward=None):
+def train(net, monitor, forward=None, n=B):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for k in range(STEPS):
         opt.zero_grad()
         with monitor.step():
-            (forward or net)(batch(True, seed=k)).pow(2).mean().backward()
+            (forward or net)(batch(True, seed=k, n=n)).pow(2).mean().backward()
         opt.step()
     return {k: [h[k] for h in monitor.history] for k in ("b_simple", "method", "batch_size")} | {
         "layers": monitor.layer_b_simple()}
@@ -104,6 +105,29 @@ def test_monitor_under_tensor_parallelism_matches_one_process(tmp_path, compiled
     for r in run_gloo(functools.partial(monitor_worker, compiled=compiled), WORLD, tmp_path):
         assert "process_group=" in r["refused"] and "mesh['dp'].get_group()" in r["refused"]
         assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [B] * STEPS
+        assert r["b_simple"] == pytest.approx(ref["b_simple"], rel=1e-9)
+        assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 4
+
+
+def fsdp_tp_worker(rank):
+    """torchtitan's 2-D layout: tensor parallelism inside FSDP2 on a (dp=2, tp=2) mesh, 4 processes; the
+    processes of one tp group read the same examples, the dp groups different ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp"))
+    net = parallel(mesh["tp"])
+    for m in (net[3], net[5], net):
+        fully_shard(m, mesh=mesh["dp"])
+    dp = mesh["dp"].get_local_rank()
+    rows = slice(dp * B, (dp + 1) * B)
+    return train(net, GNSMonitor(net, process_group=mesh["dp"].get_group()), lambda x: net(x[rows]), 2 * B)
+
+
+def test_monitor_under_fsdp2_with_tensor_parallelism_matches_one_process(tmp_path):
+    net = make()
+    ref = train(net, GNSMonitor(net), None, 2 * B)
+    for r in run_gloo(fsdp_tp_worker, 2 * WORLD, tmp_path):
+        assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [2 * B] * STEPS
         assert r["b_simple"] == pytest.approx(ref["b_simple"], rel=1e-9)
         assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 4
 
