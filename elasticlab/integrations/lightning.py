@@ -44,8 +44,12 @@ class GradientNoiseScale(pl.Callback):
         if not isinstance(model, nn.parallel.DistributedDataParallel):
             model = pl_module
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy: the examples differ
+        group = mesh["data_parallel"].get_group() if mesh is not None and "data_parallel" in (
+            mesh.mesh_dim_names or ()) else None                 # over its data-parallel dimension alone
         self.monitor = GNSMonitor(model, every=self.every, beta=self.beta, method=self.method,
-                                  grad_scaler=scaler, per_layer=self.log_layers, accumulation="mean")
+                                  grad_scaler=scaler, per_layer=self.log_layers, accumulation="mean",
+                                  process_group=group)
         if self._pending:                                      # restored from a checkpoint before the fit
             self.monitor.load_state_dict(self._pending)
             self._pending = None

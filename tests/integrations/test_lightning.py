@@ -276,12 +276,24 @@ class ShardedModule(Module):
         fully_shard(self.net, mesh=mesh)
 
 
-def _fsdp2_worker(rank, port, out):
+class TensorParallelModule(Module):
+    """``configure_model`` splits both Linears column-wise over the strategy's tensor-parallel mesh, their
+    outputs gathered (the LayerNorm between them needs its input whole)."""
+
+    def configure_model(self):
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        col = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"], {"0": col, "3": col})
+
+
+def _fsdp2_worker(rank, port, out, tp=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
-    cb, module = GradientNoiseScale(), ShardedModule(make_net())
-    strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1,
+    cb, module = GradientNoiseScale(), (TensorParallelModule if tp else ShardedModule)(make_net())
+    dp = 1 if tp else WORLD
+    strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=WORLD // dp,
                                                    process_group_backend="gloo",
                                                    timeout=datetime.timedelta(seconds=60))
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=WORLD, strategy=strategy, logger=False,
@@ -321,6 +333,32 @@ def test_fsdp2_model_parallel_strategy_two_gloo_processes(tmp_path):
     for r in range(WORLD):
         h = res[r]["history"]
         assert [e["method"] for e in h] == ["per_example"] * STEPS and h[-1]["batch_size"] == WORLD * B
+        assert h[-1]["b_simple"] == pytest.approx(ref.b_simple, rel=1e-5), (r, h[-1], ref)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_model_parallel_strategy_two_gloo_processes(tmp_path):
+    """ModelParallelStrategy with tensor parallelism (``parallelize_module`` in ``configure_model``, a
+    data-parallel size of 1): both ranks read the same batches, and the callback measures per example over
+    them once, equal to one process (before: the layers were refused; without the strategy's data-parallel
+    group, the monitor would have counted each example twice)."""
+    mp.start_processes(_fsdp2_worker, args=(_free_port(), str(tmp_path), True), nprocs=WORLD,
+                       start_method="spawn")
+    res = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert torch.equal(res[0]["seen"][0][0], res[1]["seen"][0][0])
+    net = make_net()
+    params, ref = list(net.parameters()), GNSEstimator(beta=0.99)
+    for x, y in res[0]["seen"][:STEPS]:
+        with PerSampleGradNorms(net) as norms:
+            F.cross_entropy(net(x), y).backward()
+            ref.update_from(norms)
+        with torch.no_grad():
+            for p in params:
+                p -= LR * p.grad
+                p.grad = None
+    for r in range(WORLD):
+        h = res[r]["history"]
+        assert [e["method"] for e in h] == ["per_example"] * STEPS and h[-1]["batch_size"] == B
         assert h[-1]["b_simple"] == pytest.approx(ref.b_simple, rel=1e-5), (r, h[-1], ref)
 
 
