@@ -192,9 +192,9 @@ class PerSampleGradNorms:
         once about :attr:`left_out`; returns {(slot id, param)} to leave out. First, the norms of the modules
         that ran several times (gns.repeated)."""
         self._eager_first.release(True)                    # (a step was read: compiled from the next)
-        sharded.reduce_norms(self._slots)                  # (tensor-parallel layers: their shards' summed)
         if self._repeated:
             repeated.settle(self._slots)
+        sharded.reduce_norms(self._slots)                  # (tensor-parallel layers: their shards' summed)
         for err in (self._audit.error, self._forwards.error):
             if err is not None:
                 raise err

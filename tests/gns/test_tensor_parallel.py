@@ -69,6 +69,38 @@ def test_tensor_parallel_norms_match_torch_func(tmp_path, fused, seq, seq_out):
         assert r["grad_sq"] == pytest.approx(grad_sq, rel=1e-9)
 
 
+class Twice(nn.Module):
+    """A tensor-parallel Linear called twice in a forward (its calls' norms are formed when read)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.lin, self.out = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.lin(torch.tanh(self.lin(self.a(x)))))
+
+
+def twice_worker(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    net = parallelize_module(Twice().double(), init_device_mesh("cpu", (WORLD,)),
+                             {"lin": ColwiseParallel(output_layouts=Replicate())})
+    with PerSampleGradNorms(net, loss_reduction="sum") as psn:
+        net(batch(True)).pow(2).sum().backward()
+        return psn.param_sq_norms()
+
+
+def test_a_tensor_parallel_layer_called_twice(tmp_path):
+    """Its shards' norms summed after its calls are (before: summed before, the calls' sum then a shard's:
+    'lin.weight' 0.54 of torch.func's)."""
+    ref = func_param_sq_norms(Twice().double(), lambda o, y: o.pow(2).sum(), batch(True), torch.zeros(B))
+    for r in run_gloo(twice_worker, WORLD, tmp_path):
+        for name, v in ref.items():
+            assert torch.allclose(r[name], v, rtol=1e-9), (name, (r[name] / v).tolist())
+
+
 def train(net, monitor, forward=None, n=B):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for k in range(STEPS):
