@@ -118,7 +118,7 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
 
     cluster = local_cluster(1, 2)
     session = session_dir(cluster)
-    job, gate = None, threading.Event()
+    job, gate, parked = None, threading.Event(), threading.Event()
     gate.set()
     try:
         rec = tmp_path / "samples.jsonl"
@@ -128,6 +128,8 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
         pump = job._pump
 
         def held_pump():  # the controller thread waits here while the test holds the gate
+            if not gate.is_set():
+                parked.set()                      # (no drain in progress from here until the gate opens)
             gate.wait()
             pump()
 
@@ -136,13 +138,16 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
         assert until(lambda: job.status()["step"] >= 4 or job.state in ("failed", "finished"), timeout=200)
         assert job.state == "running", job.status()
         gate.clear()
-        time.sleep(0.5)  # a pump in progress ends; none starts
+        assert parked.wait(60)    # the controller waits at the gate: no drain in progress
         held = min(job._recorded.values())
         assert until(lambda: any(s > held for s in job.checkpoint_dir.steps()), 60, interval=0.01), held
         victim = job._workers[job._ranks[1]]["actor"]
         ray.kill(victim, no_restart=True)
         gate.set()
         assert job.wait(timeout=200) and job.state == "finished", (job.status(), _kinds(job.events()))
+        # wait() returns once the controller has ended, its record closed (before, it returned at the state
+        # change: CI read the record while the last 25 steps' rows were still in the file's buffer)
+        assert not job._thread.is_alive()
         st = job.status()
         restart = [e for e in job.events() if e["kind"] == "restart"]
         assert st["faults"] == 1 and len(restart) == 1, _kinds(job.events())
@@ -151,7 +156,7 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
 
         rep = check_exactly_once(rows, 1797)  # the digits set
         assert rep["ok"] and all(v["complete"] for v in rep["epochs"].values()), \
-            {e: len(v["missing"]) for e, v in rep["epochs"].items()}
+            ({e: len(v["missing"]) for e, v in rep["epochs"].items()}, restart, len(rows))
         assert _replayed_steps(str(rec)) == st["lost_steps"] > 0
         assert restart[0].get("recorded_through") == held, restart
         assert int(restart[0]["checkpoint"].rsplit("-", 1)[1][:-3]) <= held

@@ -74,6 +74,8 @@ class RayGenerations:
                 continue
             for m in msgs:
                 self._on_message(w, m)
+        if self._rec is not None:   # the record on disk as drained (read once the job is over: sample_check)
+            self._rec.flush()
         for w, ref in list(self._runs.items()):
             if ref in done:
                 try:

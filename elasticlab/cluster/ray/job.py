@@ -168,7 +168,14 @@ class RayJob(RayGenerations):
                 self._state = "stopped"
 
     def wait(self, timeout: float | None = None) -> bool:
-        return wait_terminal(lambda: self.state, timeout)
+        """Block until the job finished, stopped or failed, and its controller thread ended (the sample
+        record closed); True unless the timeout passed."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if not wait_terminal(lambda: self.state, timeout):
+            return False
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        return True
 
     def status(self) -> RayJobStatus:
         with self._lock:
