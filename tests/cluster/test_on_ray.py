@@ -169,6 +169,49 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
     assert not session_processes(session)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_recovery_without_placement_is_tried_again(tmp_path):
+    """After a worker dies, the re-formation finds no placement (as in a CI run of 54f3cce after a node
+    loss: "no placement for 2 workers: GetTimeoutError", the job failed): a fault, tried again, and the job
+    finishes with its record exactly-once. The failure is simulated (the first re-formation raises as
+    ``_form`` does when no attempt places the workers)."""
+    cluster = local_cluster(1, 2)
+    session = session_dir(cluster)
+    job = None
+    try:
+        rec = tmp_path / "samples.jsonl"
+        job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
+                     name="replace", epochs=1, checkpoint_every=3, record_samples=str(rec),
+                     entry_kwargs={"step_s": 0.05}, fault_grace_s=2.0)
+        form, calls = job._form, []
+
+        def form_once_failing(*args, **kwargs):
+            calls.append(args)
+            if len(calls) == 2:
+                raise RuntimeError("no placement for 1 workers: GetTimeoutError('simulated')")
+            return form(*args, **kwargs)
+
+        job._form = form_once_failing
+        job.start()
+        assert until(lambda: job.status()["step"] >= 4 or job.state in ("failed", "finished"), timeout=200)
+        ray.kill(job._workers[job._ranks[1]]["actor"], no_restart=True)
+        assert job.wait(timeout=200) and job.state == "finished", (job.status(), _kinds(job.events()))
+        faults = [e["message"] for e in job.events() if e["kind"] == "fault"]
+        assert len(calls) == 3 and len(faults) == 2 and "simulated" in faults[1], faults
+        from elasticlab.elastic import check_exactly_once
+
+        rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
+        rep = check_exactly_once(rows, 1797)
+        missing = {e: len(v["missing"]) for e, v in rep["epochs"].items()}
+        assert rep["ok"] and rep["epochs"][0]["complete"], missing
+    finally:
+        if job is not None:
+            job.stop()
+        shutdown(cluster)
+    assert not session_processes(session)
+
+
 def test_session_processes_are_found_by_their_session_directory(tmp_path):
     """What shutdown ends and the tests count: processes naming the session directory on their command
     line (GCS, raylets) or holding a file in it (workers, whose title ``ray::<class>`` selects an actor

@@ -182,7 +182,11 @@ class RayGenerations:
         n = max(min(len(alive), self._target), 1) if alive else max(min(self._target, 1), 1)
         self._events.emit("restart", generation=self._gen + 1, world_size=n, checkpoint=str(path),
                           lost_steps=lost, recorded_through=through)
-        self._form(n, None, str(path) if path is not None else None)
+        try:
+            self._form(n, None, str(path) if path is not None else None)
+        except RuntimeError as e:   # no placement yet (a lost node's slots still held): a fault, tried again
+            self._events.emit("fault", generation=self._gen, dead=[], message=str(e)[:300])
+            self._ended, self._runs = "fault", {}             # (up to max_faults in a row, as any fault)
         return True
 
     def _restart_checkpoint(self):
