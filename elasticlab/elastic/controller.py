@@ -58,6 +58,7 @@ class JobController(Generations, FaultHandling):
         self._metrics = RecordLog()
         self._events = EventLog()
         self._record_file = None
+        self._recorded: dict[int, int] = {}  # rank -> the last step of the generation whose rows arrived
         self._error: str | None = None
         self._traceback: str | None = None
         self._rejected: set[str] = set()  # checkpoints that verified but did not load
@@ -120,6 +121,9 @@ class JobController(Generations, FaultHandling):
         elif isinstance(msg, M.Step):
             self._on_step(msg.record)
         elif isinstance(msg, M.Samples):
+            if msg.row.get("generation") == self._gen:  # the rows of each rank that reached the record
+                rank, step = int(msg.row["rank"]), int(msg.row["step"])
+                self._recorded[rank] = max(self._recorded.get(rank, step), step)
             if self._record_file is not None:
                 self._record_file.write(json.dumps(msg.row) + "\n")
         elif isinstance(msg, M.Checkpointed):

@@ -87,10 +87,22 @@ class Generations:
         self._form(self._target)
 
     def _resume_from(self):
-        path, bad = self.checkpoint_dir.latest(exclude=self._rejected)
+        """The newest loadable checkpoint, the newer ones that did not verify, and the step through which
+        the record holds every rank's rows (None without a record). With a sample record, the
+        newest at or before the last step whose rows every rank of the last generation sent: a rank that
+        died after a step's all-reduce but before its rows left took them with it, while rank 0 may have
+        checkpointed that step (the steps after the checkpoint run again). If none is left there, the
+        newest, and a ``record_gap`` event says that the record misses rows."""
+        through = min(self._recorded.values()) if self._record_file is not None and self._recorded else None
+        path, bad = self.checkpoint_dir.latest(exclude=self._rejected, at_most=through)
+        if path is None and through is not None:
+            path, bad = self.checkpoint_dir.latest(exclude=self._rejected)
+            if path is not None:
+                self._events.emit("record_gap", generation=self._gen, recorded_through=through,
+                                  checkpoint=str(path))
         for p, why in bad:
             self._events.emit("checkpoint_corrupt", path=str(p), reason=why)
-        return (str(path) if path else None), bad
+        return (str(path) if path else None), bad, through
 
     def _new_store(self):
         """The generation's c10d TCPStore, listening on ``store_host`` only (default 127.0.0.1; torch's own
@@ -106,7 +118,7 @@ class Generations:
     def _form(self, n: int) -> None:
         """Form the next generation of ``n`` idle workers from the newest loadable checkpoint: the
         membership and the ranks are decided here, once, and sent in each member's Join."""
-        checkpoint, bad = self._resume_from()
+        checkpoint, bad, recorded_through = self._resume_from()
         members = [w for w in self._pool.idle() if w.proc.is_alive()][:n]
         if len(members) < n:  # one died idle and its sentinel is not handled yet: spawn and come back
             self._pool.spawn_upto(self._target)
@@ -126,6 +138,7 @@ class Generations:
             gen = self._gen
         batch = self._decide_batch(n)
         ck_step = int(Path(checkpoint).stem.split("-")[1]) if checkpoint else 0
+        self._recorded = dict.fromkeys(range(n), ck_step)
         gone = []
         for rank, w in enumerate(members):
             w.state, w.rank = W.ACTIVE, rank
@@ -147,7 +160,8 @@ class Generations:
             self._lost_steps += lost
             self._replays += bool(lost)
             self._events.emit("restart", generation=gen, from_step=ck_step, last_step=self._last_step,
-                              lost_steps=lost, world_size=n, checkpoint=checkpoint)
+                              lost_steps=lost, world_size=n, checkpoint=checkpoint,
+                              recorded_through=recorded_through)
             with self._lock:
                 self._last_step = ck_step
         # a resize (or resume) is done at the first step of this generation -- also when the generation

@@ -13,10 +13,13 @@ METRIC_KEYS = ("step", "epoch", "time", "loss", "samples_per_s", "step_time", "w
 
 #: Kinds of events (``ElasticJob.events()``). ``resize``: a resize done (``from_size``, ``to_size``,
 #: ``latency_s``); ``pause``: the job paused; ``resumed``: a resume from pause done (``world_size``,
-#: ``latency_s``); ``resume``: a generation's workers loaded the state it formed from (every generation).
+#: ``latency_s``); ``resume``: a generation's workers loaded the state it formed from (every generation);
+#: ``record_gap``: no checkpoint at or before the step through which the sample record holds every rank's
+#: rows was left, so the job went on from a newer one and the record misses rows.
 EVENT_KINDS = ("start", "ready", "generation", "resize", "set_batch", "adapt", "checkpoint",
                "checkpoint_corrupt", "resume", "pause", "resumed", "fault", "restart", "finished", "stop",
-               "error", "abort", "retry", "no_checkpoint", "failed", "error_explained")
+               "error", "abort", "retry", "no_checkpoint", "failed", "error_explained",
+               "record_gap")
 
 
 class StepTime(NamedTuple):

@@ -108,7 +108,8 @@ def _fault_point(opts: dict, point: str, gen: int, rank: int) -> None:
     """Fault injection for tests and the soak: ``options["inject_faults"]`` is a list of
     ``(point, generation, rank)``; the worker SIGKILLs itself when it reaches a listed one. Points:
     ``joined`` (Join received), ``store`` (connected to the store), ``formed`` (process group formed),
-    ``wrapped`` (DDP built), ``loaded`` (checkpoint loaded, before the first step)."""
+    ``wrapped`` (DDP built), ``loaded`` (checkpoint loaded, before the first step), ``stepped:N`` (step N
+    trained -- its all-reduce and update done -- before its sample rows are sent)."""
     for p, g, r in opts.get("inject_faults") or ():
         if p == point and g == gen and r == rank:
             import signal
@@ -186,6 +187,8 @@ def run_generation(tr: Trainer, conn, j: M.Join) -> None:
             conn.send(M.Scheduled(gen, tr.step + 1, schedule[tr.step + 1]))
             control = (CMD_LEAVE, 0, 0)
         rec, cmd, mine = tr.train_step(control)
+        if opts.get("inject_faults"):
+            _fault_point(opts, f"stepped:{tr.step}", gen, rank)
         if opts["record_samples"]:
             conn.send(M.Samples({"epoch": rec["epoch"], "step": rec["step"], "rank": rank,
                                  "world_size": world, "indices": mine.tolist(), "generation": gen}))

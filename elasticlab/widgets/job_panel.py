@@ -30,7 +30,7 @@ CHARTS = (("loss", "Loss", "loss", False, ".3~g"), ("samples_per_s", "Throughput
 MARKED = ("generation",)
 #: Events written to the log (kinds of :data:`elasticlab.elastic.records.EVENT_KINDS`).
 LOGGED = ("start", "generation", "resize", "set_batch", "checkpoint_corrupt", "resume", "pause", "resumed",
-          "fault", "restart", "finished", "stop", "error")
+          "fault", "restart", "record_gap", "finished", "stop", "error")
 #: States in which the pause button pauses the job.
 _PAUSABLE = (JobState.STARTING, JobState.SPAWNING, JobState.RUNNING, JobState.DRAINING)
 

@@ -338,6 +338,35 @@ def test_all_checkpoints_corrupt_restarts_every_rank_from_the_start(tmp_path):
         r["step"], r["rank"])) for r in replayed)               # the same samples again, same order
 
 
+def test_a_rank_that_dies_before_sending_its_rows_has_its_step_run_again(tmp_path):
+    """Rank 1 dies after step 8's all-reduce and update but before its rows of step 8 reach the controller;
+    rank 0 goes on to write the checkpoint of step 8. Resuming there would leave rank 1's samples of step 8
+    out of the record: the job goes on from the newest checkpoint at or before step 7 instead."""
+    rec = tmp_path / "samples.jsonl"
+    job = job_of(tmp_path, workers=2, epochs=1, checkpoint_every=4, record_samples=str(rec),
+                 inject_faults=[("stepped:8", 1, 1)])
+    job.start()
+    pids = set()
+    try:
+        wait_until(lambda: bool(pids_of(job)), 60, "workers")
+        pids |= pids_of(job)
+        assert job.wait(180) and job.state == "finished", job.status()["error"]
+        pids |= pids_of(job)
+        ev = job.events()
+    finally:
+        job.stop()
+        kill_left(pids)
+    assert any(e["kind"] == "checkpoint" and e["step"] == 8 for e in ev)   # rank 0 did checkpoint step 8
+    restart = next(e for e in ev if e["kind"] == "restart")
+    assert restart["from_step"] == 4 and restart["recorded_through"] == 7, restart
+    assert restart["lost_steps"] >= 4
+    rows = [json.loads(line) for line in rec.read_text().splitlines()]
+    rep = check_exactly_once(rows, N_SAMPLES)
+    assert rep["ok"] and rep["epochs"][0]["complete"], {e: (len(v["missing"]), len(v["duplicates"]))
+                                                       for e, v in rep["epochs"].items()}
+    assert not any(e["kind"] == "record_gap" for e in ev)
+
+
 # ---- 4. nothing listens beyond 127.0.0.1 ------------------------------------------------------------
 
 def test_nothing_listens_beyond_loopback(tmp_path):
