@@ -98,6 +98,27 @@ def effective_rows(rows: Iterable[dict]) -> list[dict]:
     return [r for r in rows if r.get("generation") is None or r["generation"] == latest[r["step"]]]
 
 
+def recorded_through(rows: Iterable[dict]) -> int | None:
+    """The last step of the record's newest generation through which every one of its ranks has rows (None:
+    no row has a generation). A rank with no row there counts from the step before the generation's first:
+    the one it resumed from. A restart from a checkpoint after this step would leave rows out of the record:
+    those of a rank that died after the step's update but before it wrote them."""
+    last: dict[int, dict[int, int]] = defaultdict(dict)  # generation -> rank -> its last step
+    world: dict[int, int] = {}
+    first: dict[int, int] = {}  # generation -> its first step
+    for r in rows:
+        g = r.get("generation")
+        if g is None:
+            continue
+        rank, step = int(r["rank"]), int(r["step"])
+        last[g][rank] = max(last[g].get(rank, step), step)
+        world[g], first[g] = int(r["world_size"]), min(first.get(g, step), step)
+    if not last:
+        return None
+    g = max(last)
+    return min(last[g].get(rank, first[g] - 1) for rank in range(world[g]))
+
+
 def check_exactly_once(rows: Iterable[dict], num_samples: int) -> dict:
     """Verify from a sample record that every index of each complete epoch was consumed exactly once.
 

@@ -20,6 +20,7 @@ from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.checkpoint import load as load_checkpoint
 from elasticlab.elastic.messages import CMD_CHECKPOINT, CMD_LEAVE, CMD_NONE, CMD_SET_BATCH
 from elasticlab.elastic.policies import BatchConfig
+from elasticlab.elastic.sampler import recorded_through
 from elasticlab.elastic.trainer import Trainer, default_options
 
 __all__ = ["pool_worker", "torchrun_main", "run_generation", "Trainer", "default_options"]
@@ -210,6 +211,28 @@ def run_generation(tr: Trainer, conn, j: M.Join) -> None:
 
 
 # ---- torchrun ------------------------------------------------------------------------------------
+def _recorded_through(record_samples: str | None, tr: Trainer) -> int | None:
+    """:func:`~.sampler.recorded_through` of the sample record (shared by every rank, like the checkpoint
+    folder), the same on every rank: the smallest any rank read (a line cut short by a death is passed
+    over). None without a record."""
+    import torch
+    import torch.distributed as dist
+
+    if not record_samples:
+        return None
+    rows = []
+    with contextlib.suppress(FileNotFoundError), open(record_samples) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    through = recorded_through(rows)
+    if tr.world_size > 1:
+        t = torch.tensor([-1 if through is None else through], dtype=torch.int64, device=tr.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        through = None if int(t) < 0 else int(t)
+    return through
+
+
 
 def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None = None,
                   entry_kwargs: dict | None = None, **options) -> dict:
@@ -221,7 +244,10 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
     world size and each one resumes here, losing at most the steps since the last checkpoint. A SIGTERM
     (how torchrun stops workers before a restart) is relayed through the step's all-reduce: every rank
     stops at the same step boundary after rank 0 has checkpointed, so a planned membership change loses no
-    step. Rank 0 prints one JSON line per step on stdout when ``options["log_steps"]`` is set; the return
+    step. With ``record_samples`` (one file for every rank, like the checkpoint folder) a restart goes on
+    from the newest checkpoint at or before the record's last step with every rank's rows, so the rows of a
+    rank killed between a step's update and their write are not lost: that step runs again. Rank 0 prints
+    one JSON line per step on stdout when ``options["log_steps"]`` is set; the return
     value summarises the run. The group's store listens on ``MASTER_ADDR`` only
     (:func:`~elasticlab.elastic.rendezvous.worker_store`); a non-loopback ``MASTER_ADDR`` needs
     ``$ELASTICLAB_TORCHRUN_TOKEN``. Under torch's shared agent store (the variable unset) the agent's
@@ -248,9 +274,15 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
     else:
         tr.form_from_env(store=worker_store(opts["timeout_s"]))
     ckdir = CheckpointDir(checkpoint_dir, keep=opts["keep_checkpoints"])
-    path, bad = ckdir.latest()
+    through = _recorded_through(record_samples, tr)
+    path, bad = ckdir.latest(at_most=through)
+    gap = path is None and through is not None and ckdir.latest()[0] is not None
+    if gap:  # no checkpoint left at or before it: the newest, and the record misses rows
+        path, bad = ckdir.latest()
     if path is not None:
         tr.load_state_dict(load_checkpoint(path))
+    elif tr.rank == 0:  # a step-0 checkpoint, as the local job's: a restart before the first periodic one
+        ckdir.save(tr.state_dict(), tr.step)  # resumes there, not past a step whose rows were lost
     rec_fd = None
     if record_samples:
         rec_fd = os.open(record_samples, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -259,13 +291,19 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
     if tr.rank == 0:
         print(json.dumps({"event": "resume", "step": tr.step, "world_size": tr.world_size,
                           "checkpoint": str(path) if path else None, "corrupt": [str(p) for p, _ in bad],
-                          "time": time.time()}), flush=True)
+                          "recorded_through": through, "time": time.time()}), flush=True)
+        if gap:
+            print(json.dumps({"event": "record_gap", "recorded_through": through, "checkpoint": str(path),
+                              "time": time.time()}), flush=True)
     stop_requested = []
     previous = signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     try:
         max_steps = opts["max_steps"]
         while tr.sampler.epoch < opts["epochs"] and (max_steps is None or tr.step < max_steps):
             rec, cmd, mine = tr.train_step((CMD_LEAVE, 0, 0) if stop_requested else (CMD_NONE, 0, 0))
+            if opts.get("inject_faults"):  # the generation of a fault point: torchrun's restart count
+                _fault_point(opts, f"stepped:{tr.step}", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                             tr.rank)
             if rec_fd is not None:
                 os.write(rec_fd, (json.dumps({"epoch": rec["epoch"], "step": rec["step"], "rank": tr.rank,
                                               "world_size": tr.world_size, "indices": mine.tolist(),

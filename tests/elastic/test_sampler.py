@@ -73,3 +73,20 @@ def test_check_exactly_once_reports_world_sizes_and_completeness():
     rep = check_exactly_once(rows, 4)
     assert rep["epochs"][0]["missing"] == [3] and rep["epochs"][0]["duplicates"] == [1]
     assert rep["epochs"][0]["complete"] is True and rep["ok"] is False
+
+
+def test_recorded_through_is_the_newest_generations_last_step_with_every_ranks_rows():
+    from elasticlab.elastic.sampler import recorded_through
+
+    def row(step, rank, gen, world=2):
+        return {"epoch": 0, "step": step, "rank": rank, "world_size": world, "indices": [], "generation": gen}
+
+    assert recorded_through([]) is None
+    assert recorded_through([{"epoch": 0, "step": 1, "rank": 0, "world_size": 1, "indices": []}]) is None
+    old = [row(s, r, 1) for s in range(1, 9) for r in (0, 1)]
+    assert recorded_through(old) == 8
+    assert recorded_through(old + [row(9, 0, 1)]) == 8              # rank 1's rows of step 9 never came
+    # the newest generation counts (it resumed at 4 and re-ran 5..6); world 3, rank 2 wrote nothing yet
+    new = [row(s, r, 7, world=3) for s in (5, 6) for r in (0, 1)]
+    assert recorded_through(old + new) == 4
+    assert recorded_through(old + new + [row(5, 2, 7, world=3)]) == 5

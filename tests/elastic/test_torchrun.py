@@ -289,3 +289,32 @@ def test_torchrun_two_agents_scale_out(tmp_path):
     leave = next(e for e in events if e["event"] == "leave")
     resume2 = next(e for e in events if e["event"] == "resume" and e["world_size"] == 2)
     assert resume2["step"] == leave["step"] > 0
+
+
+@pytest.mark.slow
+def test_torchrun_a_rank_that_dies_before_writing_its_rows_has_its_step_run_again(tmp_path):
+    """Rank 1 is killed after step 5's update, before it writes its rows of step 5, while rank 0 writes them
+    and the checkpoint of step 5. The restart goes on from the newest checkpoint at or before step 4 (the
+    record's last step with every rank's rows), so step 5 runs again: exactly-once, nothing missing. Before,
+    it resumed at step 5 and rank 1's 8 samples of step 5 were never recorded."""
+    record = tmp_path / "samples.jsonl"
+    job = TorchrunJob("examples/digits.py:make_task", workers=2, max_workers=2, max_restarts=3,
+                      checkpoint_dir=str(tmp_path / "ck"), entry_kwargs={"base_batch": 16}, epochs=1,
+                      checkpoint_every=5, record_samples=str(record), name="rows",
+                      inject_faults=[("stepped:5", 0, 1)]).start()
+    try:
+        end = time.monotonic() + 200
+        while job.state not in ("finished", "failed"):
+            assert time.monotonic() < end, job.status()
+            time.sleep(0.2)
+        assert job.state == "finished", job.status()
+    finally:
+        job.stop()
+    resumes = [e for e in job.events() if e["kind"] == "resume"]
+    assert resumes[0]["recorded_through"] is None and resumes[0]["step"] == 0
+    again = [e for e in resumes[1:] if e["world_size"] == 2]
+    assert again and again[0]["step"] == 0 and again[0]["recorded_through"] == 4, resumes
+    assert not [e for e in job.events() if e["kind"] == "record_gap"]
+    rep = check_exactly_once(_rows(record), 1797)
+    assert rep["ok"] and rep["epochs"][0]["complete"], {e: (len(v["missing"]), len(v["duplicates"]))
+                                                       for e, v in rep["epochs"].items()}

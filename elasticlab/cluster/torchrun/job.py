@@ -54,13 +54,14 @@ class TorchrunJob:
                  checkpoint_every: int = 5, record_samples: str | None = None, lr_rule: str = "constant",
                  seed: int = 0, max_restarts: int = 50, name: str = "job", host: str = "127.0.0.1",
                  port: int = 0, token: str | None = None, nodes: list[dict] | None = None,
-                 step_delay_s: float = 0.0, log_dir: str | None = None):
+                 step_delay_s: float = 0.0, log_dir: str | None = None, inject_faults=None):
         """``host``/``port``: where the rendezvous store listens (port 0: a free one). ``token``: the shared
         secret, by default ``$ELASTICLAB_TORCHRUN_TOKEN``; required when an address is not loopback.
         ``nodes``: where agents run, ``{"addr": local address, "prefix": argv prefix (e.g. ``ip netns exec
         NS``), "env": extra environment}`` each; a new agent goes to the node with the fewest live ones
         (default: one node, this machine, at ``host``). ``log_dir``: keep each agent's output there
-        (``agent-<pid>.log``, lines prefixed by seconds since the job started)."""
+        (``agent-<pid>.log``, lines prefixed by seconds since the job started). ``inject_faults``: fault
+        points as :class:`~elasticlab.elastic.ElasticJob`'s, their generation torchrun's restart count."""
         if workers < 1 or max_workers < workers:
             raise ValueError(f"need 1 <= workers <= max_workers, got {workers}, {max_workers}")
         self.token = check_token(host, token if token is not None else os.environ.get(TOKEN_ENV) or None,
@@ -83,6 +84,8 @@ class TorchrunJob:
         self.record_path = str(record_samples) if record_samples else None
         self.opts = {"epochs": epochs, "max_steps": max_steps, "checkpoint_every": checkpoint_every,
                      "lr_rule": lr_rule, "seed": seed, "step_delay_s": float(step_delay_s)}
+        if inject_faults:
+            self.opts["inject_faults"] = [list(f) for f in inject_faults]
         self.max_restarts = int(max_restarts)
         self._target = int(workers)
         self._agents: list[subprocess.Popen] = []
@@ -175,7 +178,7 @@ class TorchrunJob:
             ev = msg.pop("event", None)
             if ev == "step":
                 self._on_step(msg)
-            elif ev in ("resume", "leave"):  # a restart's start (workers drained) and end (group formed)
+            elif ev in ("resume", "leave", "record_gap"):  # a restart's end (group formed) and start
                 self._events.emit(ev, **{k: v for k, v in msg.items() if k != "time"})
             elif ev == "done":
                 with self._lock:
