@@ -44,6 +44,36 @@ def ray_cluster():
         shutdown(cluster)
 
 
+class OneNode:
+    """A 1-node local Ray cluster (2 slots) and the jobs a test ran on it (see the ``one_node`` fixture)."""
+
+    def __init__(self):
+        self.cluster = local_cluster(1, 2)
+        self.session = session_dir(self.cluster)
+        self.jobs: list = []
+
+    def job(self, *args, **kwargs) -> RayJob:
+        """A :class:`RayJob` (not started) that the fixture stops at the end."""
+        job = RayJob(*args, **kwargs)
+        self.jobs.append(job)
+        return job
+
+
+@pytest.fixture
+def one_node():
+    """A 1-node local Ray cluster. Afterwards, whether the test passed or not, each of its jobs is stopped
+    (a failed assertion must not leave a controller in ``ray.get`` during the shutdown), the session's
+    processes are ended, and none may be left."""
+    node = OneNode()
+    try:
+        yield node
+    finally:
+        for job in node.jobs:
+            job.stop()
+        shutdown(node.cluster)
+    assert not session_processes(node.session)
+
+
 def test_gang_keeps_the_workers_on_the_planned_nodes_and_starts_the_rest_there():
     g = Gang("j", "slot", f"{EX}:comm_bound", {}, {})
     g.workers.update({0: {"node": "A"}, 1: {"node": "B"}, 2: {"node": "B"}})
@@ -66,48 +96,40 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(tmp_path):
+def test_coupled_actors_hold_their_slots_from_the_bundles_as_in_gpu_mode(one_node, tmp_path):
     """GPU mode without a GPU: ``coupled=True`` runs the path ``resource="GPU"`` takes (each actor holds
     its slot from its allocation's placement-group bundle, a new allocation starts new actors) with the
     custom ``slot`` resource. NCCL itself (gloo here) and ``num_gpus`` are not exercised: no GPU here."""
-    cluster = local_cluster(1, 2)
-    session = session_dir(cluster)
-    job = None
-    try:
-        job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
-                     resource="slot", coupled=True, name="coupled", epochs=1, max_steps=20,
-                     checkpoint_every=5, entry_kwargs={"step_s": 0.05}, warm=2).start()
-        assert job._gang.coupled
-        end = time.monotonic() + 200
-        while job.status()["step"] < 3:
-            assert time.monotonic() < end and job.state not in ("failed", "stopped"), job.status()
-            time.sleep(0.2)
-        assert until(lambda: ray.available_resources().get("slot", 0) == 0)  # both slots in the bundles
-        # the actors train at the driver's priority (local_cluster's worker_niceness=0, not Ray's 15, at
-        # which any other busy process on the machine starves them)
-        actors = session_processes(session, name="RayWorker")
-        assert actors and {p.nice() for p in actors} == {0}
-        first = set(job._workers)
-        assert job.resize(1).result(timeout=150)["world_size"] == 1
-        assert not first & set(job._workers), "a coupled resize starts new actors in the new bundles"
-        assert until(lambda: len(session_processes(session, name="RayWorker")) == 1)  # none kept warm
-        assert until(lambda: ray.available_resources().get("slot", 0) == 1)
-        assert job.wait(timeout=150) and job.state == "finished", job.status()
-        starts = [e for e in job.events() if e["kind"] == "actors_start"]
-        assert [len(e["workers"]) for e in starts] == [2, 1], starts
-        job.stop()
-        assert until(lambda: not session_processes(session, name="RayWorker"))
-        assert until(lambda: ray.available_resources().get("slot", 0) == 2)
-    finally:
-        if job is not None:  # a failed assertion must not leave its controller in ray.get during shutdown
-            job.stop()
-        shutdown(cluster)
-    assert not session_processes(session)
+    session = one_node.session
+    job = one_node.job(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
+                 resource="slot", coupled=True, name="coupled", epochs=1, max_steps=20,
+                 checkpoint_every=5, entry_kwargs={"step_s": 0.05}, warm=2).start()
+    assert job._gang.coupled
+    end = time.monotonic() + 200
+    while job.status()["step"] < 3:
+        assert time.monotonic() < end and job.state not in ("failed", "stopped"), job.status()
+        time.sleep(0.2)
+    assert until(lambda: ray.available_resources().get("slot", 0) == 0)  # both slots in the bundles
+    # the actors train at the driver's priority (local_cluster's worker_niceness=0, not Ray's 15, at
+    # which any other busy process on the machine starves them)
+    actors = session_processes(session, name="RayWorker")
+    assert actors and {p.nice() for p in actors} == {0}
+    first = set(job._workers)
+    assert job.resize(1).result(timeout=150)["world_size"] == 1
+    assert not first & set(job._workers), "a coupled resize starts new actors in the new bundles"
+    assert until(lambda: len(session_processes(session, name="RayWorker")) == 1)  # none kept warm
+    assert until(lambda: ray.available_resources().get("slot", 0) == 1)
+    assert job.wait(timeout=150) and job.state == "finished", job.status()
+    starts = [e for e in job.events() if e["kind"] == "actors_start"]
+    assert [len(e["workers"]) for e in starts] == [2, 1], starts
+    job.stop()
+    assert until(lambda: not session_processes(session, name="RayWorker"))
+    assert until(lambda: ray.available_resources().get("slot", 0) == 2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
+def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(one_node, tmp_path):
     """A worker's sample rows wait in its actor's mailbox until the controller drains it; a worker that dies
     takes the undrained ones with it. The controller is held (no drain) until rank 0 writes a checkpoint
     past the last step of rank 1's rows it has, then rank 1's actor is killed: the job goes on from a
@@ -116,24 +138,22 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
     newest checkpoint was taken, past rows that were never drained.)"""
     import threading
 
-    cluster = local_cluster(1, 2)
-    session = session_dir(cluster)
-    job, gate, parked = None, threading.Event(), threading.Event()
+    gate, parked = threading.Event(), threading.Event()
     gate.set()
+    rec = tmp_path / "samples.jsonl"
+    job = one_node.job(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
+                       name="undrained", epochs=2, checkpoint_every=3, record_samples=str(rec),
+                       entry_kwargs={"step_s": 0.05}, fault_grace_s=2.0)
+    pump = job._pump
+
+    def held_pump():  # the controller thread waits here while the test holds the gate
+        if not gate.is_set():
+            parked.set()                          # (no drain in progress from here until the gate opens)
+        gate.wait()
+        pump()
+
+    job._pump = held_pump
     try:
-        rec = tmp_path / "samples.jsonl"
-        job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
-                     name="undrained", epochs=2, checkpoint_every=3, record_samples=str(rec),
-                     entry_kwargs={"step_s": 0.05}, fault_grace_s=2.0)
-        pump = job._pump
-
-        def held_pump():  # the controller thread waits here while the test holds the gate
-            if not gate.is_set():
-                parked.set()                      # (no drain in progress from here until the gate opens)
-            gate.wait()
-            pump()
-
-        job._pump = held_pump
         job.start()
         assert until(lambda: job.status()["step"] >= 4 or job.state in ("failed", "finished"), timeout=200)
         assert job.state == "running", job.status()
@@ -162,54 +182,41 @@ def test_a_dead_workers_undrained_sample_rows_are_run_again_not_lost(tmp_path):
         assert int(restart[0]["checkpoint"].rsplit("-", 1)[1][:-3]) <= held
         assert not [e for e in job.events() if e["kind"] == "record_gap"]
     finally:
-        gate.set()
-        if job is not None:
-            job.stop()
-        shutdown(cluster)
-    assert not session_processes(session)
+        gate.set()  # before the fixture stops the job
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_recovery_without_placement_is_tried_again(tmp_path):
+def test_a_recovery_without_placement_is_tried_again(one_node, tmp_path):
     """After a worker dies, the re-formation finds no placement (as in a CI run of 54f3cce after a node
     loss: "no placement for 2 workers: GetTimeoutError", the job failed): a fault, tried again, and the job
     finishes with its record exactly-once. The failure is simulated (the first re-formation raises as
     ``_form`` does when no attempt places the workers)."""
-    cluster = local_cluster(1, 2)
-    session = session_dir(cluster)
-    job = None
-    try:
-        rec = tmp_path / "samples.jsonl"
-        job = RayJob(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
-                     name="replace", epochs=1, checkpoint_every=3, record_samples=str(rec),
-                     entry_kwargs={"step_s": 0.05}, fault_grace_s=2.0)
-        form, calls = job._form, []
+    rec = tmp_path / "samples.jsonl"
+    job = one_node.job(f"{EX}:comm_bound", workers=2, checkpoint_dir=str(tmp_path / "ck"), global_batch=32,
+                       name="replace", epochs=1, checkpoint_every=3, record_samples=str(rec),
+                       entry_kwargs={"step_s": 0.05}, fault_grace_s=2.0)
+    form, calls = job._form, []
 
-        def form_once_failing(*args, **kwargs):
-            calls.append(args)
-            if len(calls) == 2:
-                raise RuntimeError("no placement for 1 workers: GetTimeoutError('simulated')")
-            return form(*args, **kwargs)
+    def form_once_failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("no placement for 1 workers: GetTimeoutError('simulated')")
+        return form(*args, **kwargs)
 
-        job._form = form_once_failing
-        job.start()
-        assert until(lambda: job.status()["step"] >= 4 or job.state in ("failed", "finished"), timeout=200)
-        ray.kill(job._workers[job._ranks[1]]["actor"], no_restart=True)
-        assert job.wait(timeout=200) and job.state == "finished", (job.status(), _kinds(job.events()))
-        faults = [e["message"] for e in job.events() if e["kind"] == "fault"]
-        assert len(calls) == 3 and len(faults) == 2 and "simulated" in faults[1], faults
-        from elasticlab.elastic import check_exactly_once
+    job._form = form_once_failing
+    job.start()
+    assert until(lambda: job.status()["step"] >= 4 or job.state in ("failed", "finished"), timeout=200)
+    ray.kill(job._workers[job._ranks[1]]["actor"], no_restart=True)
+    assert job.wait(timeout=200) and job.state == "finished", (job.status(), _kinds(job.events()))
+    faults = [e["message"] for e in job.events() if e["kind"] == "fault"]
+    assert len(calls) == 3 and len(faults) == 2 and "simulated" in faults[1], faults
+    from elasticlab.elastic import check_exactly_once
 
-        rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
-        rep = check_exactly_once(rows, 1797)
-        missing = {e: len(v["missing"]) for e, v in rep["epochs"].items()}
-        assert rep["ok"] and rep["epochs"][0]["complete"], missing
-    finally:
-        if job is not None:
-            job.stop()
-        shutdown(cluster)
-    assert not session_processes(session)
+    rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
+    rep = check_exactly_once(rows, 1797)
+    missing = {e: len(v["missing"]) for e, v in rep["epochs"].items()}
+    assert rep["ok"] and rep["epochs"][0]["complete"], missing
 
 
 def test_session_processes_are_found_by_their_session_directory(tmp_path):
