@@ -136,8 +136,7 @@ def on_grad(slot, module, inputs, output=None):
     def run(g):
         saved = get()
         if slot.tp:                         # this process's shards (gns.sharded.reduce_norms sums them)
-            saved, g = tuple(sharded.local(t) if isinstance(t, torch.Tensor) else t for t in saved), \
-                sharded.local(g)
+            saved, g = sharded.local_call(slot, saved, g)
         if fold is not None and slot.rule.folds:
             saved, g = fold.unfold_call(saved, g)
         g = tuple(None if t is None else t.detach() for t in g) if isinstance(g, tuple) else g.detach()

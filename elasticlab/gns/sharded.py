@@ -58,16 +58,21 @@ def watched(model) -> list:
     return out
 
 
+#: The layers whose tensor-parallel shards have per-example norms (:func:`tensor_parallel`).
+TP_LAYERS = (torch.nn.Linear, torch.nn.Embedding)
+
+
 def refuse_distributed_weights(slot) -> None:
-    """A clear error for a layer other than a tensor-parallel ``nn.Linear`` (:func:`tensor_parallel`) whose
+    """A clear error for a layer other than those of :data:`TP_LAYERS` (:func:`tensor_parallel`) whose
     parameters are still DTensors in its forward (tensor parallelism, as ``parallelize_module`` leaves them;
     FSDP2's alone are whole there): its per-example norms would need a rule of its own."""
     names = [n for n in slot.need if isinstance(slot.module._parameters.get(n), DTensor)]
     if names and not slot.tp:
         raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): its parameters {names} are "
                          "DTensors in its forward (tensor parallelism), for which per-example gradient norms "
-                         "are supported on nn.Linear alone (ColwiseParallel, RowwiseParallel); measure this "
-                         "layer replicated, or the model under data parallelism")
+                         "are supported on nn.Linear and nn.Embedding (ColwiseParallel, RowwiseParallel, "
+                         "sharded along one mesh dimension); measure this layer replicated, or the model "
+                         "under data parallelism")
 
 
 TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes see the same examples: pass "
@@ -76,14 +81,14 @@ TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes s
 
 
 def tensor_parallel(model, slot) -> dict:
-    """{parameter: (mesh, the mesh dimensions it is sharded along)} in its forward, for ``slot``'s module if
-    it is an ``nn.Linear`` whose needed parameters are DTensors there (``parallelize_module``'s
-    ColwiseParallel or RowwiseParallel, FSDP2 around it or not); else {}. Under FSDP2, the layout FSDP2
-    unshards them to (its parameter records: a private API, looked up defensively; a layer it cannot read is
-    refused by name when it runs)."""
+    """{parameter: (mesh, the mesh dimensions it is sharded along, rows)} in its forward, for ``slot``'s
+    module if it is one of :data:`TP_LAYERS` whose needed parameters are DTensors there
+    (``parallelize_module``'s ColwiseParallel or RowwiseParallel, FSDP2 around it or not); else {}.
+    ``rows``: the (first, end) rows of a vocabulary-split embedding table (RowwiseParallel: Shard(0)) this
+    process holds, else None. Under FSDP2, the layout FSDP2 unshards them to (its parameter records: a
+    private API, looked up defensively; a layer it cannot read is refused by name when it runs)."""
     params = {n: slot.module._parameters.get(n) for n in slot.need}
-    if not isinstance(slot.module, torch.nn.Linear) or not any(isinstance(p, DTensor)
-                                                                for p in params.values()):
+    if not isinstance(slot.module, TP_LAYERS) or not any(isinstance(p, DTensor) for p in params.values()):
         return {}
     from torch.distributed.fsdp import FSDPModule
     m, unit = model, None
@@ -91,20 +96,51 @@ def tensor_parallel(model, slot) -> dict:
         m = m if part is None else m._modules[part]
         unit = m if isinstance(m, FSDPModule) else unit          # the innermost FSDP2 unit holds them
     if unit is None:
-        return {n: (p.device_mesh, _shard_dims(p)) for n, p in params.items() if isinstance(p, DTensor)}
-    try:
-        records = {id(fp.sharded_param): fp for g in unit._get_fsdp_state()._fsdp_param_groups
-                   for fp in g.fsdp_params}
-        out = {}
-        for n, p in params.items():
-            fp = records[id(p)]
-            if not fp.is_dtensor:                 # FSDP2's alone: whole in the forward
-                return {}
-            spec = fp._unsharded_dtensor_spec
-            out[n] = (spec.mesh, tuple(d for d, q in enumerate(spec.placements) if not q.is_replicate()))
-        return out
-    except (AttributeError, KeyError):           # (another FSDP2 version's records)
-        return {}
+        out = {n: (p.device_mesh, p.placements) for n, p in params.items() if isinstance(p, DTensor)}
+    else:
+        try:
+            records = {id(fp.sharded_param): fp for g in unit._get_fsdp_state()._fsdp_param_groups
+                       for fp in g.fsdp_params}
+            out = {}
+            for n, p in params.items():
+                fp = records[id(p)]
+                if not fp.is_dtensor:             # FSDP2's alone: whole in the forward
+                    return {}
+                spec = fp._unsharded_dtensor_spec
+                out[n] = (spec.mesh, spec.placements)
+        except (AttributeError, KeyError):       # (another FSDP2 version's records)
+            return {}
+    layout = {}
+    for n, (mesh, placements) in out.items():
+        dims = tuple(d for d, q in enumerate(placements) if not q.is_replicate())
+        rows = [d for d in dims if isinstance(slot.module, torch.nn.Embedding) and placements[d].is_shard(0)]
+        if len(rows) > 1 or (rows and len(dims) > 1):
+            return {}                             # (a table split along more than one mesh dimension)
+        layout[n] = (mesh, dims, _rows(slot.module.num_embeddings, mesh, rows[0]) if rows else None)
+    return layout
+
+
+def _rows(n: int, mesh, dim: int) -> tuple[int, int]:
+    """The rows of an ``n``-row table this process holds when it is split along mesh dimension ``dim`` (as
+    Shard(0) splits a tensor: chunks of ⌈n / size⌉, the last ones shorter or empty)."""
+    size, rank = mesh.size(dim), mesh.get_local_rank(dim)
+    chunk = -(-n // size)
+    first = min(rank * chunk, n)
+    return first, min(first + chunk, n)
+
+
+def local_call(slot, saved: tuple, g):
+    """This process's part of a tensor-parallel call (for :func:`elasticlab.gns.hooks.on_grad`): its shards
+    of the kept inputs and of the output gradient; for a vocabulary-split embedding, the output gradient at
+    the positions whose index is in this process's rows of the table only (each index's rows are held by
+    one process: the sum over them, :func:`reduce_norms`, counts each once)."""
+    saved = tuple(local(t) if isinstance(t, torch.Tensor) else t for t in saved)
+    g = local(g)
+    rows = slot.tp.get("weight", (None, (), None))[2]
+    if rows is not None:
+        idx = saved[0]
+        g = g * ((idx >= rows[0]) & (idx < rows[1])).unsqueeze(-1).to(g.dtype)
+    return saved, g
 
 
 def reduce_norms(slots) -> None:
@@ -119,7 +155,7 @@ def reduce_norms(slots) -> None:
         if s.tp and s.tp_pending:
             s.tp_pending = False
             for pn in s.norms:
-                mesh, dims = s.tp.get(pn, (None, ()))
+                mesh, dims, _ = s.tp.get(pn, (None, (), None))
                 if dims:
                     groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append((s, pn))
     for mesh, dims, where in groups.values():

@@ -4,8 +4,8 @@ process in float64. Before, every tensor-parallel layer was refused ("not suppor
 are those of its shard of the weight; the whole weight's are their sum over the mesh dimension it is
 sharded along, a replicated bias counted once. Also: a layer's output redistributed by its parallel style
 (a sequence-sharded RowwiseParallel output) is read before the redistribution; the monitor asks for the
-data-parallel group; FSDP2 around tensor parallelism (2-D) too; other tensor-parallel layers are refused by
-name."""
+data-parallel group; FSDP2 around tensor parallelism (2-D) too; nn.Embedding split by rows (the vocabulary) or
+columns; other tensor-parallel layers are refused by name."""
 import functools
 
 import pytest
@@ -165,22 +165,83 @@ def test_monitor_under_fsdp2_with_tensor_parallelism_matches_one_process(tmp_pat
 
 
 class Embedded(nn.Module):
+    """A vocabulary of 11 (split 6 + 5 row-wise), a LayerNorm, a head."""
+
     def __init__(self):
         super().__init__()
-        self.emb, self.out = nn.Embedding(10, 8), nn.Linear(8, 2)
+        torch.manual_seed(0)
+        self.emb, self.ln, self.out = nn.Embedding(11, 8), nn.LayerNorm(8), nn.Linear(8, 2)
 
     def forward(self, i):
-        return self.out(self.emb(i))
+        return self.out(self.ln(self.emb(i)))
+
+
+IDS = torch.tensor([[1, 2, 2, 9], [10, 3, 4, 10], [0, 5, 6, 7], [8, 8, 8, 8], [5, 6, 5, 6]])
+
+
+def embedding_worker(rank, style):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"rowwise": RowwiseParallel(input_layouts=Replicate()),     # (torchtitan's: the positions split)
+            "rowwise-seq": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "colwise": ColwiseParallel(output_layouts=Replicate())}[style]
+    net = parallelize_module(Embedded().double(), init_device_mesh("cpu", (WORLD,)), {"emb": plan})
+    with PerSampleGradNorms(net, loss_reduction="sum") as psn:
+        net(IDS).pow(2).sum().backward()
+        return psn.param_sq_norms(), tuple(net.emb.weight.to_local().shape)
+
+
+@pytest.mark.parametrize("style", ["rowwise", "rowwise-seq", "colwise"])
+def test_a_tensor_parallel_embedding_matches_torch_func(tmp_path, style):
+    """Before: refused by name. Row-wise, each process holds a range of the vocabulary (rows 0-5 and 6-10)
+    and counts the positions whose index falls there (also with the output split along the sequence, as
+    torchtitan's token embedding: each process's loss is over its positions, their sum the loss); column-wise,
+    a slice of every row."""
+    ref = func_param_sq_norms(Embedded().double(), lambda o, y: o.pow(2).sum(), IDS, torch.zeros(len(IDS)))
+    res = run_gloo(functools.partial(embedding_worker, style=style), WORLD, tmp_path)
+    shapes = [shape for _, shape in res]
+    assert shapes == ([(11, 4), (11, 4)] if style == "colwise" else [(6, 8), (5, 8)])
+    for r, _ in res:
+        assert set(r) == set(ref)
+        for name, v in ref.items():   # (sequence-split output: the layers after it see half the positions)
+            if style != "rowwise-seq" or name == "emb.weight":
+                assert torch.allclose(r[name], v, rtol=1e-9), (name, (r[name] / v).tolist())
+
+
+def fsdp_embedding_worker(rank):
+    """The row-wise embedding inside FSDP2 on a (dp=2, tp=2) mesh: each dp group its examples."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp"))
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate())}
+    net = parallelize_module(Embedded().double(), mesh["tp"], plan)
+    for m in (net.emb, net):
+        fully_shard(m, mesh=mesh["dp"])
+    rows = [0, 1, 2] if mesh["dp"].get_local_rank() == 0 else [3, 4]
+    with PerSampleGradNorms(net, loss_reduction="sum") as psn:
+        net(IDS[rows]).pow(2).sum().backward()
+        return rows, psn.param_sq_norms()
+
+
+def test_a_tensor_parallel_embedding_inside_fsdp2_matches_torch_func(tmp_path):
+    ref = func_param_sq_norms(Embedded().double(), lambda o, y: o.pow(2).sum(), IDS, torch.zeros(len(IDS)))
+    for rows, r in run_gloo(fsdp_embedding_worker, 2 * WORLD, tmp_path):
+        assert set(r) == set(ref)
+        for name, v in ref.items():
+            assert torch.allclose(r[name], v[rows], rtol=1e-9), (name, (r[name] / v[rows]).tolist())
 
 
 def refused_worker(rank):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
     mesh = init_device_mesh("cpu", (WORLD,))
-    net = parallelize_module(Embedded().double(), mesh, {"emb": RowwiseParallel()})
+    net = parallelize_module(Embedded().double(), mesh, {"ln": SequenceParallel()})
     try:
         with PerSampleGradNorms(net):
-            net(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+            net(IDS).sum().backward()
     except ValueError as e:
         return str(e)
     return None
@@ -188,5 +249,5 @@ def refused_worker(rank):
 
 def test_other_tensor_parallel_layers_are_refused_by_name(tmp_path):
     for msg in run_gloo(refused_worker, WORLD, tmp_path):
-        assert msg is not None and "module 'emb' (Embedding)" in msg and "tensor parallelism" in msg
-        assert "nn.Linear alone" in msg
+        assert msg is not None and "module 'ln' (LayerNorm)" in msg and "tensor parallelism" in msg
+        assert "nn.Linear and nn.Embedding" in msg
