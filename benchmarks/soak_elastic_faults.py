@@ -12,6 +12,12 @@ until ``--faults`` faults (default 200) have been injected. Each job trains a sm
 * ``pause``      pause and resume (at a random size);
 * ``resize``     resize to a random size.
 
+And one fault set when each job is made, before the others: rank 1 of the first generation dies after the
+update of its first checkpoint step, before it sends that step's sample rows, while rank 0 checkpoints it
+(``inject_faults`` ``stepped:N``; the drawn faults come at steps spread over the rest of the job).
+``record_guarded_restarts`` counts the restarts that went on from an older checkpoint because the record
+lacked a rank's rows of the steps after it.
+
 A run is *good* when the job finished, the sample record shows every sample of every epoch exactly once
 (replayed steps counted once: the latest generation's rows of a step are the ones that count) and no
 rank drift (in every generation, every step was taken by ranks 0..world_size-1, once each, at one world
@@ -202,14 +208,15 @@ def run_job(i: int, n_faults: int, args, tmp: Path, progress) -> dict:
     job = ElasticJob(f"{HERE}:make_task", workers=2, warm=slots, slots=slots, epochs=args.epochs,
                      checkpoint_every=args.checkpoint_every, checkpoint_dir=str(d / "ck"),
                      record_samples=str(record), step_delay_s=args.step_delay, timeout_s=20,
-                     max_failed_generations=8, goodput_refit_s=0)
+                     max_failed_generations=8, goodput_refit_s=0,
+                     inject_faults=[(f"stepped:{args.checkpoint_every}", 1, 1)])
     steps_per_epoch = -(-N_SAMPLES // 32)
     total = steps_per_epoch * args.epochs
     faults, t_start = [], time.monotonic()
     job.start()
     try:
         for k in range(n_faults):
-            target = int(total * (k + 1) / (n_faults + 2))
+            target = args.checkpoint_every + int((total - args.checkpoint_every) * (k + 1) / (n_faults + 2))
             end = time.monotonic() + 300
             while time.monotonic() < end:
                 m = job.metrics()
@@ -229,7 +236,10 @@ def run_job(i: int, n_faults: int, args, tmp: Path, progress) -> dict:
                 progress.update(1)
         job.wait(600)
         st = job.status()
+        guarded = sum(e["kind"] == "restart" and e.get("recorded_through") is not None
+                      and e["recorded_through"] < e["last_step"] for e in job.events())
         out = {"job": i, "state": st.state, "error": st.error, "faults": faults, "lost_steps": st.lost_steps,
+               "record_guarded_restarts": guarded,
                "replays": st.replays, "steps": st.step, "wall_s": round(time.monotonic() - t_start, 1)}
     finally:
         job.stop()
@@ -294,6 +304,7 @@ def main(argv=None) -> int:
                                             for f in faults if f["recovery_s"] is not None),
                                            key=lambda x: -x["s"])[:5],
               "lost_steps": sum(r["lost_steps"] for r in runs), "replays": sum(r["replays"] for r in runs),
+              "record_guarded_restarts": sum(r["record_guarded_restarts"] for r in runs),
               "bad_runs": [{k: r[k] for k in ("job", "state", "error", "exactly_once", "n_drift", "drift",
                                                "duplicates", "missing")} for r in runs if not r["good"]],
               "wall_s": round(time.monotonic() - t0, 1), "load_average": os.getloadavg(), "seed": a.seed}
