@@ -80,7 +80,8 @@ class ClusterReports:
                 "errors": {j.name: j.error for j in jobs if j.error}}
 
     def sample_check(self, name: str) -> dict:
-        """Exactly-once check of a job's sample record (:func:`elasticlab.elastic.check_exactly_once`)."""
+        """Exactly-once check of a job's sample record (:func:`elasticlab.elastic.check_exactly_once`); of a
+        job that finished its epochs (no ``max_steps``), each of them must be complete."""
         import json
 
         from elasticlab.elastic import check_exactly_once
@@ -93,7 +94,8 @@ class ClusterReports:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         n = len(build(j.spec.entrypoint, j.spec.entry_kwargs))
-        return check_exactly_once(rows, n)
+        ran_out = j.state == "finished" and j.spec.max_steps is None
+        return check_exactly_once(rows, n, epochs=j.spec.epochs if ran_out else None)
 
     def _get(self, name: str) -> LiveJob:
         with self._lock:

@@ -119,11 +119,14 @@ def recorded_through(rows: Iterable[dict]) -> int | None:
     return min(last[g].get(rank, first[g] - 1) for rank in range(world[g]))
 
 
-def check_exactly_once(rows: Iterable[dict], num_samples: int) -> dict:
+def check_exactly_once(rows: Iterable[dict], num_samples: int, epochs: int | None = None) -> dict:
     """Verify from a sample record that every index of each complete epoch was consumed exactly once.
 
-    Returns ``{"epochs": {epoch: {"missing", "duplicates", "complete"}}, "ok", "world_sizes"}``;
-    the last epoch counts only if it is complete (no missing index) or another epoch follows it.
+    Returns ``{"epochs": {epoch: {"missing", "duplicates", "complete"}}, "ok", "world_sizes"}``. Without
+    ``epochs`` the last epoch counts only if it is complete (no missing index) or another epoch follows it:
+    a job stopped or cut by ``max_steps`` ends inside one. ``epochs``: the job ran to its end over that many
+    epochs, so each of them must be there and complete, the last one too (a finished job whose record
+    misses samples of its last epoch is not ``ok``).
     """
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     sizes = []
@@ -135,14 +138,15 @@ def check_exactly_once(rows: Iterable[dict], num_samples: int) -> dict:
             last_step_size = r["world_size"]
     report: dict = {"epochs": {}, "world_sizes": sizes}
     ok = True
-    epochs = sorted(per_epoch)
-    for e in epochs:
-        idx = np.concatenate(per_epoch[e]) if per_epoch[e] else np.zeros(0, np.int64)
+    found = sorted(per_epoch)
+    for e in sorted(set(found) | set(range(epochs or 0))):
+        idx = np.concatenate(per_epoch[e]) if per_epoch.get(e) else np.zeros(0, np.int64)
         counts = np.bincount(idx, minlength=num_samples)
         missing = np.flatnonzero(counts == 0).tolist()
         dup = np.flatnonzero(counts > 1).tolist()
-        complete = not missing or e != epochs[-1]
+        may_be_short = epochs is None and e == found[-1]
+        complete = not missing or not may_be_short
         report["epochs"][e] = {"missing": missing, "duplicates": dup, "complete": bool(complete)}
-        ok = ok and not dup and (not missing or e == epochs[-1])
+        ok = ok and not dup and (not missing or may_be_short)
     report["ok"] = ok
     return report

@@ -404,5 +404,5 @@ def test_short_fault_soak_every_sample_once_no_drift(capsys):
     rc = soak.main(["--faults", "6", "--faults-per-job", "6", "--epochs", "1", "--seed", "3"])
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
     assert res["faults"] >= 4 and res["runs"] == 1
-    assert res["record_guarded_restarts"] >= 1   # the fault set in advance: rank 1's rows of a checkpoint step
+    assert res["record_guarded_restarts"] >= 1   # the fault set in advance: rank 1 dies before its rows
     assert rc == 0 and res["runs_good"] == 1, res["bad_runs"]

@@ -90,3 +90,25 @@ def test_recorded_through_is_the_newest_generations_last_step_with_every_ranks_r
     new = [row(s, r, 7, world=3) for s in (5, 6) for r in (0, 1)]
     assert recorded_through(old + new) == 4
     assert recorded_through(old + new + [row(5, 2, 7, world=3)]) == 5
+
+
+def test_a_finished_jobs_last_epoch_must_be_complete_when_its_epochs_are_given():
+    """Without ``epochs`` a short last epoch is taken for a job stopped inside it (``ok``); a job that ran
+    its epochs to the end and whose record misses samples of the last one is not ``ok`` (the local job's
+    record-window failure left 8 of 256 out and ``ok`` was True)."""
+    from elasticlab.elastic.sampler import check_exactly_once
+
+    def rows(epoch, idx):
+        return [{"epoch": epoch, "step": 10 * epoch + k, "rank": 0, "world_size": 1, "indices": list(c)}
+                for k, c in enumerate(np.array_split(idx, 4))]
+
+    whole = rows(0, np.arange(20)) + rows(1, np.arange(20))
+    short = rows(0, np.arange(20)) + rows(1, np.arange(12))
+    assert check_exactly_once(whole, 20)["ok"] and check_exactly_once(whole, 20, epochs=2)["ok"]
+    assert check_exactly_once(short, 20)["ok"]                       # stopped inside epoch 1
+    rep = check_exactly_once(short, 20, epochs=2)
+    assert not rep["ok"] and rep["epochs"][1]["missing"] == list(range(12, 20))
+    rep = check_exactly_once(rows(0, np.arange(20)), 20, epochs=2)  # epoch 1 never recorded
+    assert not rep["ok"] and rep["epochs"][1]["missing"] == list(range(20))
+    dup = rows(0, np.arange(20)) + rows(0, np.arange(3))
+    assert not check_exactly_once(dup, 20)["ok"]
