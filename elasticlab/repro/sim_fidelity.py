@@ -104,7 +104,9 @@ def sim_t3(quick: bool) -> Outcome:
     slow=True,
 )
 def p4_t6(quick: bool) -> Outcome:
-    jct = {p: float(fidelity_run(p)["avg_jct"]) for p in ("pollux", "optimus", "tiresias")}
+    from elasticlab.sim.experiments import ARTIFACT_POLICIES
+
+    jct = {p: float(fidelity_run(p)["avg_jct"]) for p in ARTIFACT_POLICIES}
     red = {
         "vs_optimus": 1 - jct["pollux"] / jct["optimus"],
         "vs_tiresias": 1 - jct["pollux"] / jct["tiresias"],

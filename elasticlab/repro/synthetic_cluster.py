@@ -174,9 +174,12 @@ def run_policy(jobs: list[dict], policy: str, cluster: str = "4x4", interval: fl
             "restarts": int(sum(j.restarts for j in done)), "jct": jct.tolist()}
 
 
-def small_cluster(n_jobs: int = 30, cluster: str = "4x4", policies=("pollux", "optimus", "tiresias"),
-                  seed: int = 0, **kw) -> dict:
-    """P4-T5: the same synthetic jobs under each policy."""
+def small_cluster(n_jobs: int = 30, cluster: str = "4x4", policies=None, seed: int = 0, **kw) -> dict:
+    """P4-T5: the same synthetic jobs under each policy (default: Pollux's comparison,
+    :data:`elasticlab.sim.experiments.ARTIFACT_POLICIES`)."""
+    from elasticlab.sim.experiments import ARTIFACT_POLICIES
+
+    policies = ARTIFACT_POLICIES if policies is None else policies
     jobs = synthetic_jobs(n_jobs, seed=seed, **kw)
     out = {pol: run_policy(jobs, pol, cluster) for pol in policies}
     configs = [(j["num_replicas"], j["batch_size"] // j["app"].init_batch_size) for j in jobs]

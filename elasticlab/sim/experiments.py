@@ -13,10 +13,12 @@ from elasticlab.sim.synthetic import simulate_synthetic, synthetic_jobs
 from elasticlab.sim.traces import data_dir
 
 __all__ = ["artifact_avg_jct", "fidelity", "fidelity_all", "saxena_sweep", "saxena_null",
-           "FIDELITY_TOLERANCE"]
+           "FIDELITY_TOLERANCE", "ARTIFACT_POLICIES"]
 
+#: The policies Pollux's evaluation and its artifact compare (Qiao et al. 2021, §5), in the paper's order.
+ARTIFACT_POLICIES = ("pollux", "optimus", "tiresias")
 # the artifact policies' names in paper-results, and how close ours must be on workload-6 (issue 10)
-_ARTIFACT_NAME = {"tiresias": "tiresias", "optimus": "optimus", "pollux": "pollux"}
+_ARTIFACT_NAME = {p: p for p in ARTIFACT_POLICIES}
 FIDELITY_TOLERANCE = {"tiresias": 0.10, "optimus": 0.10, "pollux": 0.15}
 
 

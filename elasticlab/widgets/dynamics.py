@@ -15,11 +15,10 @@ import numpy as np
 
 from elasticlab import dynamics as D
 from elasticlab.checks import number, whole
-from elasticlab.widgets._common import Panel
+from elasticlab.widgets._common import Panel, color
 
 __all__ = ["DynamicsExplorer"]
 
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 _MAX_STEPS = 200_000
 
 
@@ -162,17 +161,17 @@ class DynamicsExplorer(Panel):
             self.norm_fig.data = []
             for j in range(depth):
                 self.norm_fig.add_scatter(x=t, y=growth[:, j], mode="lines", name=f"W{j + 1}",
-                                          line={"color": _COLORS[j % len(_COLORS)]})
+                                          line={"color": color(j)})
             if tr.net.has_bias:
                 bn = tr.bias_norms
                 with_b = norms + bn - (norms[0] + bn[0])
                 for j in range(depth - 1):
                     self.norm_fig.add_scatter(x=t, y=with_b[:, j], mode="lines", name=f"W{j + 1}+b{j + 1}",
-                                              line={"color": _COLORS[j % len(_COLORS)], "dash": "dot"})
+                                              line={"color": color(j), "dash": "dot"})
         with self.mode_fig.batch_update():
             self.mode_fig.data = []
             for k, a in enumerate(nz):
-                c = _COLORS[k % len(_COLORS)]
+                c = color(k)
                 self.mode_fig.add_scatter(x=t, y=u[:, a], mode="lines", name=f"s={s[a]:g}", line={"color": c})
                 self.mode_fig.add_scatter(x=t, y=saxe[:, k], mode="lines", name=f"Saxe s={s[a]:g}",
                                           line={"color": c, "dash": "dash"}, showlegend=False)
@@ -216,7 +215,7 @@ class DynamicsExplorer(Panel):
             self.rate_fig.data = []
             for j in range(depth):
                 self.rate_fig.add_scatter(x=tm, y=rates[:, j], mode="lines", name=f"W{j + 1}",
-                                          line={"color": _COLORS[j % len(_COLORS)]})
+                                          line={"color": color(j)})
             shapes = [{"type": "rect", "xref": "x", "yref": "paper", "x0": a, "x1": b, "y0": 0, "y1": 1,
                        "fillcolor": shade[name], "opacity": 0.10, "line": {"width": 0}}
                       for name, (a, b) in iv.items()]

@@ -16,7 +16,6 @@ import numpy as np
 
 from elasticlab.widgets._common import LiveFigure, Panel, color, html_table, subplots_figure
 
-DEFAULT_POLICIES = ("pollux", "optimus", "tiresias")
 SUMMARY_COLUMNS = ["policy", "jobs", "completed", "avg_jct", "median_jct", "p99_jct", "makespan",
                    "gpu_utilisation", "avg_queue_delay", "restarts"]
 #: The dropdown's entry for a trace window (``trace=`` of the dashboard).
@@ -37,13 +36,16 @@ def available_workloads() -> list[str]:
     return names
 
 
-def compare_policies(workload="workload-6", policies=DEFAULT_POLICIES, cluster="16x4", limit=None,
+def compare_policies(workload="workload-6", policies=None, cluster="16x4", limit=None,
                      interval: float = 60.0, on_result=None) -> dict:
     """Run ``workload`` (a shared name, CSV or DataFrame, e.g. from :func:`elasticlab.sim.trace_workload`)
-    under each policy; returns {policy: SimResult}. ``on_result(policy, result)`` is called after each one
-    (the dashboard's progress)."""
+    under each policy (default: :data:`elasticlab.sim.experiments.ARTIFACT_POLICIES`); returns {policy:
+    SimResult}. ``on_result(policy, result)`` is called after each one (the dashboard's progress)."""
     from elasticlab.alloc.policies import POLICIES
     from elasticlab.sim import simulate
+    from elasticlab.sim.experiments import ARTIFACT_POLICIES
+
+    policies = ARTIFACT_POLICIES if policies is None else policies
 
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -68,9 +70,12 @@ class SimulationDashboard(Panel):
     summaries. ``trace=("philly", start_h, hours)`` adds that trace window
     (:func:`elasticlab.sim.trace_workload`, seed 0) to the workloads, selected at start."""
 
-    def __init__(self, workload: str = "workload-6", policies=DEFAULT_POLICIES, cluster: str = "16x4",
+    def __init__(self, workload: str = "workload-6", policies=None, cluster: str = "16x4",
                  limit: int | None = None, trace: tuple | None = None):
         from elasticlab.alloc.policies import POLICIES, Cluster
+        from elasticlab.sim.experiments import ARTIFACT_POLICIES
+
+        policies = ARTIFACT_POLICIES if policies is None else policies
 
         Cluster.parse(cluster)  # a clear error for a malformed cluster
         names = available_workloads() or [workload]

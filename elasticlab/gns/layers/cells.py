@@ -20,10 +20,9 @@ from torch.autograd.function import once_differentiable
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import autocast_dtype, batched, cast
 from elasticlab.gns.layers.linear import summed_parts
+from elasticlab.gns.layers.recurrent import KINDS
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
-
-PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 class _Gates(torch.autograd.Function):
@@ -108,4 +107,4 @@ def cell_forward(module: nn.Module, slot):
 
 
 for _cls in (nn.RNNCell, nn.LSTMCell, nn.GRUCell):
-    register_rule(_cls, None, params=PARAMS, fused=cell_forward, summed=summed_parts)
+    register_rule(_cls, None, params=KINDS, fused=cell_forward, summed=summed_parts)

@@ -31,6 +31,7 @@ from elasticlab.gns.layers.linear import seq_weight_norms
 from elasticlab.gns.registry import register_rule
 from elasticlab.gns.sink import deliver, sink_for
 
+#: The parameters of a recurrent layer's direction and depth (``weight_ih_l0``, ...), and of a cell.
 KINDS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
