@@ -5,8 +5,30 @@ NAME = "run"
 HELP = "run a training script's task as an elastic local DDP job, resizing at given steps"
 
 #: The job's events printed (as JSON lines) before the RESULT line.
-PRINTED_EVENTS = ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "error", "abort",
-                  "failed")
+PRINTED_EVENTS = ("generation", "resize", "fault", "restart", "checkpoint_corrupt", "record_gap", "error",
+                  "abort", "failed")
+
+
+def record_check(record: str, checkpoint_dir, epochs: int | None) -> dict | None:
+    """The sample record's exactly-once check (:func:`elasticlab.elastic.check_exactly_once`; ``epochs``: of
+    a job that ran them out, each must be whole), its sample count read from the newest checkpoint's
+    sampler: ``{"ok", "missing", "duplicates"}`` (counts over the epochs that must be whole), None without a
+    checkpoint."""
+    import json
+
+    from elasticlab.elastic import CheckpointDir, check_exactly_once
+    from elasticlab.elastic.checkpoint import load
+
+    path, _ = CheckpointDir(checkpoint_dir).latest()
+    if path is None:
+        return None
+    n = int(load(path)["sampler"]["num_samples"])
+    with open(record) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rep = check_exactly_once(rows, n, epochs=epochs)
+    whole = [e for e in rep["epochs"].values() if e["complete"]]   # (not a last epoch that may be short)
+    return {"ok": rep["ok"], "missing": sum(len(e["missing"]) for e in whole),
+            "duplicates": sum(len(e["duplicates"]) for e in rep["epochs"].values())}
 
 
 def add_arguments(parser) -> None:
@@ -129,6 +151,10 @@ def run(args) -> int:
               "world_sizes": sorted({r["world_size"] for r in m}), "lost_steps": job.status()["lost_steps"],
               "wall_s": round(wall, 2), "record_samples": job.record_path, "state": job.state,
               "error": job.status()["error"], "replays": job.status()["replays"]}
+    if job.record_path:  # (a job cut by --max-steps may end inside an epoch)
+        ran_out = result["finished"] and args.max_steps is None
+        result["exactly_once"] = record_check(job.record_path, job.checkpoint_dir.directory,
+                                              args.epochs if ran_out else None)
     last = result["steps"]
     never = {k: v for k, v in sorted(schedule.items()) if k >= last}
     if never and result["finished"]:  # STEP:N acts from step STEP+1 on

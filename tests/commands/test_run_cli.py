@@ -29,6 +29,30 @@ def test_run_command_resizes_at_scheduled_steps(tmp_path, capsys):
         batch[r["step"]] = batch.get(r["step"], 0) + len(r["indices"])
     assert {batch[s] for s in range(7, 15)} == {32} and batch[1] == batch[20] == 16   # M = R x 16
     assert check_exactly_once(rows, 1797)["ok"]
+    assert res["exactly_once"] == {"ok": True, "missing": 0, "duplicates": 0}   # (20 steps: an epoch begun)
+
+
+def test_run_command_checks_the_sample_record_of_a_finished_job(tmp_path, capsys):
+    """A finished run's RESULT says whether its record holds every sample of its epochs once; the check
+    reads the sample count from the newest checkpoint, and of a job that ran its epochs out a short last
+    epoch is a failure (the same record cut short passes as a stopped job's)."""
+    from elasticlab.commands.run import record_check
+
+    rec, ck = tmp_path / "samples.jsonl", tmp_path / "ck"
+    rc = main(["run", DIGITS, "--workers", "2", "--epochs", "1", "--global-batch", "64",
+               "--record-samples", str(rec), "--checkpoint-dir", str(ck), "--slots", "2", "--timeout", "300"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    assert rc == 0 and res["finished"]
+    assert res["exactly_once"] == {"ok": True, "missing": 0, "duplicates": 0}
+    lines = rec.read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-2]) + "\n")           # the last step's rows of both ranks gone
+    short = record_check(str(cut), str(ck), epochs=1)
+    assert not short["ok"] and 0 < short["missing"] <= 64 and short["duplicates"] == 0
+    assert record_check(str(cut), str(ck), epochs=None)["ok"]
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("\n".join(lines + lines[:1]) + "\n")
+    assert record_check(str(twice), str(ck), epochs=1)["duplicates"] > 0
 
 
 @pytest.mark.parametrize("argv, message", [
