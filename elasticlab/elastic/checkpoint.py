@@ -147,3 +147,13 @@ class CheckpointDir:
                 continue
             return p, bad
         return None, bad
+
+    def latest_recorded(self, through: int | None, exclude=()) -> tuple[Path | None, list, bool]:
+        """:meth:`latest` at or before ``through``, the last step whose sample rows every rank has in the
+        record (None: no bound), and ``gap``: True where none is left there and the newest is returned
+        instead (a restart there leaves the record without some rank's rows)."""
+        path, bad = self.latest(exclude, at_most=through)
+        if path is not None or through is None:
+            return path, bad, False
+        path, bad = self.latest(exclude)
+        return path, bad, path is not None

@@ -94,12 +94,10 @@ class Generations:
         checkpointed that step (the steps after the checkpoint run again). If none is left there, the
         newest, and a ``record_gap`` event says that the record misses rows."""
         through = min(self._recorded.values()) if self._record_file is not None and self._recorded else None
-        path, bad = self.checkpoint_dir.latest(exclude=self._rejected, at_most=through)
-        if path is None and through is not None:
-            path, bad = self.checkpoint_dir.latest(exclude=self._rejected)
-            if path is not None:
-                self._events.emit("record_gap", generation=self._gen, recorded_through=through,
-                                  checkpoint=str(path))
+        path, bad, gap = self.checkpoint_dir.latest_recorded(through, exclude=self._rejected)
+        if gap:
+            self._events.emit("record_gap", generation=self._gen, recorded_through=through,
+                              checkpoint=str(path))
         for p, why in bad:
             self._events.emit("checkpoint_corrupt", path=str(p), reason=why)
         return (str(path) if path else None), bad, through

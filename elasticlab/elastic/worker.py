@@ -233,7 +233,6 @@ def _recorded_through(record_samples: str | None, tr: Trainer) -> int | None:
     return through
 
 
-
 def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None = None,
                   entry_kwargs: dict | None = None, **options) -> dict:
     """Train ``entrypoint``'s task as one torchrun worker; resume from the newest valid checkpoint.
@@ -275,10 +274,7 @@ def torchrun_main(entrypoint, *, checkpoint_dir: str, record_samples: str | None
         tr.form_from_env(store=worker_store(opts["timeout_s"]))
     ckdir = CheckpointDir(checkpoint_dir, keep=opts["keep_checkpoints"])
     through = _recorded_through(record_samples, tr)
-    path, bad = ckdir.latest(at_most=through)
-    gap = path is None and through is not None and ckdir.latest()[0] is not None
-    if gap:  # no checkpoint left at or before it: the newest, and the record misses rows
-        path, bad = ckdir.latest()
+    path, bad, gap = ckdir.latest_recorded(through)  # gap: the newest, and the record misses rows
     if path is not None:
         tr.load_state_dict(load_checkpoint(path))
     elif tr.rank == 0:  # a step-0 checkpoint, as the local job's: a restart before the first periodic one

@@ -32,3 +32,14 @@ def test_retention_keeps_exactly_keep_files_and_keep_one_is_allowed(tmp_path):
     for step in range(1, 6):
         three.save({"step": step}, step)
     assert three.steps() == [3, 4, 5]                          # the default keeps three
+
+
+def test_latest_recorded_goes_back_to_the_record_or_says_there_is_a_gap(tmp_path):
+    """The newest checkpoint at or before the record's step; with none left there, the newest and gap."""
+    ck = CheckpointDir(tmp_path, keep=5)
+    for step in (4, 8, 12):
+        ck.save({"step": step}, step)
+    assert ck.latest_recorded(None) == (ck.path(12), [], False)
+    assert ck.latest_recorded(11) == (ck.path(8), [], False)
+    assert ck.latest_recorded(3) == (ck.path(12), [], True)
+    assert ck.latest_recorded(9, exclude=[ck.path(8)]) == (ck.path(4), [], False)

@@ -198,12 +198,12 @@ class RayGenerations:
         if self._rec is None or not self._recorded:
             return self.checkpoint_dir.latest()[0], None
         through = min(self._recorded.values())
-        path, _ = self.checkpoint_dir.latest(at_most=through)
-        if path is None and self._gen_start > 0:
-            path, _ = self.checkpoint_dir.latest()
-            if path is not None:
-                self._events.emit("record_gap", generation=self._gen, recorded_through=through,
-                                  checkpoint=str(path))
+        path, _, gap = self.checkpoint_dir.latest_recorded(through)
+        if gap and self._gen_start == 0:
+            path = None                                       # (from the start: the record holds it all)
+        elif gap:
+            self._events.emit("record_gap", generation=self._gen, recorded_through=through,
+                              checkpoint=str(path))
         return path, through
 
     def _kill(self, wids) -> None:
