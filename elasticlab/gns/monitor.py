@@ -317,7 +317,11 @@ class GNSMonitor:
             div, n = (w2 * k * k if means else w2), sum(r.numel() for r, _ in rows)
             lg = {name: v / div for name, v in self._psn.layer_grad_sq_norms(n).items()} if self.per_layer \
                 else {}
-            layers = {name: ([lr[name] / w2 for _, lr in rows], v) for name, v in lg.items()}
+            # a module of the rows' (one owning a tied weight counts it; one that did not run in a micro-batch
+            # has no row there: zero per-example norms), not lg's (every module, those owning none with 0)
+            names = dict.fromkeys(name for _, lr in rows for name in (lr or ()))
+            layers = {name: ([lr[name] / w2 if name in lr else torch.zeros_like(r) for r, lr in rows],
+                             lg[name]) for name in names}
             grad_sq = sum(lg.values()) if self.per_layer else self._psn.grad_sq_norm(n) / div
             folded, n = forms.per_example(self.estimator, [r / w2 for r, _ in rows], grad_sq, means, layers,
                                           self.world, self.group)

@@ -127,33 +127,58 @@ def test_fsdp2_with_activation_checkpointing(tmp_path):
 PARTS = (2, 3)                                     # each process's micro-batches (unequal)
 
 
-def accumulate(rank):
-    """Two micro-batches a step, each loss divided by 2 (Lightning's and HF's accumulation)."""
-    net = sharded()
+class Routed(nn.Module):
+    """Linear → one of two experts, picked by ``route`` (set by the loop before each micro-batch) → head: a
+    module that runs in some micro-batches of a step and not in others (a mixture of experts' router)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.experts, self.head = nn.Linear(6, 32), nn.ModuleList(
+            [nn.Linear(32, 32), nn.Linear(32, 32)]), nn.Linear(32, 3)
+        self.route = 0
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.experts[self.route](torch.tanh(self.fc(x)))))
+
+
+def accumulate(rank, routed=False):
+    """Two micro-batches a step, each loss divided by 2 (Lightning's and HF's accumulation); ``routed``: the
+    :class:`Routed` model, its first expert for the first micro-batch, the second for the second."""
+    if routed:
+        from torch.distributed.device_mesh import init_device_mesh
+        net = Routed().double()
+        fsdp.fully_shard(net, mesh=init_device_mesh("cpu", (WORLD,)))
+    else:
+        net = sharded()
     monitor, opt = GNSMonitor(net), torch.optim.SGD(net.parameters(), lr=0.1)
     for x in batches():
         opt.zero_grad()
         with monitor.step():
-            for part in x[rank * B_LOCAL:(rank + 1) * B_LOCAL].split(PARTS):
+            for i, part in enumerate(x[rank * B_LOCAL:(rank + 1) * B_LOCAL].split(PARTS)):
+                net.route = i
                 (net(part).pow(2).mean() / len(PARTS)).backward()
         opt.step()
     keys = ("b_simple", "batch_size", "micro_batches", "method")
     return {k: [h[k] for h in monitor.history] for k in keys} | {"layers": monitor.layer_b_simple()}
 
 
-def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path):
-    """Per-example over the 4 micro-batches of the 2 processes: mean ‖g_i‖² of the 10 examples (torch.func)
-    against ‖ḡ‖² of the mean of the 4 micro-batches' mean gradients, B_big = 4·H (H their harmonic mean
-    size, McCandlish Eq. A.1); the model trained by that mean, as FSDP2 does."""
-    res = run_gloo(accumulate, WORLD, tmp_path)
-    net, ref, expected = make(), GNSEstimator(beta=0.99), []
-    params = list(net.parameters())
+def accumulated(net):
+    """The expected estimates of :func:`accumulate`: per-example over the 4 micro-batches of the 2 processes,
+    mean ‖g_i‖² of the 10 examples (torch.func, each micro-batch with its route) against ‖ḡ‖² of the mean of
+    the 4 micro-batches' mean gradients, B_big = 4·H (H their harmonic mean size, McCandlish Eq. A.1); the
+    model trained by that mean, as FSDP2 does. Returns (b_simple of each step, the final per-layer ones)."""
+    ref, expected, params = GNSEstimator(beta=0.99), [], list(net.parameters())
     sizes = PARTS * WORLD
     names = [n.rpartition(".")[0] for n, _ in net.named_parameters()]            # each parameter's module
     for x in batches():
-        parts = x.split(sizes)
-        per = func_param_sq_norms(net, lambda out, _: out.pow(2).mean(), x, torch.zeros(len(x)))
-        means = [torch.autograd.grad(net(p).pow(2).mean(), params) for p in parts]
+        parts, per, means = x.split(sizes), {}, []
+        for i, part in enumerate(parts):
+            net.route = i % len(PARTS)
+            sq = func_param_sq_norms(net, lambda out, _: out.pow(2).mean(), part, torch.zeros(len(part)))
+            per = {k: torch.cat([per[k], v]) if k in per else v for k, v in sq.items()}
+            means.append(torch.autograd.grad(net(part).pow(2).mean(), params, allow_unused=True,
+                                             materialize_grads=True))
         g = [sum(m[i] for m in means) / len(means) for i in range(len(params))]
         h = len(sizes) / sum(1.0 / b for b in sizes)
         for layer in (None, *dict.fromkeys(names)):          # the whole model, then each layer
@@ -164,11 +189,20 @@ def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path):
         with torch.no_grad():
             for p, t in zip(params, g):
                 p -= 0.1 * t
+    return expected, ref.layer_b_simple()
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path, routed):
+    """Routed: each expert runs in one of the two micro-batches, so the other's per-example norms there are
+    0 (before: a KeyError at the end of the first step, the expert missing from that micro-batch's rows)."""
+    res = run_gloo(functools.partial(accumulate, routed=routed), WORLD, tmp_path)
+    expected, layers = accumulated(Routed().double() if routed else make())
     for r in res:
         assert r["method"] == ["per_example"] * STEPS and r["micro_batches"] == [len(PARTS)] * STEPS
         assert r["batch_size"] == [WORLD * B_LOCAL] * STEPS
         assert r["b_simple"] == pytest.approx(expected, rel=1e-9)
-        assert r["layers"] == pytest.approx(ref.layer_b_simple(), rel=1e-9) and len(r["layers"]) == 4
+        assert r["layers"] == pytest.approx(layers, rel=1e-9) and len(r["layers"]) == 4
 
 
 def refusals(rank):
