@@ -166,8 +166,9 @@ def inject(job, kind: str, rng: random.Random, slots: int) -> tuple[str, float |
 def check_run(record: Path, epochs: int) -> dict:
     """Exactly-once and rank-drift checks from a job's sample record."""
     from elasticlab.elastic import check_exactly_once, effective_rows
+    from elasticlab.elastic.sampler import read_record
 
-    rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+    rows = read_record(record)
     rep = check_exactly_once(rows, N_SAMPLES)
     complete = all(rep["epochs"].get(e, {}).get("complete") and not rep["epochs"][e]["missing"]
                    for e in range(epochs))

@@ -82,17 +82,15 @@ class ClusterReports:
     def sample_check(self, name: str) -> dict:
         """Exactly-once check of a job's sample record (:func:`elasticlab.elastic.check_exactly_once`); of a
         job that finished its epochs (no ``max_steps``), each of them must be complete."""
-        import json
-
         from elasticlab.elastic import check_exactly_once
+        from elasticlab.elastic.sampler import read_record
         from elasticlab.elastic.task import build
 
         j = self._get(name)
         path = j.handle.record_path if j.handle is not None else None
         if not path:
             raise ValueError(f"job {name!r} has no sample record (submit it with record_samples=True)")
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_record(path)
         n = len(build(j.spec.entrypoint, j.spec.entry_kwargs))
         ran_out = j.state == "finished" and j.spec.max_steps is None
         return check_exactly_once(rows, n, epochs=j.spec.epochs if ran_out else None)

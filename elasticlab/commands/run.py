@@ -14,18 +14,15 @@ def record_check(record: str, checkpoint_dir, epochs: int | None) -> dict | None
     a job that ran them out, each must be whole), its sample count read from the newest checkpoint's
     sampler: ``{"ok", "missing", "duplicates"}`` (counts over the epochs that must be whole), None without a
     checkpoint."""
-    import json
-
     from elasticlab.elastic import CheckpointDir, check_exactly_once
     from elasticlab.elastic.checkpoint import load
+    from elasticlab.elastic.sampler import read_record
 
     path, _ = CheckpointDir(checkpoint_dir).latest()
     if path is None:
         return None
     n = int(load(path)["sampler"]["num_samples"])
-    with open(record) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rep = check_exactly_once(rows, n, epochs=epochs)
+    rep = check_exactly_once(read_record(record), n, epochs=epochs)
     whole = [e for e in rep["epochs"].values() if e["complete"]]   # (not a last epoch that may be short)
     return {"ok": rep["ok"], "missing": sum(len(e["missing"]) for e in whole),
             "duplicates": sum(len(e["duplicates"]) for e in rep["epochs"].values())}

@@ -9,6 +9,7 @@ world size may change between any two steps without skipping or repeating an ind
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -80,6 +81,32 @@ class ElasticSampler:
 def micro_batches(indices: np.ndarray, accum_steps: int) -> list[np.ndarray]:
     """Split one rank's indices into ``accum_steps + 1`` micro-batches (sizes differ by <= 1)."""
     return np.array_split(indices, int(accum_steps) + 1)
+
+
+def read_record(path, *, missing_ok: bool = False, lenient: bool = False) -> list[dict]:
+    """The rows of a JSONL sample record. A last line with no newline that does not parse is the write of a
+    process that died in it, and is passed over (its rows are lost: the checks see them missing); a bad line
+    before it raises ValueError naming the file and the line, unless ``lenient`` (a restart reading the
+    record to decide where to resume passes such lines over too). ``missing_ok``: no file gives []."""
+    try:
+        with open(path) as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) or lenient:                 # (the last piece: no newline after it)
+                continue
+            raise ValueError(f"sample record {str(path)!r}, line {i}: not a JSON row ({e}): {line[:80]!r}"
+                             ) from None
+    return rows
 
 
 def effective_rows(rows: Iterable[dict]) -> list[dict]:

@@ -20,7 +20,7 @@ from elasticlab.elastic.checkpoint import CheckpointDir
 from elasticlab.elastic.checkpoint import load as load_checkpoint
 from elasticlab.elastic.messages import CMD_CHECKPOINT, CMD_LEAVE, CMD_NONE, CMD_SET_BATCH
 from elasticlab.elastic.policies import BatchConfig
-from elasticlab.elastic.sampler import recorded_through
+from elasticlab.elastic.sampler import read_record, recorded_through
 from elasticlab.elastic.trainer import Trainer, default_options
 
 __all__ = ["pool_worker", "torchrun_main", "run_generation", "Trainer", "default_options"]
@@ -220,12 +220,7 @@ def _recorded_through(record_samples: str | None, tr: Trainer) -> int | None:
 
     if not record_samples:
         return None
-    rows = []
-    with contextlib.suppress(FileNotFoundError), open(record_samples) as f:
-        for line in f:
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-    through = recorded_through(rows)
+    through = recorded_through(read_record(record_samples, missing_ok=True, lenient=True))
     if tr.world_size > 1:
         t = torch.tensor([-1 if through is None else through], dtype=torch.int64, device=tr.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

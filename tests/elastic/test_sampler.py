@@ -1,6 +1,9 @@
 """ElasticSampler's permutation: a new one each epoch (seed + epoch), and a restored state never reuses a
 cached order (the two sampler mutants issue 21 found surviving)."""
+import json
+
 import numpy as np
+import pytest
 
 from elasticlab.elastic.sampler import ElasticSampler
 
@@ -112,3 +115,25 @@ def test_a_finished_jobs_last_epoch_must_be_complete_when_its_epochs_are_given()
     assert not rep["ok"] and rep["epochs"][1]["missing"] == list(range(20))
     dup = rows(0, np.arange(20)) + rows(0, np.arange(3))
     assert not check_exactly_once(dup, 20)["ok"]
+
+
+def test_read_record_passes_over_a_torn_last_line_and_names_a_bad_one(tmp_path):
+    """One reader for every check of a sample record: a last line cut short (a writer died in it) is left
+    out; a bad line before it is an error naming the file and line, or left out when ``lenient``."""
+    from elasticlab.elastic.sampler import read_record
+    rows = [{"epoch": 0, "step": s, "rank": 0, "world_size": 1, "indices": [s], "generation": 0}
+            for s in (1, 2)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    p = tmp_path / "samples.jsonl"
+    p.write_text(whole + "\n" + '{"epoch": 0, "st')              # a blank line, then a torn one
+    assert read_record(p) == rows
+    p.write_text(whole + "{oops}\n" + whole)
+    with pytest.raises(ValueError, match=r"samples.jsonl', line 3: not a JSON row"):
+        read_record(p)
+    assert read_record(p, lenient=True) == rows + rows
+    p.write_text(whole + '{"epoch": 0, "st\n')                  # bad, though a newline ends it: not torn
+    with pytest.raises(ValueError, match="line 3"):
+        read_record(p)
+    with pytest.raises(FileNotFoundError):
+        read_record(tmp_path / "none.jsonl")
+    assert read_record(tmp_path / "none.jsonl", missing_ok=True) == []

@@ -45,18 +45,27 @@ def train(model, rows) -> dict:
         | {"layers": monitor.layer_b_simple()}
 
 
-def worker(rank, kind, tied):
+def worker(rank, kind, tied, compiled):
+    """``compiled``: each block compiled before it is sharded (torchtitan's order), aot_eager."""
+    import torch._dynamo
     torch.set_num_threads(1)
+    torch._dynamo.reset()
     model, blocks = tiny(kind, tied)
     for block in blocks:
+        if compiled:
+            block.compile(backend="aot_eager")
         fsdp.fully_shard(block)
     fsdp.fully_shard(model)
-    return train(model, slice(rank * B_LOCAL, (rank + 1) * B_LOCAL))
+    try:
+        return train(model, slice(rank * B_LOCAL, (rank + 1) * B_LOCAL))
+    finally:
+        torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kind,tied", [("gpt2", True), ("gpt2", False), ("llama", True)])
-def test_fsdp2_hf_causal_lm_matches_one_process(tmp_path, kind, tied):
-    res = run_gloo(functools.partial(worker, kind=kind, tied=tied), WORLD, tmp_path)
+@pytest.mark.parametrize("kind,tied,compiled", [("gpt2", True, False), ("gpt2", False, False),
+                                                ("llama", True, False), ("gpt2", True, True)])
+def test_fsdp2_hf_causal_lm_matches_one_process(tmp_path, kind, tied, compiled):
+    res = run_gloo(functools.partial(worker, kind=kind, tied=tied, compiled=compiled), WORLD, tmp_path)
     ref = train(tiny(kind, tied)[0], slice(None))
     assert ref["method"] == ["per_example"] * STEPS
     embed = "transformer.wte" if kind == "gpt2" else "model.embed_tokens"
