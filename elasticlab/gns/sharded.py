@@ -37,7 +37,9 @@ def refuse_fsdp1(model) -> None:
     if any(isinstance(m, FSDP1) for m in model.modules()):
         raise ValueError("GNSMonitor: FSDP1 (FullyShardedDataParallel) is not supported: shard the model "
                          "with FSDP2's torch.distributed.fsdp.fully_shard instead, which the monitor "
-                         "measures per example (or measure it unsharded, or under DDP)")
+                         "measures per example (Lightning: ModelParallelStrategy, fully_shard in "
+                         "configure_model; HF Trainer/Accelerate: fsdp_config={'version': 2}), or measure it "
+                         "unsharded, or under DDP")
 
 
 def watched(model) -> list:
