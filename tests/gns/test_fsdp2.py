@@ -142,9 +142,11 @@ class Routed(nn.Module):
         return self.head(torch.tanh(self.experts[self.route](torch.tanh(self.fc(x)))))
 
 
-def accumulate(rank, routed=False):
+def accumulate(rank, routed=False, no_sync=False):
     """Two micro-batches a step, each loss divided by 2 (Lightning's and HF's accumulation); ``routed``: the
-    :class:`Routed` model, its first expert for the first micro-batch, the second for the second."""
+    :class:`Routed` model, its first expert for the first micro-batch, the second for the second;
+    ``no_sync``: the gradients reduced after the last micro-batch only (``set_requires_gradient_sync``,
+    Accelerate's ``no_sync`` under FSDP2)."""
     if routed:
         from torch.distributed.device_mesh import init_device_mesh
         net = Routed().double()
@@ -157,6 +159,8 @@ def accumulate(rank, routed=False):
         with monitor.step():
             for i, part in enumerate(x[rank * B_LOCAL:(rank + 1) * B_LOCAL].split(PARTS)):
                 net.route = i
+                if no_sync:
+                    net.set_requires_gradient_sync(i == len(PARTS) - 1)
                 (net(part).pow(2).mean() / len(PARTS)).backward()
         opt.step()
     keys = ("b_simple", "batch_size", "micro_batches", "method")
@@ -192,11 +196,11 @@ def accumulated(net):
     return expected, ref.layer_b_simple()
 
 
-@pytest.mark.parametrize("routed", [False, True])
-def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path, routed):
+@pytest.mark.parametrize("routed,no_sync", [(False, False), (True, False), (False, True)])
+def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path, routed, no_sync):
     """Routed: each expert runs in one of the two micro-batches, so the other's per-example norms there are
     0 (before: a KeyError at the end of the first step, the expert missing from that micro-batch's rows)."""
-    res = run_gloo(functools.partial(accumulate, routed=routed), WORLD, tmp_path)
+    res = run_gloo(functools.partial(accumulate, routed=routed, no_sync=no_sync), WORLD, tmp_path)
     expected, layers = accumulated(Routed().double() if routed else make())
     for r in res:
         assert r["method"] == ["per_example"] * STEPS and r["micro_batches"] == [len(PARTS)] * STEPS
