@@ -83,15 +83,24 @@ TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes s
 
 
 def tensor_parallel(model, slot) -> dict:
-    """{parameter: (mesh, the mesh dimensions it is sharded along, rows)} in its forward, for ``slot``'s
+    """{parameter: (mesh, the mesh dimensions it is sharded along, rows, cut)} in its forward, for ``slot``'s
     module if it is one of :data:`TP_LAYERS` whose needed parameters are DTensors there
-    (``parallelize_module``'s ColwiseParallel or RowwiseParallel, FSDP2 around it or not); else {}.
-    ``rows``: the (first, end) rows of a vocabulary-split embedding table (RowwiseParallel: Shard(0)) this
-    process holds, else None. Under FSDP2, the layout FSDP2 unshards them to (its parameter records: a
-    private API, looked up defensively; a layer it cannot read is refused by name when it runs)."""
+    (``parallelize_module``'s ColwiseParallel or RowwiseParallel, transformers' own styles, FSDP2 around it
+    or not); else {}. ``rows``: the (first, end) rows of a vocabulary-split embedding table (RowwiseParallel:
+    Shard(0)) this process holds, else None. ``cut``: (side, first, end, width): of the output's ("out") or
+    the input's ("in") ``width`` features, those this process's weight shard meets, for a call that gathers
+    them inside its forward (transformers' ``colwise_gather_output``: the hooks see the whole width;
+    :func:`local_call`), else None.
+    Under FSDP2, the layout FSDP2 unshards them to (its parameter records: a private API, looked up
+    defensively; a layer it cannot read is refused by name when it runs)."""
     params = {n: slot.module._parameters.get(n) for n in slot.need}
     if not isinstance(slot.module, TP_LAYERS) or not any(isinstance(p, DTensor) for p in params.values()):
         return {}
+    if slot.tied:
+        raise ValueError(f"module {slot.name!r}: its table is tied to another module's weight (gns.tied) "
+                         "and split by tensor parallelism, for which per-example gradient norms are not "
+                         "supported yet; untie it (transformers: tie_word_embeddings=False), keep it out of "
+                         "the tensor-parallel plan, or measure the model under data parallelism")
     from torch.distributed.fsdp import FSDPModule
     m, unit = model, None
     for part in [None, *(slot.name.split(".") if slot.name else ())]:
@@ -118,7 +127,14 @@ def tensor_parallel(model, slot) -> dict:
         rows = [d for d in dims if isinstance(slot.module, torch.nn.Embedding) and placements[d].is_shard(0)]
         if len(rows) > 1 or (rows and len(dims) > 1):
             return {}                             # (a table split along more than one mesh dimension)
-        layout[n] = (mesh, dims, _rows(slot.module.num_embeddings, mesh, rows[0]) if rows else None)
+        cut = None
+        if n == "weight" and len(dims) == 1 and not rows and placements[dims[0]].is_shard():
+            tdim = placements[dims[0]].dim % 2                 # (weight: Linear (out, in), Embedding (V, D))
+            linear = isinstance(slot.module, torch.nn.Linear)
+            side = "in" if linear and tdim == 1 else "out"
+            width = tuple(slot.module.weight.shape)[tdim]
+            cut = (side, *_rows(width, mesh, dims[0]), width)
+        layout[n] = (mesh, dims, _rows(slot.module.num_embeddings, mesh, rows[0]) if rows else None, cut)
     return layout
 
 
@@ -138,10 +154,16 @@ def local_call(slot, saved: tuple, g):
     one process: the sum over them, :func:`reduce_norms`, counts each once)."""
     saved = tuple(local(t) if isinstance(t, torch.Tensor) else t for t in saved)
     g = local(g)
-    rows = slot.tp.get("weight", (None, (), None))[2]
+    _, _, rows, cut = slot.tp.get("weight", (None, (), None, None))
     if rows is not None:
         idx = saved[0]
         g = g * ((idx >= rows[0]) & (idx < rows[1])).unsqueeze(-1).to(g.dtype)
+    if cut is not None:                       # a width gathered in the forward: this shard's features only
+        side, first, end, whole = cut
+        if side == "out" and g.shape[-1] == whole != end - first:
+            g = g[..., first:end]
+        elif side == "in" and saved and saved[0].shape[-1] == whole != end - first:
+            saved = (saved[0][..., first:end], *saved[1:])
     return saved, g
 
 
@@ -157,7 +179,7 @@ def reduce_norms(slots) -> None:
         if s.tp and s.tp_pending:
             s.tp_pending = False
             for pn in s.norms:
-                mesh, dims, _ = s.tp.get(pn, (None, (), None))
+                mesh, dims, _, _ = s.tp.get(pn, (None, (), None, None))
                 if dims:
                     groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append((s, pn))
     for mesh, dims, where in groups.values():
