@@ -14,6 +14,8 @@ along (:func:`tensor_parallel`, :func:`reduce_norms`).
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -77,6 +79,40 @@ def refuse_distributed_weights(slot) -> None:
                          "under data parallelism")
 
 
+#: transformers' own tensor-parallel styles (``model.tp_plan``) whose per-example norms are checked against
+#: one process's (tests/integrations/test_transformers_tp.py); a module given another is refused by name.
+HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+             "replicate")
+
+
+def hf_style(model, slot) -> str | None:
+    """The style transformers' tensor parallelism gave ``slot``'s module or one of its parameters (an entry
+    of ``model.tp_plan``, ``*`` a layer number), when ``model`` is split over more than one process; else
+    None."""
+    if (getattr(model, "tp_size", None) or 1) <= 1:
+        return None
+    names = {slot.name, *(f"{slot.name}.{p}" for p in slot.need)}
+    for pattern, style in (getattr(model, "tp_plan", None) or {}).items():
+        rx = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        if any(rx.fullmatch(n) for n in names):
+            return style
+    return None
+
+
+def refuse_hf_style(model, slot) -> None:
+    style = hf_style(model, slot)
+    if style is None or style in HF_STYLES:
+        return
+    why = ("its parameters stay whole on every process while each process's gradient covers only its share "
+           "(its heads), summed across them after the backward: per-example norms would need the "
+           "per-example gradients summed first" if style == "replicated_with_grad_allreduce" else
+           f"per-example norms are checked for {list(HF_STYLES)} only")
+    raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): transformers' tensor-parallel "
+                     f"style {style!r}, for which per-example gradient norms are not supported: {why}. "
+                     "Measure the model under data parallelism (FSDP2 or DDP), or give that module another "
+                     "style")
+
+
 TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes see the same examples: pass "
             "process_group=, the data-parallel group over which the examples differ (a ('dp', 'tp') mesh's "
             "mesh['dp'].get_group(), of size 1 under tensor parallelism alone)")
@@ -93,6 +129,7 @@ def tensor_parallel(model, slot) -> dict:
     :func:`local_call`), else None.
     Under FSDP2, the layout FSDP2 unshards them to (its parameter records: a private API, looked up
     defensively; a layer it cannot read is refused by name when it runs)."""
+    refuse_hf_style(model, slot)
     params = {n: slot.module._parameters.get(n) for n in slot.need}
     if not isinstance(slot.module, TP_LAYERS) or not any(isinstance(p, DTensor) for p in params.values()):
         return {}

@@ -1,10 +1,14 @@
 """Hugging Face's own tensor parallelism (``from_pretrained(..., tp_plan="auto", tp_size=2)``: transformers'
-parallel styles, which replace a layer's forward rather than hook it as ``parallelize_module`` does) on a tiny
-LLaMA saved and loaded here, 2 gloo processes on 127.0.0.1: the per-example norms of every layer against one
-process's, float64. Before, the output layer's were twice the truth, silently: its style
-(``colwise_gather_output``) gathers the vocabulary inside the forward, so each process's hooks saw the whole
-output gradient against its half of the weight, and the halves' norms were then summed. Tied embeddings
-under it are refused by name."""
+parallel styles, which replace a layer's forward rather than hook it as ``parallelize_module`` does) on tiny
+causal LMs saved and loaded here, 2 gloo processes on 127.0.0.1: the per-example norms of every layer and the
+monitor's estimate against one process's, float64.
+
+Before: LLaMA's output layer's norms were twice the truth, silently (its style, ``colwise_gather_output``,
+gathers the vocabulary inside the forward, so each process's hooks saw the whole output gradient against its
+half of the weight, and the halves' norms were then summed); Gemma's scaled embedding raised from deep inside
+(``aten.embedding`` on mixed tensors); Qwen3's per-head ``q_norm``/``k_norm``
+(``replicated_with_grad_allreduce``: each process's gradient covers its heads only) were 0.4-0.7x the truth,
+silently; a tied table split by tensor parallelism about 1.4x. The last two are refused by name."""
 import functools
 
 import pytest
@@ -30,18 +34,30 @@ def norms(model, vocab: int) -> dict:
         return {"layers": psn.layer_sq_norms(), "total": psn.sq_norms(), "grad_sq": psn.grad_sq_norm()}
 
 
-def llama(vocab: int, tied: bool = False):
+def tiny(kind: str, vocab: int = 40, tied: bool = False):
+    """A 2-layer model of the family ``kind`` (4 query heads, 2 key-value heads), float64."""
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=T, tie_word_embeddings=tied)).double()
+    common = dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                  tie_word_embeddings=tied)
+    families = {   # qwen2: q, k, v biases; gemma: a scaled embedding; phi3: packed q/k/v, gathered outputs
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {}),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
+        "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig, {"head_dim": 4}),
+        "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, {"pad_token_id": 0}),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 4})}
+    model, config, extra = families[kind]
+    return model(config(**common, **extra)).double()
 
 
-def worker(rank, path, vocab):
+def load(path: str, kind: str):
+    return type(tiny(kind)).from_pretrained(path, tp_plan="auto", tp_size=WORLD, dtype=torch.float64)
+
+
+def worker(rank, path, kind, vocab):
     from torch.distributed.tensor import DTensor
     torch.set_num_threads(1)
-    model = transformers.LlamaForCausalLM.from_pretrained(path, tp_plan="auto", tp_size=WORLD,
-                                                          dtype=torch.float64)
+    model = load(path, kind)
     sharded = sum(isinstance(p, DTensor) for p in model.parameters())
     dp = [torch.distributed.new_group([r]) for r in range(WORLD)][rank]     # TP alone: data-parallel of 1
     monitor = GNSMonitor(model, process_group=dp)
@@ -52,9 +68,10 @@ def worker(rank, path, vocab):
     return norms(model, vocab) | {"sharded": sharded, "b_simple": monitor.history[0]["b_simple"]}
 
 
-@pytest.mark.parametrize("vocab", [40, 41])          # 41: the vocabulary split 21 + 20
-def test_hf_tensor_parallel_llama_norms_match_one_process(tmp_path, vocab):
-    model = llama(vocab)
+@pytest.mark.parametrize("kind,vocab", [("llama", 40), ("llama", 41), ("qwen2", 40), ("gemma", 40),
+                                        ("phi3", 40)])         # 41: the vocabulary split 21 + 20
+def test_hf_tensor_parallel_norms_match_one_process(tmp_path, kind, vocab):
+    model = tiny(kind, vocab)
     model.save_pretrained(tmp_path / "model")
     monitor = GNSMonitor(model)
     with monitor.step():
@@ -63,10 +80,9 @@ def test_hf_tensor_parallel_llama_norms_match_one_process(tmp_path, vocab):
     model.zero_grad()
     ref = norms(model, vocab)
     (tmp_path / "out").mkdir()
-    body = functools.partial(worker, path=str(tmp_path / "model"), vocab=vocab)
-    res = run_gloo(body, WORLD, tmp_path / "out")
-    for r in res:
-        assert r["sharded"] >= 14                  # q, k, v, o, gate, up, down of 2 layers, and lm_head
+    body = functools.partial(worker, path=str(tmp_path / "model"), kind=kind, vocab=vocab)
+    for r in run_gloo(body, WORLD, tmp_path / "out"):
+        assert r["sharded"] >= 6                   # (the attention's and the MLP's projections of 2 layers)
         assert set(r["layers"]) == set(ref["layers"]) and "lm_head" in r["layers"]
         for name, v in ref["layers"].items():
             torch.testing.assert_close(r["layers"][name], v, rtol=1e-9, atol=0, msg=name)
@@ -75,9 +91,8 @@ def test_hf_tensor_parallel_llama_norms_match_one_process(tmp_path, vocab):
         assert r["b_simple"] == pytest.approx(monitor.history[0]["b_simple"], rel=1e-9)
 
 
-def tied_worker(rank, path):
-    model = transformers.LlamaForCausalLM.from_pretrained(path, tp_plan="auto", tp_size=WORLD,
-                                                          dtype=torch.float64)
+def refused_worker(rank, path, kind):
+    model = load(path, kind)
     try:
         PerSampleGradNorms(model)
     except ValueError as e:
@@ -85,11 +100,15 @@ def tied_worker(rank, path):
     return None
 
 
-def test_hf_tensor_parallel_tied_embeddings_refused_by_name(tmp_path):
-    """A tied table split by tensor parallelism (the output layer's vocabulary split, the embedding reading
-    it): refused by name when the norms are set up (before: norms about 1.4x too large here, silently)."""
-    llama(40, tied=True).save_pretrained(tmp_path / "model")
+@pytest.mark.parametrize("kind,tied,names", [
+    ("llama", True, ("model.embed_tokens", "tie_word_embeddings=False")),
+    ("qwen3", False, ("model.layers.0.self_attn.q_norm", "'replicated_with_grad_allreduce'"))])
+def test_hf_tensor_parallel_refused_by_name(tmp_path, kind, tied, names):
+    """A tied table split by tensor parallelism (the embedding reading the vocabulary-split output layer),
+    and Qwen3's per-head norms whose gradient each process holds a part of: refused when the norms are set
+    up, by module and reason (before: wrong norms, silently)."""
+    tiny(kind, tied=tied).save_pretrained(tmp_path / "model")
     (tmp_path / "out").mkdir()
-    body = functools.partial(tied_worker, path=str(tmp_path / "model"))
+    body = functools.partial(refused_worker, path=str(tmp_path / "model"), kind=kind)
     for msg in run_gloo(body, WORLD, tmp_path / "out"):
-        assert msg is not None and "model.embed_tokens" in msg and "tie_word_embeddings=False" in msg
+        assert msg is not None and all(n in msg for n in names), msg

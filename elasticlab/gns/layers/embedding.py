@@ -27,6 +27,7 @@ from torch import nn
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.common import EagerUnderCompile, along_positions, batched
 from elasticlab.gns.registry import Rule, register_fallback, register_rule
+from elasticlab.gns.sharded import DTensor
 
 
 def segment_sums(example: torch.Tensor, index: torch.Tensor, size: int, values: torch.Tensor):
@@ -77,10 +78,16 @@ def scale_of(module: nn.Embedding, idx: torch.Tensor) -> float | None:
     if module in _scales:
         return _scales[module]
     x, c = idx[:1], None
+    w = module.weight
+    if isinstance(w, DTensor) and not isinstance(x, DTensor):      # a table split by tensor parallelism: the
+        from torch.distributed.tensor import Replicate
+        mesh = w.device_mesh                                       # lookup on every process, made whole
+        x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     try:
         with torch.no_grad():
             out = type(module).forward(module, x)
-            plain = F.embedding(x, module.weight, module.padding_idx)
+            plain = F.embedding(x, w, module.padding_idx)
+            out, plain = (t.full_tensor() if isinstance(t, DTensor) else t for t in (out, plain))
     except (TypeError, RuntimeError, IndexError):                  # another signature, float input, ...
         out = plain = None
     if isinstance(out, torch.Tensor) and plain is not None and out.shape == plain.shape:
