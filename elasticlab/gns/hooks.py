@@ -23,14 +23,16 @@ from elasticlab.gns.slot import Quiet, recomputing
 
 
 def install(owner, slot):
-    """The hook on ``slot``'s module (its handle). A tied slot's (:mod:`.tied`) and a tensor-parallel one's
-    (:func:`.sharded.tensor_parallel`) run eagerly under ``torch.compile``: a graph break at the module,
-    whose rules then record in the slot as in eager mode."""
+    """The hook on ``slot``'s module (its handle). A tied slot's (:mod:`.tied`), a tensor-parallel one's
+    (:func:`.sharded.tensor_parallel`) and one whose gradient is in parts (:data:`.sharded.PARTIAL`) run
+    eagerly under ``torch.compile``: a graph break at the module, whose rules then record in the slot as in
+    eager mode."""
     hook = forward_hook(owner, slot)
     hook.eager = torch.compiler.disable(hook)
     # (a tensor-parallel layer's first: its output as the layer made it, before parallelize_module's hook
     # redistributes it, so that its gradient is the one the layer's weight gradient is made of)
-    return slot.host.register_forward_hook(hook.eager if slot.tied or slot.tp else hook, with_kwargs=True,
+    eager = slot.tied or slot.tp or slot.module in sharded.PARTIAL
+    return slot.host.register_forward_hook(hook.eager if eager else hook, with_kwargs=True,
                                            prepend=bool(slot.tp))
 
 

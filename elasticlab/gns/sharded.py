@@ -15,6 +15,7 @@ along (:func:`tensor_parallel`, :func:`reduce_norms`).
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -99,13 +100,39 @@ def hf_style(model, slot) -> str | None:
     return None
 
 
+#: Modules whose parameters are whole on every process while each process's gradient of them is a part of
+#: the whole (transformers' ``replicated_with_grad_allreduce``: Qwen3's per-head norms, each process seeing
+#: its own heads), with the group that sums the parts: the generic rule sums the per-example gradients over it
+#: before it takes their norms (:func:`elasticlab.gns.layers.generic.summed_norms`).
+PARTIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tp_group(model):
+    """The tensor-parallel group of a model transformers split (its mesh: a private attribute, read
+    defensively), or None."""
+    mesh = getattr(model, "_device_mesh", None)
+    try:
+        return (mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh).get_group()
+    except (AttributeError, KeyError, RuntimeError, TypeError):
+        return None
+
+
 def refuse_hf_style(model, slot) -> None:
+    """A clear error for a module given a style of transformers' tensor parallelism whose per-example norms
+    are not checked; a ``replicated_with_grad_allreduce`` module on the generic rule goes in
+    :data:`PARTIAL`."""
     style = hf_style(model, slot)
     if style is None or style in HF_STYLES:
         return
+    if style == "replicated_with_grad_allreduce":
+        from elasticlab.gns.layers.generic import generic_norms
+        group = _tp_group(model)
+        if group is not None and slot.rule.norms is generic_norms:
+            PARTIAL[slot.module] = group
+            return
     why = ("its parameters stay whole on every process while each process's gradient covers only its share "
-           "(its heads), summed across them after the backward: per-example norms would need the "
-           "per-example gradients summed first" if style == "replicated_with_grad_allreduce" else
+           "(its heads), summed across them after the backward: its per-example gradients are summed first "
+           "on the generic rule only, not on its own rule" if style == "replicated_with_grad_allreduce" else
            f"per-example norms are checked for {list(HF_STYLES)} only")
     raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): transformers' tensor-parallel "
                      f"style {style!r}, for which per-example gradient norms are not supported: {why}. "
@@ -133,11 +160,6 @@ def tensor_parallel(model, slot) -> dict:
     params = {n: slot.module._parameters.get(n) for n in slot.need}
     if not isinstance(slot.module, TP_LAYERS) or not any(isinstance(p, DTensor) for p in params.values()):
         return {}
-    if slot.tied:
-        raise ValueError(f"module {slot.name!r}: its table is tied to another module's weight (gns.tied) "
-                         "and split by tensor parallelism, for which per-example gradient norms are not "
-                         "supported yet; untie it (transformers: tie_word_embeddings=False), keep it out of "
-                         "the tensor-parallel plan, or measure the model under data parallelism")
     from torch.distributed.fsdp import FSDPModule
     m, unit = model, None
     for part in [None, *(slot.name.split(".") if slot.name else ())]:
@@ -172,6 +194,11 @@ def tensor_parallel(model, slot) -> dict:
             width = tuple(slot.module.weight.shape)[tdim]
             cut = (side, *_rows(width, mesh, dims[0]), width)
         layout[n] = (mesh, dims, _rows(slot.module.num_embeddings, mesh, rows[0]) if rows else None, cut)
+    if layout and slot.tied:                      # (FSDP2's alone gave {} above: whole in the forward)
+        raise ValueError(f"module {slot.name!r}: its table is tied to another module's weight (gns.tied) "
+                         "and split by tensor parallelism, for which per-example gradient norms are not "
+                         "supported yet; untie it (transformers: tie_word_embeddings=False), keep it out of "
+                         "the tensor-parallel plan, or measure the model under data parallelism")
     return layout
 
 

@@ -251,3 +251,34 @@ def test_other_tensor_parallel_layers_are_refused_by_name(tmp_path):
     for msg in run_gloo(refused_worker, WORLD, tmp_path):
         assert msg is not None and "module 'ln' (LayerNorm)" in msg and "tensor parallelism" in msg
         assert "nn.Linear and nn.Embedding" in msg
+
+
+class Split(nn.Module):
+    """A model as transformers leaves it after its own tensor parallelism (``tp_size``, ``tp_plan``), but
+    not split: what the check reads, and no mesh."""
+
+    def __init__(self, styles: dict):
+        super().__init__()
+        self.proj, self.norm, self.own = nn.Linear(4, 4), nn.RMSNorm(4), nn.Module()
+        self.own.gain = nn.Parameter(torch.ones(4))
+        self.own.forward = lambda x: x * self.own.gain
+        self.tp_size, self.tp_plan = 2, styles
+
+    def forward(self, x):
+        return self.own(self.norm(self.proj(x)))
+
+
+@pytest.mark.parametrize("styles,name,says", [
+    ({"proj": "packed_colwise"}, "'proj' (Linear)", "checked for ['colwise'"),
+    ({"norm": "replicated_with_grad_allreduce"}, "'norm' (RMSNorm)", "on the generic rule only"),
+    ({"own": "replicated_with_grad_allreduce"}, "'own' (Module)", "on the generic rule only"),   # no mesh
+    ({"*.gain": "sequence_parallel"}, None, None),                      # (a pattern that names no module)
+])
+def test_transformers_styles_not_checked_are_refused_by_name(styles, name, says):
+    model = Split(styles)
+    if name is None:
+        PerSampleGradNorms(model)
+        return
+    with pytest.raises(ValueError, match="transformers' tensor-parallel style") as e:
+        PerSampleGradNorms(model)
+    assert name in str(e.value) and says in str(e.value)

@@ -24,6 +24,7 @@ import contextlib
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.stateless import _reparametrize_module
@@ -32,6 +33,7 @@ from elasticlab.gns import kernels
 from elasticlab.gns.broadcast import signature
 from elasticlab.gns.layers.common import as_forward
 from elasticlab.gns.registry import Rule, register_fallback
+from elasticlab.gns.sharded import PARTIAL
 from elasticlab.gns.slot import Quiet
 
 ENABLED = True                   # off: modules of no registered type are uncovered again (strict: an error)
@@ -236,6 +238,9 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         next(t for t in d0 if t is not None) if isinstance(d0, tuple) else d0).shape[0]
     R = B * fold.per if fold is not None else B
     traced = torch.compiler.is_compiling()        # (then no side effect: no hooks, no cache, no loop)
+    # transformers' grad all-reduce hook, registered again by a forward pre-hook that meets other parameters,
+    # would double that gradient at each step: no hook of the module on its gradient in parts
+    direct = traced or module in PARTIAL
     quiet = contextlib.nullcontext if traced else Quiet
     flat, kinds, ones, loop, agree = [], [], [], False, []
     for inputs, d, *kept_state in calls:        # (a call's autocast state, where the caller did not set it)
@@ -248,12 +253,12 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         own = dict(module.named_parameters(recurse=False))
         with quiet(), as_forward(state):
             wide, one = tuple(_widened(list(inputs), own)), _per_example_forward(module, ik, n, keys,
-                                                                                 direct=traced)
+                                                                                 direct=direct)
             if traced:
                 agree.append(_agree(module, wide, ik, one, fold, B, R))
             else:
                 loop |= _verify(module, wide, ik, one, what, fold)
-        ones.append((_per_example_forward(module, ik, n, keys, picks, direct=traced), len(items), gk,
+        ones.append((_per_example_forward(module, ik, n, keys, picks, direct=direct), len(items), gk,
                      picks is not None, state))
         flat += [*items, *gs]
         kinds += [*ik, *gk]
@@ -279,6 +284,11 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         else:
             per = vmap(grads, in_dims=tuple(0 if k else None for k in kinds),
                        chunk_size=chunk_size(B, params.values()))(*flat)
+    group = PARTIAL.get(module)
+    if group is not None:        # each process holds a part of every example's gradient: summed first
+        per = {n: v.contiguous() for n, v in per.items()}
+        for v in per.values():
+            dist.all_reduce(v, group=group)
     out = {n: kernels.row_sq(v.reshape(B, -1).to(kernels.acc_dtype(v.dtype))) for n, v in per.items()}
     if agree:
         ok = torch.stack(agree).all()
