@@ -35,24 +35,27 @@ def norms(model, vocab: int) -> dict:
         return {"layers": psn.layer_sq_norms(), "total": psn.sq_norms(), "grad_sq": psn.grad_sq_norm()}
 
 
+#: family: (model class, config class, its settings); qwen2: q, k, v biases; gemma: a scaled embedding;
+#: phi3: packed q/k/v, gathered outputs; qwen3: per-head norms whose gradient each process holds a part of
+FAMILIES = {
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {}),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
+    "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig, {"head_dim": 4}),
+    "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, {"pad_token_id": 0}),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 4})}
+
+
 def tiny(kind: str, vocab: int = 40, tied: bool = False):
     """A 2-layer model of the family ``kind`` (4 query heads, 2 key-value heads), float64."""
     torch.manual_seed(0)
-    common = dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
-                  tie_word_embeddings=tied)
-    families = {   # qwen2: q, k, v biases; gemma: a scaled embedding; phi3: packed q/k/v, gathered outputs
-        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {}),
-        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
-        "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig, {"head_dim": 4}),
-        "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, {"pad_token_id": 0}),
-        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 4})}
-    model, config, extra = families[kind]
-    return model(config(**common, **extra)).double()
+    model, config, extra = FAMILIES[kind]
+    return model(config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                        tie_word_embeddings=tied, **extra)).double()
 
 
 def load(path: str, kind: str):
-    return type(tiny(kind)).from_pretrained(path, tp_plan="auto", tp_size=WORLD, dtype=torch.float64)
+    return FAMILIES[kind][0].from_pretrained(path, tp_plan="auto", tp_size=WORLD, dtype=torch.float64)
 
 
 def worker(rank, path, kind, vocab):

@@ -238,9 +238,10 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         next(t for t in d0 if t is not None) if isinstance(d0, tuple) else d0).shape[0]
     R = B * fold.per if fold is not None else B
     traced = torch.compiler.is_compiling()        # (then no side effect: no hooks, no cache, no loop)
+    group = PARTIAL.get(module)                   # (each process holds a part of every example's gradient)
     # transformers' grad all-reduce hook, registered again by a forward pre-hook that meets other parameters,
     # would double that gradient at each step: no hook of the module on its gradient in parts
-    direct = traced or module in PARTIAL
+    direct = traced or group is not None
     quiet = contextlib.nullcontext if traced else Quiet
     flat, kinds, ones, loop, agree = [], [], [], False, []
     for inputs, d, *kept_state in calls:        # (a call's autocast state, where the caller did not set it)
@@ -284,8 +285,7 @@ def summed_norms(module: nn.Module, calls: list, need, what: str | None = None, 
         else:
             per = vmap(grads, in_dims=tuple(0 if k else None for k in kinds),
                        chunk_size=chunk_size(B, params.values()))(*flat)
-    group = PARTIAL.get(module)
-    if group is not None:        # each process holds a part of every example's gradient: summed first
+    if group is not None:        # the parts of every example's gradient summed first
         per = {n: v.contiguous() for n, v in per.items()}
         for v in per.values():
             dist.all_reduce(v, group=group)
