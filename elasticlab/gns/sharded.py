@@ -157,7 +157,9 @@ def tensor_parallel(model, slot) -> dict:
     Under FSDP2, the layout FSDP2 unshards them to (its parameter records: a private API, looked up
     defensively; a layer it cannot read is refused by name when it runs)."""
     refuse_hf_style(model, slot)
-    params = {n: slot.module._parameters.get(n) for n in slot.need}
+    # (a tied slot's table, also where another member keeps its norm: gns.tied reads its layout)
+    need = (*slot.need, "weight") if slot.tied and "weight" not in slot.need else slot.need
+    params = {n: slot.module._parameters.get(n) for n in need}
     if not isinstance(slot.module, TP_LAYERS) or not any(isinstance(p, DTensor) for p in params.values()):
         return {}
     from torch.distributed.fsdp import FSDPModule
@@ -194,11 +196,12 @@ def tensor_parallel(model, slot) -> dict:
             width = tuple(slot.module.weight.shape)[tdim]
             cut = (side, *_rows(width, mesh, dims[0]), width)
         layout[n] = (mesh, dims, _rows(slot.module.num_embeddings, mesh, rows[0]) if rows else None, cut)
-    if layout and slot.tied:                      # (FSDP2's alone gave {} above: whole in the forward)
-        raise ValueError(f"module {slot.name!r}: its table is tied to another module's weight (gns.tied) "
-                         "and split by tensor parallelism, for which per-example gradient norms are not "
-                         "supported yet; untie it (transformers: tie_word_embeddings=False), keep it out of "
-                         "the tensor-parallel plan, or measure the model under data parallelism")
+    if slot.tied and "weight" in layout and len(layout["weight"][1]) != 1:
+        raise ValueError(f"module {slot.name!r}: its table is tied to another module's weight (gns.tied) and "
+                         "split by tensor parallelism along more than one mesh dimension, for which "
+                         "per-example gradient norms are not supported; split it along one (the vocabulary "
+                         "or the embedding width), untie it (transformers: tie_word_embeddings=False), or "
+                         "measure the model under data parallelism")
     return layout
 
 

@@ -13,7 +13,11 @@ concatenated along the positions (exact by linearity, as for a repeated module).
 backward comes first: its rule takes ‖G_h‖² and gathers δh at the indices of this step's embedding calls, an
 (T, S) matrix per example (G1's B = 8, T = S = 1024: 32 MB in float32); each embedding's backward adds its
 share of the cross term, and the last one of the step forms the table's norm. So the table's norm is the
-first embedding's (in its layer's norms); the output layer keeps its bias. All run on hooks, eagerly: under
+first embedding's (in its layer's norms); the output layer keeps its bias. Under tensor parallelism (the
+table split along the vocabulary, or along its width, one mesh dimension) each process forms the three terms
+on its block of the table (:func:`~elasticlab.gns.sharded.local_call`: its rows' positions, its vocabulary
+columns of δh, or its width of a and δe), and their sum over the processes is the whole table's
+(:func:`~elasticlab.gns.sharded.reduce_norms`). All run on hooks, eagerly: under
 ``torch.compile`` the tied modules' hooks are skipped by Dynamo (a graph break at each tied module, whose
 call then runs eagerly; the rest of the model compiles). Any other sharing of a parameter between covered
 modules is refused (:func:`untie`).
@@ -28,6 +32,7 @@ from torch import nn
 from elasticlab.gns import kernels
 from elasticlab.gns.layers.embedding import embedding_norms, scale_of, scaled_embedding_norms
 from elasticlab.gns.layers.linear import linear_norms
+from elasticlab.gns.sharded import local
 from elasticlab.gns.slot import recomputing
 
 
@@ -50,6 +55,7 @@ class Tie:
             head.need = tuple(p for p in head.need if p != "weight")
             head.rule = dataclasses.replace(head.rule, norms=self._head_norms, fused=None)
         self.idx: dict[int, torch.Tensor] = {}
+        self.block: tuple | None | bool = False            # (read at the first forward: :meth:`_block`)
         self._clear()
 
     def _clear(self) -> None:
@@ -66,10 +72,36 @@ class Tie:
         same indices)."""
         if recomputing():
             return
+        if self.block is False:
+            self.block = self._block()
         if all(e.calls == 0 for e in self.embs):
             self.idx = {}
             self._clear()
-        self.idx[id(module)] = args[0]
+        self.idx[id(module)] = local(args[0])        # (parallelize_module's input may be a DTensor)
+
+    def _block(self) -> tuple | None:
+        """The block of the table each process holds under tensor parallelism (its members' layouts,
+        :func:`~elasticlab.gns.sharded.tensor_parallel`): ("vocab" or "width", first, end), the same for every
+        member, or None where none is split; members split alike or not at all else a ValueError naming
+        them."""
+        blocks = set()
+        for s in self.members:
+            mesh, dims, rows, cut = s.tp.get("weight", (None, (), None, None))
+            if rows is not None:
+                blocks.add(("vocab", *rows, id(mesh), dims))
+            elif cut is not None:
+                vocab = cut[0] == "out" and isinstance(s.module, nn.Linear)   # (a Linear's rows, a table's)
+                blocks.add(("vocab" if vocab else "width", *cut[1:3], id(mesh), dims))
+            else:
+                blocks.add(None)
+        if len(blocks) > 1:
+            raise ValueError(f"tied weights ({self.names()}): the modules sharing the table hold different "
+                             f"blocks of it under tensor parallelism ({sorted(map(str, blocks))}), so no "
+                             "process sees one block's whole gradient; split them alike (the embedding "
+                             "row-wise with the output layer column-wise, or column-wise with row-wise), "
+                             "or untie them")
+        blk = blocks.pop()
+        return None if blk is None else blk[:3]
 
     def _calls(self) -> list:
         """The embedding slots that ran in this step, in order."""
@@ -95,6 +127,9 @@ class Tie:
             self.cols[id(e)] = (c0, c0 + i.shape[1])
             c0 += i.shape[1]
         d3, cat = d.reshape(B, -1, d.shape[-1]), torch.cat(idx, 1)
+        if self.block and self.block[0] == "vocab":      # δh: this process's columns of the vocabulary
+            # (an index in another process's rows reads any column: its δe_s is 0 here, sharded.local_call)
+            cat = (cat - self.block[1]).clamp(0, d3.shape[-1] - 1)
         self.gathered = torch.gather(d3, 2, cat[:, None, :].expand(B, d3.shape[1], cat.shape[1])).to(acc)
         self.a, self.head_sq = inputs[0].reshape(B, -1, inputs[0].shape[-1]), head_sq
         return out

@@ -234,6 +234,49 @@ def test_a_tensor_parallel_embedding_inside_fsdp2_matches_torch_func(tmp_path):
             assert torch.allclose(r[name], v[rows], rtol=1e-9), (name, (r[name] / v[rows]).tolist())
 
 
+class TiedHead(nn.Module):
+    """A vocabulary of 11, a LayerNorm, and an output layer whose weight is the embedding's table."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.ln, self.out = nn.Embedding(11, 8), nn.LayerNorm(8), nn.Linear(8, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, i):
+        return self.out(self.ln(self.emb(i)))
+
+
+def tied_worker(rank, split):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"vocab": {"emb": RowwiseParallel(input_layouts=Replicate()),         # Megatron's: both Shard(0)
+                      "out": ColwiseParallel(output_layouts=Replicate())},
+            "width": {"emb": ColwiseParallel(output_layouts=Replicate()),        # both Shard(1)
+                      "out": RowwiseParallel(input_layouts=Replicate())}}[split]
+    net = parallelize_module(TiedHead().double(), init_device_mesh("cpu", (WORLD,)), plan)
+    net.out.weight = net.emb.weight                  # (parallelize_module made each a parameter of its own)
+    with PerSampleGradNorms(net, loss_reduction="sum") as psn:
+        net(IDS).pow(2).sum().backward()
+        return psn.param_sq_norms(), tuple(net.emb.weight.to_local().shape)
+
+
+@pytest.mark.parametrize("split", ["vocab", "width"])
+def test_a_tied_table_split_by_tensor_parallelism_matches_torch_func(tmp_path, split):
+    """Before: refused by name (and about 1.4x the truth before the refusal). Each process forms the tied
+    table's three terms (embedding, output layer, cross) on its block of the table: its rows 0-5 or 6-10, or
+    its half of every row."""
+    ref = func_param_sq_norms(TiedHead().double(), lambda o, y: o.pow(2).sum(), IDS, torch.zeros(len(IDS)))
+    assert set(ref) == {"emb.weight", "ln.weight", "ln.bias"}          # (torch.func: the tied table once)
+    res = run_gloo(functools.partial(tied_worker, split=split), WORLD, tmp_path)
+    assert [shape for _, shape in res] == ([(6, 8), (5, 8)] if split == "vocab" else [(11, 4), (11, 4)])
+    for r, _ in res:
+        assert set(r) == set(ref)
+        for name, v in ref.items():
+            assert torch.allclose(r[name], v, rtol=1e-9), (name, (r[name] / v).tolist())
+
+
 def refused_worker(rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module

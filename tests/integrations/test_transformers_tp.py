@@ -9,7 +9,8 @@ half of the weight, and the halves' norms were then summed); Gemma's scaled embe
 (``aten.embedding`` on mixed tensors); Qwen3's per-head ``q_norm``/``k_norm``
 (``replicated_with_grad_allreduce``: each process's gradient covers its heads only) were 0.4-0.7x the truth,
 silently (their per-example gradients are now summed over the processes before the norm); a tied table
-split by tensor parallelism about 1.4x (refused by name)."""
+split by tensor parallelism about 1.4x (then refused by name; now each process forms the tied table's three
+terms on its rows of the vocabulary)."""
 import functools
 
 import pytest
@@ -58,11 +59,12 @@ def load(path: str, kind: str):
     return FAMILIES[kind][0].from_pretrained(path, tp_plan="auto", tp_size=WORLD, dtype=torch.float64)
 
 
-def worker(rank, path, kind, vocab):
+def worker(rank, path, kind, vocab, tied):
     from torch.distributed.tensor import DTensor
     torch.set_num_threads(1)
     model = load(path, kind)
     sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     dp = [torch.distributed.new_group([r]) for r in range(WORLD)][rank]     # TP alone: data-parallel of 1
     monitor = GNSMonitor(model, process_group=dp)
     x = ids(vocab)
@@ -72,10 +74,14 @@ def worker(rank, path, kind, vocab):
     return norms(model, vocab) | {"sharded": sharded, "b_simple": monitor.history[0]["b_simple"]}
 
 
-@pytest.mark.parametrize("kind,vocab", [("llama", 40), ("llama", 41), ("qwen2", 40), ("gemma", 40),
-                                        ("phi3", 40), ("qwen3", 40)])     # 41: the vocabulary split 21 + 20
-def test_hf_tensor_parallel_norms_match_one_process(tmp_path, kind, vocab):
-    model = tiny(kind, vocab)
+@pytest.mark.parametrize("kind,vocab,tied", [
+    ("llama", 40, False), ("llama", 41, False), ("qwen2", 40, False), ("gemma", 40, False),
+    ("phi3", 40, False), ("qwen3", 40, False),                             # 41: the vocabulary split 21 + 20
+    ("llama", 40, True), ("llama", 41, True), ("gemma", 40, True)])        # tied: the table's rows split
+def test_hf_tensor_parallel_norms_match_one_process(tmp_path, kind, vocab, tied):
+    """Tied (the embedding's table is the output layer's weight, split along the vocabulary): before, refused
+    by name (and about 1.4x the truth before that refusal)."""
+    model = tiny(kind, vocab, tied)
     model.save_pretrained(tmp_path / "model")
     monitor = GNSMonitor(model)
     with monitor.step():
@@ -84,31 +90,12 @@ def test_hf_tensor_parallel_norms_match_one_process(tmp_path, kind, vocab):
     model.zero_grad()
     ref = norms(model, vocab)
     (tmp_path / "out").mkdir()
-    body = functools.partial(worker, path=str(tmp_path / "model"), kind=kind, vocab=vocab)
+    body = functools.partial(worker, path=str(tmp_path / "model"), kind=kind, vocab=vocab, tied=tied)
     for r in run_gloo(body, WORLD, tmp_path / "out"):
         assert r["sharded"] >= 6                   # (the attention's and the MLP's projections of 2 layers)
-        assert set(r["layers"]) == set(ref["layers"]) and "lm_head" in r["layers"]
+        assert set(r["layers"]) == set(ref["layers"]) and ("lm_head" in r["layers"]) != tied
         for name, v in ref["layers"].items():
             torch.testing.assert_close(r["layers"][name], v, rtol=1e-9, atol=0, msg=name)
         torch.testing.assert_close(r["total"], ref["total"], rtol=1e-9, atol=0)
         assert r["grad_sq"] == pytest.approx(ref["grad_sq"], rel=1e-9)
         assert r["b_simple"] == pytest.approx(monitor.history[0]["b_simple"], rel=1e-9)
-
-
-def refused_worker(rank, path, kind):
-    model = load(path, kind)
-    try:
-        PerSampleGradNorms(model)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_hf_tensor_parallel_tied_table_refused_by_name(tmp_path):
-    """A tied table split by tensor parallelism (the embedding reading the vocabulary-split output layer):
-    refused when the norms are set up, by module and way out (before: norms about 1.4x, silently)."""
-    tiny("llama", tied=True).save_pretrained(tmp_path / "model")
-    (tmp_path / "out").mkdir()
-    body = functools.partial(refused_worker, path=str(tmp_path / "model"), kind="llama")
-    for msg in run_gloo(body, WORLD, tmp_path / "out"):
-        assert msg is not None and "model.embed_tokens" in msg and "tie_word_embeddings=False" in msg, msg
