@@ -72,12 +72,40 @@ def refuse_distributed_weights(slot) -> None:
     parameters are still DTensors in its forward (tensor parallelism, as ``parallelize_module`` leaves them;
     FSDP2's alone are whole there): its per-example norms would need a rule of its own."""
     names = [n for n in slot.need if isinstance(slot.module._parameters.get(n), DTensor)]
-    if names and not slot.tp:
+    if names and not slot.tp and not _fsdp_resharded(slot.module, names):
         raise ValueError(f"module {slot.name!r} ({type(slot.module).__name__}): its parameters {names} are "
                          "DTensors in its forward (tensor parallelism), for which per-example gradient norms "
                          "are supported on nn.Linear and nn.Embedding (ColwiseParallel, RowwiseParallel, "
                          "sharded along one mesh dimension); measure this layer replicated, or the model "
                          "under data parallelism")
+
+
+def _records(unit) -> dict:
+    """FSDP2's parameter records of ``unit`` by (id of a module, parameter name), a shared parameter under
+    each of its modules (a private API: the callers catch AttributeError and KeyError). Not by the parameter
+    itself: transformers' own FSDP loads the weights into new parameters after ``fully_shard``, which FSDP2
+    puts back by its own at the first forward."""
+    out = {}
+    for g in unit._get_fsdp_state()._fsdp_param_groups:
+        for fp in g.fsdp_params:
+            info = fp._module_info
+            for m, n in ((info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)):
+                out[(id(m), n)] = fp
+    return out
+
+
+def _fsdp_resharded(module, names) -> bool:
+    """Whether ``module``'s parameters ``names`` are DTensors at its forward hooks only because it is an FSDP2
+    unit of its own that resharded them after its forward, before those hooks ran (a leaf unit:
+    transformers' own FSDP gives the input embedding one), not tensor-parallel there."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(module, FSDPModule):
+        return False
+    try:
+        records = _records(module)
+        return not any(records[(id(module), n)].is_dtensor for n in names)
+    except (AttributeError, KeyError):
+        return False
 
 
 #: transformers' own tensor-parallel styles (``model.tp_plan``) whose per-example norms are checked against
@@ -171,11 +199,10 @@ def tensor_parallel(model, slot) -> dict:
         out = {n: (p.device_mesh, p.placements) for n, p in params.items() if isinstance(p, DTensor)}
     else:
         try:
-            records = {id(fp.sharded_param): fp for g in unit._get_fsdp_state()._fsdp_param_groups
-                       for fp in g.fsdp_params}
+            records = _records(unit)
             out = {}
-            for n, p in params.items():
-                fp = records[id(p)]
+            for n in params:
+                fp = records[(id(slot.module), n)]
                 if not fp.is_dtensor:             # FSDP2's alone: whole in the forward
                     return {}
                 spec = fp._unsharded_dtensor_spec

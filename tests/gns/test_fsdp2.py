@@ -228,6 +228,43 @@ def test_refused_by_name_micro_batch_method_and_fsdp1(tmp_path):
         assert "FSDP1" in msgs[1] and "fully_shard" in msgs[1]       # (tensor parallelism: its own tests)
 
 
+def embedded():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 8), nn.LayerNorm(8), nn.Linear(8, 3)).double()
+
+
+TOKENS = torch.randint(0, 11, (WORLD * 3, 4), generator=torch.Generator().manual_seed(2))
+
+
+def leaf(rank, unit):
+    """``embedded()`` with its layer ``unit`` an FSDP2 unit of its own (reshard after forward), the root one
+    too: ``rank``'s 3 sequences of ``TOKENS``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh, net = init_device_mesh("cpu", (WORLD,)), embedded()
+    fsdp.fully_shard(net[unit], mesh=mesh)
+    fsdp.fully_shard(net, mesh=mesh)
+    monitor = GNSMonitor(net)
+    with monitor.step():
+        net(TOKENS[rank * 3:(rank + 1) * 3]).pow(2).mean().backward()
+    return monitor.history[0] | {"layers": monitor.layer_b_simple()}
+
+
+@pytest.mark.parametrize("unit", [0, 1, 2])
+def test_a_layer_sharded_alone_is_not_taken_for_tensor_parallelism(tmp_path, unit):
+    """An nn.Embedding as an FSDP2 unit of its own (transformers' own FSDP plan gives the input embedding
+    one): its parameters are DTensors again at the forward hook, FSDP2 having resharded them; before, that
+    was refused as tensor parallelism on the first step. The LayerNorm and Linear alone, for comparison."""
+    net = embedded()
+    monitor = GNSMonitor(net)
+    with monitor.step():
+        net(TOKENS).pow(2).mean().backward()
+    ref = monitor.history[0] | {"layers": monitor.layer_b_simple()}
+    for r in run_gloo(functools.partial(leaf, unit=unit), WORLD, tmp_path):
+        assert r["method"] == ref["method"] == "per_example" and r["batch_size"] == WORLD * 3
+        for k in ("grad_sq", "trace_cov"):
+            assert r[k] == pytest.approx(ref[k], rel=1e-9), k
+        assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 3
+
 
 def mixed(rank, param_dtype):
     """The float32 model under FSDP2 computing in ``param_dtype`` (``MixedPrecisionPolicy``, gradients

@@ -1,0 +1,80 @@
+"""transformers' own distributed training (``from_pretrained(..., distributed_config=DistributedConfig())``:
+its FSDP2 plan, its tensor parallelism, both on a (fsdp, tp) mesh) on a tiny LLaMA saved and loaded here,
+gloo processes on 127.0.0.1: the monitor's ‖ḡ‖² and tr(Σ) and every layer's per-example norms against one
+process's on the whole batch, float64, tied and untied.
+
+Before: with ``fsdp_size`` and untied embeddings the first step raised "parameters ['weight'] are DTensors in
+its forward (tensor parallelism)" for ``model.embed_tokens``: transformers' plan makes the input embedding an
+FSDP2 unit of its own, which reshards its table after its forward, before the monitor's hook runs; and on
+the 2-D mesh every layer's tensor-parallel layout went unread (transformers loads the weights into new
+parameters after ``fully_shard``, so FSDP2's records did not know the module's parameter)."""
+import functools
+
+import pytest
+import torch
+from gloo_util import run_gloo
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch.distributed.fsdp")
+
+from elasticlab.gns import GNSMonitor, PerSampleGradNorms  # noqa: E402
+
+T, B, VOCAB = 8, 4, 40          # B examples on each data-parallel rank
+
+
+def ids(n: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, T), generator=torch.Generator().manual_seed(1))
+
+
+def tiny(tied: bool):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=T, tie_word_embeddings=tied)).double()
+
+
+def measure(model, x, **kw) -> dict:
+    monitor = GNSMonitor(model, **kw)
+    with monitor.step():
+        model(input_ids=x, labels=x).loss.backward()
+    model.zero_grad()
+    with PerSampleGradNorms(model) as psn:
+        model(input_ids=x, labels=x).loss.backward()
+        h = monitor.history[0]
+        return {k: h[k] for k in ("grad_sq", "trace_cov", "batch_size", "method")} | {
+            "layers": psn.layer_sq_norms(), "total": psn.sq_norms()}
+
+
+def worker(rank, path, cfg):
+    from torch.distributed.tensor import DTensor
+    from transformers import DistributedConfig
+    model = transformers.LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**cfg),
+                                                          dtype=torch.float64)
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    dp = model._device_mesh["fsdp"]                  # (transformers' mesh: ("pp", "fsdp", "tp"))
+    kw = {"process_group": dp.get_group()} if cfg.get("tp_size", 1) > 1 else {}
+    rows = slice(dp.get_local_rank() * B, (dp.get_local_rank() + 1) * B)
+    return measure(model, ids(cfg["fsdp_size"] * B)[rows], **kw) | {"rows": (rows.start, rows.stop),
+                                                                    "sharded": sharded}
+
+
+@pytest.mark.parametrize("cfg,tied", [({"fsdp_size": 2}, False), ({"fsdp_size": 2}, True),
+                                      ({"fsdp_size": 2, "tp_size": 2}, False),
+                                      ({"fsdp_size": 2, "tp_size": 2}, True)])
+def test_hf_distributed_config_matches_one_process(tmp_path, cfg, tied):
+    model = tiny(tied)
+    model.save_pretrained(tmp_path / "model")
+    ref = measure(model, ids(cfg["fsdp_size"] * B))
+    (tmp_path / "out").mkdir()
+    world = cfg["fsdp_size"] * cfg.get("tp_size", 1)
+    res = run_gloo(functools.partial(worker, path=str(tmp_path / "model"), cfg=cfg), world, tmp_path / "out")
+    assert len({r["rows"] for r in res}) == cfg["fsdp_size"]          # (the tp ranks of a dp rank alike)
+    for r in res:
+        rows = slice(*r["rows"])
+        assert r["sharded"] and r["method"] == "per_example" and r["batch_size"] == ref["batch_size"]
+        for k in ("grad_sq", "trace_cov"):
+            assert r[k] == pytest.approx(ref[k], rel=1e-9), k
+        assert set(r["layers"]) == set(ref["layers"]) and ("lm_head" in r["layers"]) != tied
+        for name, v in ref["layers"].items():
+            torch.testing.assert_close(r["layers"][name], v[rows], rtol=1e-9, atol=0, msg=name)
+        torch.testing.assert_close(r["total"], ref["total"][rows], rtol=1e-9, atol=0)
