@@ -74,7 +74,7 @@ class GNSMonitor:
         if not isinstance(model, nn.Module):
             raise ValueError(f"GNSMonitor needs an nn.Module, got {type(model).__name__}")
         every = check_settings(every, beta, method)
-        sharded.refuse_fsdp1(model)
+        sharded.refuse_unsupported(model)
         if accumulation not in ("mean", "sum"):
             raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
         if loss_reduction not in ("mean", "sum"):     # (else 'auto' would take it for norms unavailable)

@@ -30,9 +30,22 @@ PER_EXAMPLE_ONLY = ("GNSMonitor: an FSDP2 (fully_shard) or tensor-parallel model
                     "backward's whole gradient, which FSDP2 reduces away), but {}")
 
 
-def refuse_fsdp1(model) -> None:
+#: transformers' ``DistributedConfig`` settings the monitor cannot measure under, and why
+HF_REFUSED = {"pp_size": "pipeline parallelism: each process holds some of the layers, and their per-example "
+                         "norms are not summed over the stages",
+              "ep_size": "expert parallelism: each process's experts run tokens of other processes' examples"}
+
+
+def refuse_unsupported(model) -> None:
     """A clear error for FSDP1 (``FullyShardedDataParallel``): its flat parameters' gradients never reach the
-    hooks the norms and the monitor read them by, so every step would go unmeasured."""
+    hooks the norms and the monitor read them by, so every step would go unmeasured; and for the settings of
+    transformers' ``DistributedConfig`` in :data:`HF_REFUSED`."""
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    for name, why in HF_REFUSED.items():
+        if (getattr(config, name, None) or 1) > 1:
+            raise ValueError(f"GNSMonitor: the model was loaded with DistributedConfig({name}="
+                             f"{getattr(config, name)}): {why}, which is not supported; measure it under "
+                             "fsdp_size, dp_replicate_size and tp_size")
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     except ImportError:

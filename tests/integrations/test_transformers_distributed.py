@@ -1,7 +1,8 @@
 """transformers' own distributed training (``from_pretrained(..., distributed_config=DistributedConfig())``:
-its FSDP2 plan, its tensor parallelism, both on a (fsdp, tp) mesh) on a tiny LLaMA saved and loaded here,
-gloo processes on 127.0.0.1: the monitor's ‖ḡ‖² and tr(Σ) and every layer's per-example norms against one
-process's on the whole batch, float64, tied and untied.
+its FSDP2 plan, HSDP, its tensor parallelism, FSDP2 and tensor parallelism on a (fsdp, tp) mesh) on a tiny
+LLaMA saved and loaded here, gloo processes on 127.0.0.1: the monitor's ‖ḡ‖² and tr(Σ) and every layer's
+per-example norms against one process's on the whole batch, float64, tied and untied; pipeline and expert
+parallelism refused by name.
 
 Before: with ``fsdp_size`` and untied embeddings the first step raised "parameters ['weight'] are DTensors in
 its forward (tensor parallelism)" for ``model.embed_tokens``: transformers' plan makes the input embedding an
@@ -45,30 +46,38 @@ def measure(model, x, **kw) -> dict:
             "layers": psn.layer_sq_norms(), "total": psn.sq_norms()}
 
 
+def load(path: str, cls=transformers.LlamaForCausalLM, **cfg):
+    from transformers import DistributedConfig
+    return cls.from_pretrained(path, distributed_config=DistributedConfig(**cfg), dtype=torch.float64)
+
+
 def worker(rank, path, cfg):
     from torch.distributed.tensor import DTensor
-    from transformers import DistributedConfig
-    model = transformers.LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**cfg),
-                                                          dtype=torch.float64)
+    model = load(path, **cfg)
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
-    dp = model._device_mesh["fsdp"]                  # (transformers' mesh: ("pp", "fsdp", "tp"))
-    kw = {"process_group": dp.get_group()} if cfg.get("tp_size", 1) > 1 else {}
-    rows = slice(dp.get_local_rank() * B, (dp.get_local_rank() + 1) * B)
-    return measure(model, ids(cfg["fsdp_size"] * B)[rows], **kw) | {"rows": (rows.start, rows.stop),
-                                                                    "sharded": sharded}
+    tp = cfg.get("tp_size", 1)                       # (transformers' mesh: ("pp", "dp_replicate", "fsdp",
+    kw = {"process_group": model._device_mesh["fsdp"].get_group()} if tp > 1 else {}  # "tp"), in order)
+    rows = slice(rank // tp * B, (rank // tp + 1) * B)
+    out = measure(model, ids(DP(cfg) * B)[rows], **kw)
+    return out | {"rows": (rows.start, rows.stop), "sharded": sharded}
+
+
+def DP(cfg: dict) -> int:
+    return cfg["fsdp_size"] * cfg.get("dp_replicate_size", 1)
 
 
 @pytest.mark.parametrize("cfg,tied", [({"fsdp_size": 2}, False), ({"fsdp_size": 2}, True),
                                       ({"fsdp_size": 2, "tp_size": 2}, False),
-                                      ({"fsdp_size": 2, "tp_size": 2}, True)])
+                                      ({"fsdp_size": 2, "tp_size": 2}, True),
+                                      ({"fsdp_size": 2, "dp_replicate_size": 2}, False)])     # HSDP
 def test_hf_distributed_config_matches_one_process(tmp_path, cfg, tied):
     model = tiny(tied)
     model.save_pretrained(tmp_path / "model")
-    ref = measure(model, ids(cfg["fsdp_size"] * B))
+    ref = measure(model, ids(DP(cfg) * B))
     (tmp_path / "out").mkdir()
-    world = cfg["fsdp_size"] * cfg.get("tp_size", 1)
+    world = DP(cfg) * cfg.get("tp_size", 1)
     res = run_gloo(functools.partial(worker, path=str(tmp_path / "model"), cfg=cfg), world, tmp_path / "out")
-    assert len({r["rows"] for r in res}) == cfg["fsdp_size"]          # (the tp ranks of a dp rank alike)
+    assert len({r["rows"] for r in res}) == DP(cfg)          # (the tp ranks of a dp rank alike)
     for r in res:
         rows = slice(*r["rows"])
         assert r["sharded"] and r["method"] == "per_example" and r["batch_size"] == ref["batch_size"]
@@ -78,3 +87,27 @@ def test_hf_distributed_config_matches_one_process(tmp_path, cfg, tied):
         for name, v in ref["layers"].items():
             torch.testing.assert_close(r["layers"][name], v[rows], rtol=1e-9, atol=0, msg=name)
         torch.testing.assert_close(r["total"], ref["total"][rows], rtol=1e-9, atol=0)
+
+
+def refused(rank, path, cfg):
+    try:
+        GNSMonitor(load(path, transformers.MixtralForCausalLM, **cfg))
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("cfg", [{"pp_size": 2}, {"fsdp_size": 2, "ep_size": 2}])
+def test_pipeline_and_expert_parallelism_refused_by_name(tmp_path, cfg):
+    """Before: expert parallelism refused on the first forward as "tensor parallelism"; pipeline stages
+    would have been measured each on its own layers."""
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)).save_pretrained(
+            tmp_path / "model")
+    (tmp_path / "out").mkdir()
+    name = next(iter(set(cfg) - {"fsdp_size"}))
+    body = functools.partial(refused, path=str(tmp_path / "model"), cfg=cfg)
+    for msg in run_gloo(body, 2, tmp_path / "out"):
+        assert msg is not None and f"DistributedConfig({name}=2)" in msg, msg
+        assert ("pipeline" if name == "pp_size" else "expert") in msg
