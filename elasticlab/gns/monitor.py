@@ -65,7 +65,9 @@ class GNSMonitor:
     its examples (per-example form). ``per_layer``: keep per-module estimates (per-example and micro-batch
     forms). ``beta`` and ``init_batch_size``: the :class:`GNSEstimator`'s. ``history``: one dict per measured
     step (``step``, ``b_simple``, ``grad_sq``, ``trace_cov``, ``batch_size``, ``micro_batches``, ``method``,
-    ``skipped``, and ``layers`` {module: B_simple} with ``per_layer``).
+    ``skipped``, and ``layers`` {module: B_simple} with ``per_layer``). ``process_group``: the processes whose
+    examples differ (default: all; with tensor-parallel layers, read off their meshes by every process
+    together: :func:`~elasticlab.gns.sharded.data_parallel_group`).
     """
 
     def __init__(self, model: nn.Module, every: int = 1, beta: float = 0.99, method: str = "auto",
@@ -106,7 +108,8 @@ class GNSMonitor:
         self._accumulating = False            # auto: a step had several backwards, per-example norms unused
         self._track()
         if process_group is None and self.world > 1 and any(s.tp for s in getattr(self._psn, "_slots", ())):
-            raise ValueError(sharded.TP_GROUP)
+            self.group = sharded.data_parallel_group(self._psn._slots)      # (examples differ across it)
+            self.world = dist.get_world_size(self.group)
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         self._out = [m.register_forward_hook(torch.compiler.disable(self._on_output))  # FSDP2: backwards
                      for m in (sharded.watched(self.module) if self._sharded else ())]    # seen at outputs

@@ -181,9 +181,21 @@ def refuse_hf_style(model, slot) -> None:
                      "style")
 
 
-TP_GROUP = ("GNSMonitor: the model has tensor-parallel layers, whose processes see the same examples: pass "
-            "process_group=, the data-parallel group over which the examples differ (a ('dp', 'tp') mesh's "
-            "mesh['dp'].get_group(), of size 1 under tensor parallelism alone)")
+def data_parallel_group(slots):
+    """The processes whose examples differ when the model has tensor-parallel layers (``slots``' layouts,
+    :func:`tensor_parallel`): those at this process's place along every mesh dimension a layer is split
+    along (a ``('dp', 'tp')`` mesh's ``mesh['dp']`` group; under transformers' ``DistributedConfig``, its
+    ``dp_replicate_size × fsdp_size`` processes). Collective: every process forms every group."""
+    import torch.distributed as dist
+    place = sorted({(str(mesh.mesh_dim_names or tuple(mesh.shape)), d, mesh.get_local_rank(d))
+                    for s in slots for mesh, dims, _, _ in s.tp.values() for d in dims})
+    places = [None] * dist.get_world_size()
+    dist.all_gather_object(places, place)
+    groups: dict[str, list[int]] = {}
+    for rank, p in enumerate(places):
+        groups.setdefault(repr(p), []).append(rank)
+    mine, _ = dist.new_subgroups_by_enumeration(sorted(groups.values()))
+    return mine
 
 
 def tensor_parallel(model, slot) -> dict:

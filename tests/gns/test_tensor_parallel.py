@@ -112,36 +112,34 @@ def train(net, monitor, forward=None, n=B):
         "layers": monitor.layer_b_simple()}
 
 
-def monitor_worker(rank, compiled):
+def monitor_worker(rank, compiled, given):
+    """``given``: the data-parallel group passed, else found by the monitor (before: refused, "pass
+    process_group=")."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     tp = parallel(mesh["tp"])
-    try:
-        GNSMonitor(tp)                        # the processes see the same examples: which group differs?
-        refused = None
-    except ValueError as e:
-        refused = str(e)
     import torch._dynamo
     torch._dynamo.reset()
     forward = torch.compile(tp, backend="aot_eager") if compiled else None   # (a graph break at each layer)
     try:
-        return train(tp, GNSMonitor(tp, process_group=mesh["dp"].get_group()), forward) | {"refused": refused}
+        monitor = GNSMonitor(tp, process_group=mesh["dp"].get_group() if given else None)
+        return train(tp, monitor, forward) | {"group": torch.distributed.get_world_size(monitor.group)}
     finally:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_monitor_under_tensor_parallelism_matches_one_process(tmp_path, compiled):
+@pytest.mark.parametrize("compiled,given", [(False, True), (True, True), (False, False)])
+def test_monitor_under_tensor_parallelism_matches_one_process(tmp_path, compiled, given):
     net = make()
     ref = train(net, GNSMonitor(net))
-    for r in run_gloo(functools.partial(monitor_worker, compiled=compiled), WORLD, tmp_path):
-        assert "process_group=" in r["refused"] and "mesh['dp'].get_group()" in r["refused"]
+    for r in run_gloo(functools.partial(monitor_worker, compiled=compiled, given=given), WORLD, tmp_path):
+        assert r["group"] == 1                     # (the processes see the same examples)
         assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [B] * STEPS
         assert r["b_simple"] == pytest.approx(ref["b_simple"], rel=1e-9)
         assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 4
 
 
-def fsdp_tp_worker(rank):
+def fsdp_tp_worker(rank, given=True):
     """torchtitan's 2-D layout: tensor parallelism inside FSDP2 on a (dp=2, tp=2) mesh, 4 processes; the
     processes of one tp group read the same examples, the dp groups different ones."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,13 +150,17 @@ def fsdp_tp_worker(rank):
         fully_shard(m, mesh=mesh["dp"])
     dp = mesh["dp"].get_local_rank()
     rows = slice(dp * B, (dp + 1) * B)
-    return train(net, GNSMonitor(net, process_group=mesh["dp"].get_group()), lambda x: net(x[rows]), 2 * B)
+    monitor = GNSMonitor(net, process_group=mesh["dp"].get_group() if given else None)
+    assert torch.distributed.get_process_group_ranks(monitor.group) == mesh["dp"].mesh.tolist()
+    return train(net, monitor, lambda x: net(x[rows]), 2 * B)
 
 
-def test_monitor_under_fsdp2_with_tensor_parallelism_matches_one_process(tmp_path):
+@pytest.mark.parametrize("given", [True, False])
+def test_monitor_under_fsdp2_with_tensor_parallelism_matches_one_process(tmp_path, given):
+    """Not ``given``: the monitor finds the dp group itself (before: refused)."""
     net = make()
     ref = train(net, GNSMonitor(net), None, 2 * B)
-    for r in run_gloo(fsdp_tp_worker, 2 * WORLD, tmp_path):
+    for r in run_gloo(functools.partial(fsdp_tp_worker, given=given), 2 * WORLD, tmp_path):
         assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [2 * B] * STEPS
         assert r["b_simple"] == pytest.approx(ref["b_simple"], rel=1e-9)
         assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9) and len(r["layers"]) == 4

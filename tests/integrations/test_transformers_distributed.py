@@ -55,10 +55,9 @@ def worker(rank, path, cfg):
     from torch.distributed.tensor import DTensor
     model = load(path, **cfg)
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
-    tp = cfg.get("tp_size", 1)                       # (transformers' mesh: ("pp", "dp_replicate", "fsdp",
-    kw = {"process_group": model._device_mesh["fsdp"].get_group()} if tp > 1 else {}  # "tp"), in order)
+    tp = cfg.get("tp_size", 1)        # (transformers' mesh: ("pp", "dp_replicate", "fsdp", "tp"), in order)
     rows = slice(rank // tp * B, (rank // tp + 1) * B)
-    out = measure(model, ids(DP(cfg) * B)[rows], **kw)
+    out = measure(model, ids(DP(cfg) * B)[rows])           # (the data-parallel group: found by the monitor)
     return out | {"rows": (rows.start, rows.stop), "sharded": sharded}
 
 
