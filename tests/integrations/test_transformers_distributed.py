@@ -110,3 +110,52 @@ def test_pipeline_and_expert_parallelism_refused_by_name(tmp_path, cfg):
     for msg in run_gloo(body, 2, tmp_path / "out"):
         assert msg is not None and f"DistributedConfig({name}=2)" in msg, msg
         assert ("pipeline" if name == "pp_size" else "expert") in msg
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        x = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": x, "labels": x}
+
+
+def trainer_worker(rank, path, out):
+    """HF Trainer (launched as torchrun would: RANK, LOCAL_RANK, WORLD_SIZE) on the model loaded with
+    DistributedConfig(fsdp_size=2), learning rate 0, with the GNS callback: its estimates and the batches."""
+    import os
+
+    from elasticlab.integrations.transformers import GradientNoiseScaleCallback
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    model, seen, cb = load(path, fsdp_size=2), [], GradientNoiseScaleCallback()
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
+    args = transformers.TrainingArguments(
+        output_dir=f"{out}/{rank}", per_device_train_batch_size=B, max_steps=3, learning_rate=0.0,
+        report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
+    keys = ("grad_sq", "trace_cov", "batch_size", "method")
+    return {"history": [{k: h[k] for k in keys} for h in cb.history], "seen": seen}
+
+
+def test_hf_trainer_callback_on_a_distributed_config_model(tmp_path):
+    """Each step's estimates against one process's on the union of the processes' batches (the Trainer
+    shards the data; the monitor sums over both processes)."""
+    model = tiny(False)
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "out").mkdir()
+    res = run_gloo(functools.partial(trainer_worker, path=str(tmp_path / "model"), out=str(tmp_path / "out")),
+                   2, tmp_path / "out")
+    assert all(len(r["seen"]) == 3 for r in res) and not torch.equal(res[0]["seen"][0], res[1]["seen"][0])
+    monitor = GNSMonitor(model)                            # (history: the estimator's running values)
+    for k in range(3):
+        x = torch.cat([r["seen"][k] for r in res])
+        with monitor.step():
+            model(input_ids=x, labels=x).loss.backward()
+        model.zero_grad()
+    for k, ref in enumerate(monitor.history):
+        for r in res:
+            h = r["history"][k]
+            assert h["method"] == "per_example" and h["batch_size"] == 2 * B
+            for key in ("grad_sq", "trace_cov"):
+                assert h[key] == pytest.approx(ref[key], rel=1e-9), (k, key)
