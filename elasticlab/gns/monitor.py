@@ -142,6 +142,7 @@ class GNSMonitor:
 
     def _reset_step(self) -> None:
         self._psn_snap, self._psn_rows = None, []     # (rows: FSDP2's, every micro-batch's per-example norms)
+        self._psn_grad: dict[str, float] = {}     # FSDP2: each module's ‖.grad‖² after the last backward
         self._fwd_sizes: list[int] = []
         self._given_sizes: list[int] = []
         self._scale = None
@@ -214,6 +215,7 @@ class GNSMonitor:
                 if self._sharded:
                     psn = self._psn
                     self._psn_rows.append((psn.sq_norms(), self.per_layer and psn.layer_sq_norms()))
+                    self._psn_grad = psn.layer_grad_sq_norms(1)     # ‖.grad‖² now: before any clipping
                 else:
                     self._psn_snap = self._read_psn()
             except RuntimeError as e:
@@ -318,14 +320,14 @@ class GNSMonitor:
                 raise RuntimeError(f"GNSMonitor: {k} backwards in this step but per-example norms for "
                                    f"{len(rows)}; run each micro-batch's forward inside the step")
             div, n = (w2 * k * k if means else w2), sum(r.numel() for r, _ in rows)
-            lg = {name: v / div for name, v in self._psn.layer_grad_sq_norms(n).items()} if self.per_layer \
-                else {}
+            div *= n * n if not means else 1                                  # (loss summed over examples)
+            lg = {name: v / div for name, v in self._psn_grad.items()}
             # a module of the rows' (one owning a tied weight counts it; one that did not run in a micro-batch
             # has no row there: zero per-example norms), not lg's (every module, those owning none with 0)
             names = dict.fromkeys(name for _, lr in rows for name in (lr or ()))
             layers = {name: ([lr[name] / w2 if name in lr else torch.zeros_like(r) for r, lr in rows],
                              lg[name]) for name in names}
-            grad_sq = sum(lg.values()) if self.per_layer else self._psn.grad_sq_norm(n) / div
+            grad_sq = sum(lg.values())
             folded, n = forms.per_example(self.estimator, [r / w2 for r, _ in rows], grad_sq, means, layers,
                                           self.world, self.group)
             return folded, n, "per_example", layers

@@ -40,38 +40,44 @@ def sharded(mesh_shape=(WORLD,)):
     return fsdp.fully_shard(net, mesh=mesh)
 
 
-def train(net, monitor, rows, forward=None, world=WORLD):
-    """SGD steps, each batch's rows ``rows`` (a slice) on this process."""
+def train(net, monitor, rows, forward=None, world=WORLD, clip=None):
+    """SGD steps, each batch's rows ``rows`` (a slice) on this process; ``clip``: the gradient's norm clipped
+    to it inside the step, after the backward (HF Trainer's order: clip, then the callback's step end)."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for x in batches(world):
         opt.zero_grad()
         with monitor.step():
             (forward or net)(x[rows]).pow(2).mean().backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
     return {k: [h[k] for h in monitor.history] for k in ("b_simple", "grad_sq", "trace_cov", "batch_size")} \
         | {"method": [h["method"] for h in monitor.history], "layers": monitor.layer_b_simple()}
 
 
-def worker(rank, compiled=False, mesh_shape=(WORLD,)):
+def worker(rank, compiled=False, mesh_shape=(WORLD,), clip=None):
     net = sharded(mesh_shape)
     import torch._dynamo
     torch._dynamo.reset()
     forward = torch.compile(net, backend="aot_eager") if compiled else None
     try:
         return train(net, GNSMonitor(net), slice(rank * B_LOCAL, (rank + 1) * B_LOCAL), forward,
-                     world=math.prod(mesh_shape))
+                     world=math.prod(mesh_shape), clip=clip)
     finally:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiled,mesh_shape", [(False, (2,)), (True, (2,)), (False, (2, 2))])
-def test_fsdp2_matches_one_process(tmp_path, compiled, mesh_shape):
+@pytest.mark.parametrize("compiled,mesh_shape,clip", [(False, (2,), None), (True, (2,), None),
+                                                      (False, (2, 2), None), (False, (2,), 1e-3)])
+def test_fsdp2_matches_one_process(tmp_path, compiled, mesh_shape, clip):
     """(2, 2): HSDP on 4 processes, the gradients replicated along one mesh dimension, sharded along the
-    other: their shards' sums all-reduced along the second only."""
+    other: their shards' sums all-reduced along the second only. ``clip``: ‖ḡ‖² is the gradient's at the end
+    of the backward (before: read at the step's end, after the clipping, as the HF Trainer clips)."""
     world = math.prod(mesh_shape)
-    res = run_gloo(functools.partial(worker, compiled=compiled, mesh_shape=mesh_shape), world, tmp_path)
+    body = functools.partial(worker, compiled=compiled, mesh_shape=mesh_shape, clip=clip)
+    res = run_gloo(body, world, tmp_path)
     net = make()
-    ref = train(net, GNSMonitor(net), slice(None), world=world)
+    ref = train(net, GNSMonitor(net), slice(None), world=world, clip=clip)
     assert ref["method"] == ["per_example"] * STEPS
     for r in res:
         assert r["method"] == ["per_example"] * STEPS and r["batch_size"] == [world * B_LOCAL] * STEPS
@@ -79,6 +85,31 @@ def test_fsdp2_matches_one_process(tmp_path, compiled, mesh_shape):
             assert r[k] == pytest.approx(ref[k], rel=1e-9), k
         assert set(r["layers"]) == set(ref["layers"]) == {"0", "2", "3", "5"}     # per layer, sharded too
         assert r["layers"] == pytest.approx(ref["layers"], rel=1e-9)
+
+
+def summed(net, monitor, rows):
+    """Steps of a loss summed over this process's examples, the gradient clipped to 1e-3 inside the step
+    (so the steps are the same whatever the loss's scale: FSDP2 averages over the processes)."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for x in batches():
+        opt.zero_grad()
+        with monitor.step():
+            net(x[rows]).pow(2).sum().backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+        opt.step()
+    return [v for h in monitor.history for v in (h["grad_sq"], h["trace_cov"], h["batch_size"])]
+
+
+def summed_worker(rank):
+    net = sharded()
+    return summed(net, GNSMonitor(net, loss_reduction="sum"), slice(rank * B_LOCAL, (rank + 1) * B_LOCAL))
+
+
+def test_fsdp2_loss_summed_over_examples_matches_one_process(tmp_path):
+    net = make()
+    ref = summed(net, GNSMonitor(net, loss_reduction="sum"), slice(None))
+    for r in run_gloo(summed_worker, WORLD, tmp_path):
+        assert len(r) == 3 * STEPS and r == pytest.approx(ref, rel=1e-9)
 
 
 class Block(nn.Module):

@@ -123,7 +123,8 @@ class Tokens(torch.utils.data.Dataset):
 
 def trainer_worker(rank, path, out):
     """HF Trainer (launched as torchrun would: RANK, LOCAL_RANK, WORLD_SIZE) on the model loaded with
-    DistributedConfig(fsdp_size=2), learning rate 0, with the GNS callback: its estimates and the batches."""
+    DistributedConfig(fsdp_size=2), learning rate 0, with the GNS callback: its estimates and the batches.
+    The gradient clipped to 1e-3 before the callback's step end (before: ‖ḡ‖² read after the clipping)."""
     import os
 
     from elasticlab.integrations.transformers import GradientNoiseScaleCallback
@@ -132,7 +133,8 @@ def trainer_worker(rank, path, out):
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
     args = transformers.TrainingArguments(
         output_dir=f"{out}/{rank}", per_device_train_batch_size=B, max_steps=3, learning_rate=0.0,
-        report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+        max_grad_norm=1e-3, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0)
     transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
     keys = ("grad_sq", "trace_cov", "batch_size", "method")
     return {"history": [{k: h[k] for k in keys} for h in cb.history], "seen": seen}
