@@ -18,7 +18,7 @@ from gloo_util import run_gloo
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch.distributed.fsdp")
 
-from elasticlab.gns import GNSMonitor, PerSampleGradNorms  # noqa: E402
+from elasticlab.gns import GNSEstimator, GNSMonitor, PerSampleGradNorms  # noqa: E402
 
 T, B, VOCAB = 8, 4, 40          # B examples on each data-parallel rank
 
@@ -121,10 +121,11 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
-def trainer_worker(rank, path, out):
+def trainer_worker(rank, path, out, accum):
     """HF Trainer (launched as torchrun would: RANK, LOCAL_RANK, WORLD_SIZE) on the model loaded with
-    DistributedConfig(fsdp_size=2), learning rate 0, with the GNS callback: its estimates and the batches.
-    The gradient clipped to 1e-3 before the callback's step end (before: ‖ḡ‖² read after the clipping)."""
+    DistributedConfig(fsdp_size=2), learning rate 0, ``accum`` micro-batches a step, with the GNS callback:
+    its estimates and the micro-batches. The gradient clipped to 1e-3 before the callback's step end
+    (before: ‖ḡ‖² read after the clipping)."""
     import os
 
     from elasticlab.integrations.transformers import GradientNoiseScaleCallback
@@ -133,31 +134,36 @@ def trainer_worker(rank, path, out):
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
     args = transformers.TrainingArguments(
         output_dir=f"{out}/{rank}", per_device_train_batch_size=B, max_steps=3, learning_rate=0.0,
-        max_grad_norm=1e-3, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0)
+        gradient_accumulation_steps=accum, max_grad_norm=1e-3, report_to=[], use_cpu=True, logging_steps=1,
+        save_strategy="no", disable_tqdm=True, seed=0)
     transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
-    keys = ("grad_sq", "trace_cov", "batch_size", "method")
+    keys = ("grad_sq", "trace_cov", "batch_size", "micro_batches", "method")
     return {"history": [{k: h[k] for k in keys} for h in cb.history], "seen": seen}
 
 
-def test_hf_trainer_callback_on_a_distributed_config_model(tmp_path):
-    """Each step's estimates against one process's on the union of the processes' batches (the Trainer
-    shards the data; the monitor sums over both processes)."""
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hf_trainer_callback_on_a_distributed_config_model(tmp_path, accum):
+    """Each step per example over the processes' micro-batches (FSDP2: the micro-batch form's whole
+    gradients are reduced away), against the estimator fed by one process: the mean ‖g_i‖² of the step's
+    2·accum·B examples and ‖ḡ‖² of their mean gradient (equal micro-batches: B_big = 2·accum·B)."""
     model = tiny(False)
     model.save_pretrained(tmp_path / "model")
     (tmp_path / "out").mkdir()
-    res = run_gloo(functools.partial(trainer_worker, path=str(tmp_path / "model"), out=str(tmp_path / "out")),
-                   2, tmp_path / "out")
-    assert all(len(r["seen"]) == 3 for r in res) and not torch.equal(res[0]["seen"][0], res[1]["seen"][0])
-    monitor = GNSMonitor(model)                            # (history: the estimator's running values)
+    body = functools.partial(trainer_worker, path=str(tmp_path / "model"), out=str(tmp_path / "out"),
+                             accum=accum)
+    res = run_gloo(body, 2, tmp_path / "out")
+    assert all(len(r["seen"]) == 3 * accum for r in res)
+    assert not torch.equal(res[0]["seen"][0], res[1]["seen"][0])         # (the Trainer shards the data)
+    est = GNSEstimator(beta=0.99)                          # (history: the estimator's running values)
     for k in range(3):
-        x = torch.cat([r["seen"][k] for r in res])
-        with monitor.step():
-            model(input_ids=x, labels=x).loss.backward()
+        x = torch.cat([r["seen"][k * accum + j] for j in range(accum) for r in res])
         model.zero_grad()
-    for k, ref in enumerate(monitor.history):
+        with PerSampleGradNorms(model) as psn:
+            model(input_ids=x, labels=x).loss.backward()
+            est.update_two_batch(float(psn.sq_norms().mean()), psn.grad_sq_norm(), 1.0, float(len(x)))
         for r in res:
             h = r["history"][k]
-            assert h["method"] == "per_example" and h["batch_size"] == 2 * B
-            for key in ("grad_sq", "trace_cov"):
-                assert h[key] == pytest.approx(ref[key], rel=1e-9), (k, key)
+            assert h["method"] == "per_example" and h["batch_size"] == 2 * accum * B
+            assert h["micro_batches"] == accum
+            assert h["grad_sq"] == pytest.approx(est.grad_sq, rel=1e-9), k
+            assert h["trace_cov"] == pytest.approx(est.trace_cov, rel=1e-9), k
