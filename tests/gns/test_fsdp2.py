@@ -112,6 +112,34 @@ def test_fsdp2_loss_summed_over_examples_matches_one_process(tmp_path):
         assert len(r) == 3 * STEPS and r == pytest.approx(ref, rel=1e-9)
 
 
+def amp_recipe(net, rows):
+    """torch.amp's recipe with clipping, inside the step: the loss scaled, backward, ``unscale_``, clip to
+    1e-3; then ``scaler.step`` and ``update`` (float64 here: the scaler's bookkeeping, not its precision)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor, opt = GNSMonitor(net, grad_scaler=scaler), torch.optim.SGD(net.parameters(), lr=0.01)
+    for x in batches():
+        opt.zero_grad()
+        with monitor.step():
+            scaler.scale(net(x[rows]).pow(2).mean()).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+        scaler.step(opt)
+        scaler.update()
+    return [v for h in monitor.history for v in (h["grad_sq"], h["trace_cov"], h["batch_size"])]
+
+
+def amp_worker(rank):
+    return amp_recipe(sharded(), slice(rank * B_LOCAL, (rank + 1) * B_LOCAL))
+
+
+def test_fsdp2_grad_scaler_unscaled_and_clipped_inside_the_step(tmp_path):
+    """Before: ‖ḡ‖² read at the step's end, unscaled and clipped by then: ‖G‖² came out negative (-0.122
+    against 0.122 at the first step)."""
+    ref = amp_recipe(make(), slice(None))
+    for r in run_gloo(amp_worker, WORLD, tmp_path):
+        assert len(r) == 3 * STEPS and r == pytest.approx(ref, rel=1e-9)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
