@@ -215,7 +215,7 @@ class GNSMonitor:
                 if self._sharded:
                     psn = self._psn
                     self._psn_rows.append((psn.sq_norms(), self.per_layer and psn.layer_sq_norms()))
-                    self._psn_grad = psn.layer_grad_sq_norms(1)     # ‖.grad‖² now: before any clipping
+                    self._psn_grad = psn.layer_grad_sq_norms(1)  # now, before any clipping (÷n²: the fold)
                 else:
                     self._psn_snap = self._read_psn()
             except RuntimeError as e:
@@ -319,8 +319,8 @@ class GNSMonitor:
             if len(rows) != k:
                 raise RuntimeError(f"GNSMonitor: {k} backwards in this step but per-example norms for "
                                    f"{len(rows)}; run each micro-batch's forward inside the step")
-            div, n = (w2 * k * k if means else w2), sum(r.numel() for r, _ in rows)
-            div *= n * n if not means else 1                                  # (loss summed over examples)
+            n = sum(r.numel() for r, _ in rows)
+            div = w2 * (k * k if means else n * n)           # (the loss summed over examples: by n²)
             lg = {name: v / div for name, v in self._psn_grad.items()}
             # a module of the rows' (one owning a tied weight counts it; one that did not run in a micro-batch
             # has no row there: zero per-example norms), not lg's (every module, those owning none with 0)

@@ -186,7 +186,6 @@ def data_parallel_group(slots):
     :func:`tensor_parallel`): those at this process's place along every mesh dimension a layer is split
     along (a ``('dp', 'tp')`` mesh's ``mesh['dp']`` group; under transformers' ``DistributedConfig``, its
     ``dp_replicate_size × fsdp_size`` processes). Collective: every process forms every group."""
-    import torch.distributed as dist
     place = sorted({(str(mesh.mesh_dim_names or tuple(mesh.shape)), d, mesh.get_local_rank(d))
                     for s in slots for mesh, dims, _, _ in s.tp.values() for d in dims})
     places = [None] * dist.get_world_size()
