@@ -88,13 +88,15 @@ class StepGradients:
     """Per-backward gradient norms of ``params`` between :meth:`start` and :meth:`stop`.
 
     ``after_backward``: called (no arguments) at the end of each backward, after ``.grad`` was read.
-    ``read_first = False`` leaves ``.grad`` unread after the first backward (a caller that reads it then).
+    ``read_first = False`` leaves ``.grad`` unread after the first backward (a caller that reads it then);
+    ``read_grads = False`` after every backward (the backwards only counted: FSDP2's per-example form).
     """
 
     def __init__(self, params: list[torch.Tensor], after_backward: Callable[[], None] | None = None):
         self.params = list(params)
         self.after_backward = after_backward
         self.read_first = True                # False: skip reading .grad after a step's first backward
+        self.read_grads = True                # False: after every backward
         self._hooks: list = []
         self.reset()
 
@@ -145,7 +147,7 @@ class StepGradients:
         Variable._execution_engine.queue_callback(self._read)
 
     def _read(self) -> None:
-        if self.backwards == 1 and not self.read_first:       # the caller has the first backward's norms
+        if not self.read_grads or (self.backwards == 1 and not self.read_first):   # (the caller has them)
             self._last = []
             if self.after_backward is not None:
                 self.after_backward()
@@ -154,8 +156,9 @@ class StepGradients:
         grads = [self.params[i].grad.detach() for i in have]
         norms = [_norm(sharded.local(g)) for g in grads] if any(g.dtype == torch.float64 for g in grads) \
             else torch._foreach_norm([sharded.local(g) for g in grads], 2, dtype=torch.float32)
-        if sharded.is_sharded(grads):         # FSDP2: ‖shard‖² summed over the shards
-            norms = [v.sqrt() for v in sharded.reduce_sq([v.double().square() for v in norms], grads)]
+        groups = sharded.shard_groups(grads)  # FSDP2: ‖shard‖² summed over the shards
+        if groups:
+            norms = [v.sqrt() for v in sharded.reduce_sq([v.double().square() for v in norms], groups)]
         self._last = list(zip(have, norms))
         if self.after_backward is not None:
             self.after_backward()

@@ -138,11 +138,12 @@ class GNSMonitor:
             raise ValueError(sharded.PER_EXAMPLE_ONLY.format(self._psn_error or "method='micro_batch' asked"))
         self._frozen = frozen(self.module)    # unfrozen later: tracked again at begin()
         self._grads = StepGradients(self._params, self._after_backward)
+        self._grads.read_grads = not self._sharded                # (FSDP2: the backwards counted only)
         self._groups = forms.layer_groups(forms.layer_of(named))
 
     def _reset_step(self) -> None:
         self._psn_snap, self._psn_rows = None, []     # (rows: FSDP2's, every micro-batch's per-example norms)
-        self._psn_grad: dict[str, float] = {}     # FSDP2: each module's ‖.grad‖² after the last backward
+        self._psn_grad = None                 # FSDP2: each module's ‖.grad‖² after the last backward (unread)
         self._fwd_sizes: list[int] = []
         self._given_sizes: list[int] = []
         self._scale = None
@@ -215,7 +216,7 @@ class GNSMonitor:
                 if self._sharded:
                     psn = self._psn
                     self._psn_rows.append((psn.sq_norms(), self.per_layer and psn.layer_sq_norms()))
-                    self._psn_grad = psn.layer_grad_sq_norms(1)  # now, before any clipping (÷n²: the fold)
+                    self._psn_grad = psn.grad_squares()      # now, before any clipping: read at the end
                 else:
                     self._psn_snap = self._read_psn()
             except RuntimeError as e:
@@ -321,7 +322,7 @@ class GNSMonitor:
                                    f"{len(rows)}; run each micro-batch's forward inside the step")
             n = sum(r.numel() for r, _ in rows)
             div = w2 * (k * k if means else n * n)           # (the loss summed over examples: by n²)
-            lg = {name: v / div for name, v in self._psn_grad.items()}
+            lg = {name: v / div for name, v in self._psn.layer_grad_sq_norms(1, self._psn_grad).items()}
             # a module of the rows' (one owning a tied weight counts it; one that did not run in a micro-batch
             # has no row there: zero per-example norms), not lg's (every module, those owning none with 0)
             names = dict.fromkeys(name for _, lr in rows for name in (lr or ()))

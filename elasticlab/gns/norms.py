@@ -46,9 +46,10 @@ from elasticlab.gns.forwards import Forwards
 from elasticlab.gns.layers.common import EagerUnderCompile
 from elasticlab.gns.sink import Sinks
 from elasticlab.gns.slot import (
+    GradSquares,
     Slot,
     finish,
-    grad_sq_sums,
+    grad_squares,
     layer_totals,
     recomputing,
     slots_of,
@@ -351,47 +352,28 @@ class PerSampleGradNorms:
             return total * (f / self._scale.to(device=device, dtype=dtype) ** 2)
         return total * f if f != 1.0 else total
 
-    def _grad_sums(self) -> list[list[float]]:
-        """:func:`~elasticlab.gns.slot.grad_sq_sums` of the slots; a nonzero gradient of a parameter whose
-        module ran but recorded no norm of it raises (``strict``) or is left out of the sums too, with one
-        warning (the rule missed it: the norms have none)."""
-        sums, missed = grad_sq_sums(self._slots, self._check_coverage())
-        if missed:
-            self._refuse(tuple(s.full(pn) for s, pn in missed), unrecorded(missed), "Freeze them, give the "
-                         "module a rule that covers them, or pass strict=False to leave them out",
-                         "grad_sq_norm as well")
-        return sums
+    def grad_squares(self) -> GradSquares:
+        """The covered parameters' Σ g² of ``.grad`` as it is now (before a clipping or ``unscale_`` changes
+        it), left on the devices: no host read, no collective, until :meth:`layer_grad_sq_norms` reads it."""
+        unscaled = self._scale is None or loss_scale.unscaled(self.grad_scaler)
+        return grad_squares(self._slots, self._check_coverage(), None if unscaled else self._scale)
 
     def grad_sq_norm(self, batch_size: int | None = None) -> float:
         """‖ḡ‖² of the batch-mean gradient from the covered parameters' ``.grad`` (which must hold this
         batch's gradient alone: zero them before the backward). With ``"sum"`` it divides by B²; with a
         ``grad_scaler`` it divides out the loss scale unless ``scaler.unscale_`` already did."""
-        total = 0.0
-        for row in self._grad_sums():
-            for v in row:
-                total += v
-        total /= self._grad_scale_sq()
-        if self.loss_reduction == "sum":
-            if batch_size is None:
-                batch_size = int(self.sq_norms().shape[0])
-            total /= batch_size ** 2
-        return total
+        return sum(self.layer_grad_sq_norms(batch_size).values())
 
-    def _grad_scale_sq(self) -> float:
-        """The squared loss scale still in ``.grad`` (1 without a scaler, or after ``scaler.unscale_``)."""
-        if self._scale is None or loss_scale.unscaled(self.grad_scaler):
-            return 1.0
-        return float(self._scale.double()) ** 2
-
-    def layer_grad_sq_norms(self, batch_size: int | None = None) -> dict[str, float]:
-        """{module name: ‖ḡ‖²} per module, as :meth:`grad_sq_norm` (for per-layer GNS)."""
-        div = self._grad_scale_sq()
+    def layer_grad_sq_norms(self, batch_size: int | None = None,
+                            squares: GradSquares | None = None) -> dict[str, float]:
+        """{module name: ‖ḡ‖²} per module, as :meth:`grad_sq_norm` (for per-layer GNS), of ``squares``
+        (:meth:`grad_squares`, taken earlier) or of ``.grad`` now. A nonzero gradient of a parameter whose
+        module ran but recorded no norm of it raises (``strict``) or is left out, with one warning."""
+        sums, missed, div = (squares or self.grad_squares()).read()
+        if missed:
+            self._refuse(tuple(s.full(pn) for s, pn in missed), unrecorded(missed), "Freeze them, give the "
+                         "module a rule that covers them, or pass strict=False to leave them out",
+                         "grad_sq_norm as well")
         if self.loss_reduction == "sum":
             div *= float(batch_size if batch_size is not None else self.sq_norms().shape[0]) ** 2
-        out = {}
-        for s, row in zip(self._slots, self._grad_sums()):
-            tot = 0.0
-            for v in row:
-                tot += v
-            out[s.name] = tot / div
-        return out
+        return {s.name: sum(row) / div for s, row in zip(self._slots, sums)}

@@ -330,20 +330,23 @@ def _shard_dims(t) -> tuple[int, ...]:
     return tuple(d for d, p in enumerate(t.placements) if not p.is_replicate())
 
 
-def reduce_sq(vals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``vals[i]``, Σ g² of ``local(grads[i])`` (0-dim), made Σ g² of the whole ``grads[i]``: one all-reduce
-    per mesh dimension the sharded ones are split along, all of them together. Every process must call it
-    with the same gradients (as FSDP2's are)."""
+def shard_groups(grads: list[torch.Tensor]) -> list[tuple]:
+    """(mesh, mesh dimensions, indices) of the sharded ``grads``, those split along the same dimensions of
+    one mesh together: what :func:`reduce_sq` reduces (kept without the gradients themselves)."""
     groups: dict[tuple, tuple] = {}
     for i, g in enumerate(grads):
         dims = _shard_dims(g)
         if dims:
-            key = (id(g.device_mesh), dims)
-            groups.setdefault(key, (g.device_mesh, dims, []))[2].append(i)
-    if not groups:
-        return vals
+            groups.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(i)
+    return list(groups.values())
+
+
+def reduce_sq(vals: list[torch.Tensor], groups: list[tuple]) -> list[torch.Tensor]:
+    """``vals[i]``, Σ g² of ``local(grads[i])`` (0-dim), made Σ g² of the whole ``grads[i]``, given
+    ``shard_groups(grads)``: one all-reduce per mesh dimension the sharded ones are split along, all of them
+    together. Every process must call it with the same gradients (as FSDP2's are)."""
     out = list(vals)
-    for mesh, dims, idx in groups.values():
+    for mesh, dims, idx in groups:
         t = torch.stack([vals[i] for i in idx])
         for d in dims:
             dist.all_reduce(t, group=mesh.get_group(d))

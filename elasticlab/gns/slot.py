@@ -4,6 +4,7 @@ C++ autograd functions, the buffer their backward writes them into)."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -260,14 +261,46 @@ def layer_totals(slots: list[Slot]) -> list[torch.Tensor]:
         k += 1
 
 
-def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[tuple[Slot, str]]]:
-    """(per slot, Σ g² in float64 of each needed parameter's ``.grad``: those with one, not in ``lost``, the
-    (slot id, parameter) pairs left out; all reduced on their devices, then read in one host transfer per
-    device, not one per parameter), and the (slot, parameter) pairs whose gradient is nonzero though their
-    module ran and recorded no norm of them (their sums are given as 0: the norms leave them out too)."""
+@dataclass
+class GradSquares:
+    """Σ g² in float64 of each needed parameter's ``.grad`` per slot (:func:`grad_squares`), taken at one
+    moment and left on the devices: shards' sums not yet all-reduced, nothing read to the host."""
+    slots: list[Slot]
+    sums: list[list[torch.Tensor]]
+    groups: list[tuple]                      # sharded.shard_groups of their gradients (flattened in order)
+    unseen: list[tuple[int, int, str]]       # (slot, position in its row, parameter): ran, recorded no norm
+    scale: torch.Tensor | None               # the loss scale still in the gradients (None: none)
+
+    def read(self) -> tuple[list[list[float]], list[tuple[Slot, str]], float]:
+        """(per slot, the sums: FSDP2's shards' sums all-reduced, then one host transfer per device, not one
+        per parameter), the (slot, parameter) pairs whose gradient is nonzero though their module ran and
+        recorded no norm of them (their sums are given as 0: the norms leave them out too), and the squared
+        loss scale to divide out."""
+        sums = self.sums
+        if self.groups:
+            whole = iter(sharded.reduce_sq([t for row in sums for t in row], self.groups))
+            sums = [[next(whole) for _ in row] for row in sums]
+        by_dev: dict[torch.device, list[torch.Tensor]] = {}
+        for row in sums:
+            for t in row:
+                by_dev.setdefault(t.device, []).append(t)
+        read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
+        out = [[next(read[t.device]) for t in row] for row in sums]
+        missed = []
+        for i, j, pn in self.unseen:
+            if out[i][j] != 0.0:
+                missed.append((self.slots[i], pn))
+                out[i][j] = 0.0
+        return out, missed, 1.0 if self.scale is None else float(self.scale.double()) ** 2
+
+
+def grad_squares(slots: list[Slot], lost: set, scale: torch.Tensor | None = None) -> GradSquares:
+    """:class:`GradSquares` of the parameters with a ``.grad``, those in ``lost`` (slot id, parameter) left
+    out; ``scale``: the loss scale in the gradients. Launches only: no host sync, no collective (but the one
+    that makes a partial DTensor whole)."""
     sums: list[list[torch.Tensor]] = []
     grads: list[torch.Tensor] = []
-    unseen: list[tuple[int, int, str]] = []                # (slot, position in its row, parameter)
+    unseen: list[tuple[int, int, str]] = []
     for i, s in enumerate(slots):
         row = []
         for pname in s.need:
@@ -280,21 +313,7 @@ def grad_sq_sums(slots: list[Slot], lost: set) -> tuple[list[list[float]], list[
                 row.append(sharded.local(p.grad.detach()).double().pow(2).sum())
                 grads.append(p.grad)
         sums.append(row)
-    if sharded.is_sharded(grads):                          # FSDP2: each shard's sum, summed over the shards
-        whole = iter(sharded.reduce_sq([t for row in sums for t in row], grads))
-        sums = [[next(whole) for _ in row] for row in sums]
-    by_dev: dict[torch.device, list[torch.Tensor]] = {}
-    for row in sums:
-        for t in row:
-            by_dev.setdefault(t.device, []).append(t)
-    read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
-    out = [[next(read[t.device]) for t in row] for row in sums]
-    missed = []
-    for i, j, pn in unseen:
-        if out[i][j] != 0.0:
-            missed.append((slots[i], pn))
-            out[i][j] = 0.0
-    return out, missed
+    return GradSquares(slots, sums, sharded.shard_groups(grads), unseen, scale)
 
 
 def unrecorded(missed: list[tuple[Slot, str]]) -> str:

@@ -352,3 +352,58 @@ def test_fsdp2_bf16_mixed_precision_policy_within_2_percent_of_float32(tmp_path)
         rel = ((lo["sq"] - hi["sq"]).abs() / hi["sq"]).median()
         assert lo["sq"].dtype == torch.float32 and 0 < rel < 0.02, rel          # (0: bf16 was not used)
         assert lo["grad_sq"] == pytest.approx(hi["grad_sq"], rel=0.02)
+
+
+def collectives(rank):
+    """The all-reduces a measured step issues, with 1 and with 4 micro-batches (FSDP2 itself gathers and
+    reduce-scatters: on a 1-D mesh every all-reduce is the monitor's)."""
+    import torch.distributed as dist
+    net, count = sharded(), [0]
+    monitor, opt, real = GNSMonitor(net), torch.optim.SGD(net.parameters(), lr=0.1), dist.all_reduce
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    dist.all_reduce, out = counted, {}
+    try:
+        for k in (1, 4, 1, 4):
+            x = batches()[0][rank * B_LOCAL:(rank + 1) * B_LOCAL].repeat(k, 1)
+            opt.zero_grad()
+            before = count[0]
+            with monitor.step():
+                for part in x.chunk(k):
+                    (net(part).pow(2).mean() / k).backward()
+            out[k] = count[0] - before
+            opt.step()
+    finally:
+        dist.all_reduce = real
+    return out | {"measured": len(monitor.history)}
+
+
+def test_fsdp2_accumulated_step_reduces_gradient_norms_once(tmp_path):
+    """‖.grad‖² is taken at each backward's end (before any clipping) but only the last is used: its shards'
+    sums stay on the device and are all-reduced once, at the step's end (before: one all-reduce and one host
+    read per backward, k - 1 of them wasted)."""
+    for r in run_gloo(collectives, WORLD, tmp_path):
+        assert r["measured"] == 4 and r[1] >= 1
+        assert r[4] == r[1], r
+
+
+def test_bench_gns_fsdp2_runs_and_counts_one_reduction_for_the_norms():
+    """benchmarks/bench_gns_fsdp2.py at a tiny size: both methods timed; a monitored step of 3 micro-batches
+    issues 2 all-reduces (‖.grad‖²'s shards, the fold), a plain one none."""
+    import os
+    import subprocess
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks",
+                         "bench_gns_fsdp2.py")
+    out = subprocess.run([sys.executable, bench, "--micro-batches", "3", "--batch", "2", "--width", "8",
+                          "--layers", "1", "--rounds", "1", "--steps", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+    res = json.loads(out.stdout.rsplit("RESULT ", 1)[1])
+    assert res["all_reduces"] == {"plain": 0, "monitor": 2}
+    assert res["ratio"] > 0 and math.isfinite(res["b_simple"])
+    bad = subprocess.run([sys.executable, bench, "--micro-batches", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--micro-batches must be >= 1, got 0" in bad.stderr
