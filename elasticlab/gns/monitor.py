@@ -107,8 +107,8 @@ class GNSMonitor:
         self._loss_reduction = loss_reduction
         self._accumulating = False            # auto: a step had several backwards, per-example norms unused
         self._track()
-        if process_group is None and self.world > 1 and any(s.tp for s in getattr(self._psn, "_slots", ())):
-            self.group = sharded.data_parallel_group(self._psn._slots)      # (examples differ across it)
+        if process_group is None and self.world > 1 and self._psn is not None and self._psn.tensor_parallel:
+            self.group = sharded.data_parallel_group(self._psn.tensor_parallel.values())  # (examples differ)
             self.world = dist.get_world_size(self.group)
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         self._out = [m.register_forward_hook(torch.compiler.disable(self._on_output))  # FSDP2: backwards
@@ -194,10 +194,8 @@ class GNSMonitor:
             if self._fixed_size:
                 self._given_sizes, self._fixed_size = [], False
             self._given_sizes.append(_check_size(batch_size))
-        if self._use_psn() and self._psn._active:
-            self._psn._begin_step()
-            if batch_size is not None and self._psn._batch is None:
-                self._psn._batch = int(batch_size)   # (what a batch-less layer's output is broadcast to)
+        if self._use_psn() and self._psn.active:
+            self._psn.micro_batch(batch_size)
 
     def _on_forward(self, module, args, kwargs):
         if self._open and self._measuring and torch.is_grad_enabled() and not recomputing():
@@ -211,7 +209,7 @@ class GNSMonitor:
 
     def _after_backward(self) -> None:
         """End of one backward: the per-example norms of the first (more backwards: micro-batch form)."""
-        if (self._grads.backwards == 1 or self._sharded) and self._use_psn() and self._psn._active:
+        if (self._grads.backwards == 1 or self._sharded) and self._use_psn() and self._psn.active:
             try:
                 if self._sharded:
                     psn = self._psn
@@ -275,7 +273,7 @@ class GNSMonitor:
     def abort(self) -> None:
         """Close an open step without folding it (its hooks removed)."""
         self._grads.stop()
-        if self._psn is not None and self._psn._active:
+        if self._psn is not None and self._psn.active:
             self._psn.__exit__()
         self._open = False
 

@@ -146,6 +146,26 @@ class PerSampleGradNorms:
         self._audit.begin(args, kwargs)
         self._forwards.begin()
 
+    def micro_batch(self, batch_size: int | None = None) -> None:
+        """A fresh slate, as the model's forward gives, for a micro-batch whose forward is not the model's (a
+        LightningModule's ``training_step`` calling a submodule); ``batch_size``: what the output of a layer
+        whose input shows no batch (a positional embedding on ``arange(T)``) is broadcast to."""
+        if not self._active:
+            raise RuntimeError("PerSampleGradNorms.micro_batch() outside its context: call it inside `with`")
+        self._begin_step()
+        if batch_size is not None and self._batch is None:
+            self._batch = int(batch_size)
+
+    @property
+    def active(self) -> bool:
+        """Inside the context (its hooks on the model)."""
+        return self._active
+
+    @property
+    def tensor_parallel(self) -> dict[str, dict]:
+        """{module name: its parameters' layouts} of the tensor-parallel layers (sharded.tensor_parallel)."""
+        return {s.name: s.tp for s in self._slots if s.tp}
+
     def _drop_probes(self) -> None:
         for h in self._probes:
             h.remove()

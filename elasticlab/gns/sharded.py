@@ -181,13 +181,13 @@ def refuse_hf_style(model, slot) -> None:
                      "style")
 
 
-def data_parallel_group(slots):
-    """The processes whose examples differ when the model has tensor-parallel layers (``slots``' layouts,
-    :func:`tensor_parallel`): those at this process's place along every mesh dimension a layer is split
+def data_parallel_group(layouts):
+    """The processes whose examples differ when the model has tensor-parallel layers (``layouts``: theirs,
+    from :func:`tensor_parallel`): those at this process's place along every mesh dimension a layer is split
     along (a ``('dp', 'tp')`` mesh's ``mesh['dp']`` group; under transformers' ``DistributedConfig``, its
     ``dp_replicate_size × fsdp_size`` processes). Collective: every process forms every group."""
     place = sorted({(str(mesh.mesh_dim_names or tuple(mesh.shape)), d, mesh.get_local_rank(d))
-                    for s in slots for mesh, dims, _, _ in s.tp.values() for d in dims})
+                    for tp in layouts for mesh, dims, _, _ in tp.values() for d in dims})
     places = [None] * dist.get_world_size()
     dist.all_gather_object(places, place)
     groups: dict[str, list[int]] = {}

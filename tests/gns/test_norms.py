@@ -265,3 +265,36 @@ def test_conv_patches_equal_unfold(nd, k, stride, dil, pad, mode, groups):
     m = cls(4, 6, k, stride=stride, padding=pad, dilation=dil, groups=groups, padding_mode=mode)
     x = torch.randn(3, 4, *([11] if nd == 1 else [9, 10]))
     assert torch.equal(conv_patches(m, x), conv_unfold(m, x).transpose(1, 2))
+
+
+class Wrapper(nn.Module):
+    """A module whose loop calls its ``body`` directly, never its own forward (a LightningModule's
+    training_step on a submodule)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_micro_batch_gives_a_fresh_slate_when_the_models_forward_never_runs(fused):
+    """Two micro-batches through ``body`` inside one context: after ``micro_batch()`` the norms are the second
+    batch's alone (torch.func); outside the context it is refused by name."""
+    model = Wrapper()
+    x1, x2 = torch.randn(4, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    n = PerSampleGradNorms(model, loss_reduction="sum", fused=fused)
+    with pytest.raises(RuntimeError, match=r"micro_batch\(\) outside its context"):
+        n.micro_batch()
+    assert not n.active
+    with n:
+        assert n.active
+        sq_loss(model.body(x1), 0).backward()
+        model.zero_grad()
+        n.micro_batch(6)
+        sq_loss(model.body(x2), 0).backward()
+        got = n.sq_norms()
+    ref = func_sq_norms(model.body, sq_loss, x2, torch.zeros(6, 3, dtype=torch.float64))
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    total = float(sum(p.grad.pow(2).sum() for p in model.parameters()))        # the summed loss's: ÷ B²
+    assert n.grad_sq_norm() == pytest.approx(total / 6 ** 2, rel=1e-12)
