@@ -268,6 +268,29 @@ def test_fsdp2_accumulation_per_example_over_every_micro_batch(tmp_path, routed,
         assert r["layers"] == pytest.approx(layers, rel=1e-9) and len(r["layers"]) == 4
 
 
+
+def amp_accumulate(rank):
+    """:func:`accumulate`'s steps under a GradScaler, ``unscale_`` inside the step after the last backward:
+    ‖ḡ‖² is taken at that backward's end, still scaled, and that scale divided out at the step's end."""
+    net, scaler = sharded(), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor, opt = GNSMonitor(net, grad_scaler=scaler), torch.optim.SGD(net.parameters(), lr=0.1)
+    for x in batches():
+        opt.zero_grad()
+        with monitor.step():
+            for part in x[rank * B_LOCAL:(rank + 1) * B_LOCAL].split(PARTS):
+                scaler.scale(net(part).pow(2).mean() / len(PARTS)).backward()
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    return {"b_simple": [h["b_simple"] for h in monitor.history], "layers": monitor.layer_b_simple()}
+
+
+def test_fsdp2_accumulation_under_a_grad_scaler_unscaled_inside_the_step(tmp_path):
+    expected, layers = accumulated(make())
+    for r in run_gloo(amp_accumulate, WORLD, tmp_path):
+        assert r["b_simple"] == pytest.approx(expected, rel=1e-9)
+        assert r["layers"] == pytest.approx(layers, rel=1e-9)
+
 def refusals(rank):
     net, out = sharded(), []
     try:
