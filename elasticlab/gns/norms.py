@@ -51,6 +51,7 @@ from elasticlab.gns.slot import (
     finish,
     grad_squares,
     layer_totals,
+    left_out_why,
     recomputing,
     slots_of,
     unmeasured,
@@ -228,23 +229,7 @@ class PerSampleGradNorms:
         odd, lost = unmeasured(self._slots, self._refuse), self._left_out()
         if not lost:
             return odd
-        names = tuple(s.full(pn) for s, pn in lost)
-        mods = sorted({f"{s.name or '(root)'!r} ({type(s.module).__name__})" for s, _ in lost})
-        if all(s.calls for s, _ in lost) and all(s.rule.sums_calls or s.follow for s, _ in lost):
-            why = (f"the loss depends on {list(names)}, which were followed through the forward of "
-                   f"{', '.join(mods)} (layers.broadcast_params), but no use of them that reaches the loss "
-                   "was taken per example (one the following does not see: a tensor op outside "
-                   "__torch_function__), so their per-example gradients are not known")
-        elif all(s.calls for s, _ in lost):     # ran, but the rule's hook got no gradient
-            why = (f"the loss depends on {list(names)}, and {', '.join(mods)} ran, but no per-example norm "
-                   "of them was recorded in the backward: its rule did not form them, or the gradient of its "
-                   "output never reached the rule's hook (an in-place op on a view of that output sends it "
-                   "past the hook)")
-        else:
-            why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
-                   f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "
-                   "module (e.g. F.linear(x, module.weight), or a parent that reads a child's weight), so no "
-                   "rule saw their per-example gradients")
+        names, why = tuple(s.full(pn) for s, pn in lost), left_out_why(lost)
         self._refuse(names, why, "Call the module, register a rule for the parent that uses them, freeze "
                      "them, or pass strict=False to leave them out (listed in left_out)",
                      "the per-example norms and of grad_sq_norm (PerSampleGradNorms.left_out)")

@@ -316,6 +316,29 @@ def grad_squares(slots: list[Slot], lost: set, scale: torch.Tensor | None = None
     return GradSquares(slots, sums, sharded.shard_groups(grads), unseen, scale)
 
 
+def left_out_why(lost: list[tuple[Slot, str]]) -> str:
+    """Why (slot, parameter) pairs the loss depended on have no norm (``PerSampleGradNorms.left_out``): their
+    module was followed, or ran but its rule got no gradient, or never ran."""
+    names = tuple(s.full(pn) for s, pn in lost)
+    mods = sorted({f"{s.name or '(root)'!r} ({type(s.module).__name__})" for s, _ in lost})
+    if all(s.calls for s, _ in lost) and all(s.rule.sums_calls or s.follow for s, _ in lost):
+        why = (f"the loss depends on {list(names)}, which were followed through the forward of "
+               f"{', '.join(mods)} (layers.broadcast_params), but no use of them that reaches the loss "
+               "was taken per example (one the following does not see: a tensor op outside "
+               "__torch_function__), so their per-example gradients are not known")
+    elif all(s.calls for s, _ in lost):     # ran, but the rule's hook got no gradient
+        why = (f"the loss depends on {list(names)}, and {', '.join(mods)} ran, but no per-example norm "
+               "of them was recorded in the backward: its rule did not form them, or the gradient of its "
+               "output never reached the rule's hook (an in-place op on a view of that output sends it "
+               "past the hook)")
+    else:
+        why = (f"the loss depends on {list(names)}, but their module{'s' if len(mods) > 1 else ''} "
+               f"{', '.join(mods)} never ran in this step: the parameters were used without calling the "
+               "module (e.g. F.linear(x, module.weight), or a parent that reads a child's weight), so no "
+               "rule saw their per-example gradients")
+    return why
+
+
 def unrecorded(missed: list[tuple[Slot, str]]) -> str:
     """Why (slot, parameter) pairs with a nonzero gradient but no norm, whose module ran, are a problem."""
     s0 = missed[0][0]
