@@ -297,22 +297,28 @@ class GradSquares:
 def grad_squares(slots: list[Slot], lost: set, scale: torch.Tensor | None = None) -> GradSquares:
     """:class:`GradSquares` of the parameters with a ``.grad``, those in ``lost`` (slot id, parameter) left
     out; ``scale``: the loss scale in the gradients. Launches only: no host sync, no collective (but the one
-    that makes a partial DTensor whole)."""
-    sums: list[list[torch.Tensor]] = []
+    that makes a partial DTensor whole); each norm accumulated in float64 by one ``_foreach_norm`` (no
+    float64 copy of a gradient)."""
+    where: list[int] = []                    # each gradient's slot
     grads: list[torch.Tensor] = []
     unseen: list[tuple[int, int, str]] = []
     for i, s in enumerate(slots):
-        row = []
+        j = 0
         for pname in s.need:
             if lost and (id(s), pname) in lost:
                 continue
             p = getattr(s.module, pname)
             if p is not None and p.grad is not None:
                 if s.calls and pname not in s.norms:
-                    unseen.append((i, len(row), pname))
-                row.append(sharded.local(p.grad.detach()).double().pow(2).sum())
+                    unseen.append((i, j, pname))
+                where.append(i)
                 grads.append(p.grad)
-        sums.append(row)
+                j += 1
+    sums: list[list[torch.Tensor]] = [[] for _ in slots]
+    if grads:
+        norms = torch._foreach_norm([sharded.local(g.detach()) for g in grads], 2, dtype=torch.float64)
+        for i, sq in zip(where, torch._foreach_mul(norms, norms)):
+            sums[i].append(sq)
     return GradSquares(slots, sums, sharded.shard_groups(grads), unseen, scale)
 
 

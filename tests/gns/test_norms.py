@@ -298,3 +298,33 @@ def test_micro_batch_gives_a_fresh_slate_when_the_models_forward_never_runs(fuse
     torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
     total = float(sum(p.grad.pow(2).sum() for p in model.parameters()))        # the summed loss's: ÷ B²
     assert n.grad_sq_norm() == pytest.approx(total / 6 ** 2, rel=1e-12)
+
+
+def test_grad_sq_norm_accumulates_in_float64_without_a_float64_copy_of_a_gradient():
+    """‖ḡ‖² of a float32 model: each gradient's Σ g² accumulated in float64 by one ``_foreach_norm``, no op
+    making a float64 tensor of a gradient's size (before: ``.double().pow(2).sum()``, two float64 copies of
+    each gradient); the value that of float64 arithmetic."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.f64 = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    self.f64.append((str(func), t.numel()))
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 5))
+    x = torch.randn(8, 64)
+    with PerSampleGradNorms(model) as n:
+        model(x).pow(2).mean().backward()
+        with Sizes() as seen:
+            got = n.grad_sq_norm()
+    assert seen.f64 and max(k for _, k in seen.f64) <= 4, seen.f64        # 4 parameters: one sum each
+    want = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
+    assert got == pytest.approx(want, rel=1e-13)
