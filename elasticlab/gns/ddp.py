@@ -18,11 +18,13 @@ from elasticlab.gns.estimator import GNSEstimator
 
 
 def _grad_sq(params) -> float:
-    tot = torch.zeros((), dtype=torch.float64)
+    """Σ ‖.grad‖² in float64: one ``_foreach_norm`` and one host read per device (no float64 copies)."""
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            tot += p.grad.detach().double().pow(2).sum().cpu()
-    return float(tot)
+            by_dev.setdefault(p.grad.device, []).append(p.grad.detach())
+    return sum(float(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float64)).square().sum())
+               for gs in by_dev.values()) + 0.0
 
 
 class ReplicaGradNorms:
