@@ -1,11 +1,12 @@
 """Overhead of ``GNSMonitor`` under FSDP2 with gradient accumulation, on gloo processes on 127.0.0.1.
 
-An MLP (``--layers`` Linear+GELU of width ``--width``, each an FSDP2 unit) on ``--world`` processes; a step
-is zero_grad, ``--micro-batches`` k forwards and backwards of ``--batch`` examples each (losses divided by
-k), SGD step. Methods, timed interleaved round by round in the same run: ``plain`` and ``monitor`` (every
-step measured, per-example form over every micro-batch). Wall time of rank 0 between barriers; per method
-the minimum over ``--rounds`` of the mean of ``--steps`` steps. Also counted: the all-reduces a step issues
-(FSDP2 itself gathers and reduce-scatters, so on a 1-D mesh every all-reduce is the monitor's). Last line:
+An MLP (``--layers`` Linear+GELU of width ``--width``, each an FSDP2 unit) on ``--world`` processes; a step is
+zero_grad, ``--micro-batches`` k forwards and backwards of ``--batch`` examples each (losses divided by k),
+SGD step. Methods, timed interleaved round by round in the same run: ``plain`` (a model of its own, without
+the monitor's hooks) and ``monitor`` (every step measured, per-example form over every micro-batch). Wall time
+of rank 0 between barriers; per method the minimum over ``--rounds`` of the mean of ``--steps`` steps. Also
+counted: the all-reduces a step issues (FSDP2 itself gathers and reduce-scatters, so on a 1-D mesh every all-
+reduce is the monitor's). Last line:
 ``RESULT {json}``.
 
     python benchmarks/bench_gns_fsdp2.py [--micro-batches 8] [--rounds 5] [--steps 5]
@@ -13,6 +14,7 @@ the minimum over ``--rounds`` of the mean of ``--steps`` steps. Also counted: th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -46,20 +48,20 @@ def rank_main(rank, args, port, out):
     torch.set_num_threads(1)
     from elasticlab.gns import GNSMonitor
     try:
-        net = build(args)
-        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+        nets = {m: build(args) for m in METHODS}     # (plain: a model without the monitor's hooks)
+        opts = {m: torch.optim.SGD(nets[m].parameters(), lr=1e-4) for m in METHODS}
         g = torch.Generator().manual_seed(rank)
         parts = [torch.randn(args.batch, args.width, generator=g) for _ in range(args.micro_batches)]
-        monitor, count, real = GNSMonitor(net), [0], dist.all_reduce
+        monitor, count, real = GNSMonitor(nets["monitor"]), [0], dist.all_reduce
 
         def counted(*a, **kw):
             count[0] += 1
             return real(*a, **kw)
 
         def step(method):
+            net, opt = nets[method], opts[method]
             opt.zero_grad()
-            ctx = monitor.step() if method == "monitor" else _Null()
-            with ctx:
+            with monitor.step() if method == "monitor" else contextlib.nullcontext():
                 for x in parts:
                     (net(x).pow(2).mean() / len(parts)).backward()
             opt.step()
@@ -87,14 +89,6 @@ def rank_main(rank, args, port, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None) -> dict:
