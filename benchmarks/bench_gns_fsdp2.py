@@ -5,9 +5,8 @@ zero_grad, ``--micro-batches`` k forwards and backwards of ``--batch`` examples 
 SGD step. Methods, timed interleaved round by round in the same run: ``plain`` (a model of its own, without
 the monitor's hooks) and ``monitor`` (every step measured, per-example form over every micro-batch). Wall time
 of rank 0 between barriers; per method the minimum over ``--rounds`` of the mean of ``--steps`` steps. Also
-counted: the all-reduces a step issues (FSDP2 itself gathers and reduce-scatters, so on a 1-D mesh every all-
-reduce is the monitor's). Last line:
-``RESULT {json}``.
+counted: the all-reduces a step issues (FSDP2 itself gathers and reduce-scatters, so on a 1-D mesh every
+all-reduce is the monitor's). Last line: ``RESULT {json}``.
 
     python benchmarks/bench_gns_fsdp2.py [--micro-batches 8] [--rounds 5] [--steps 5]
 """
