@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import socket
@@ -42,52 +43,61 @@ def build(args):
 
 
 def rank_main(rank, args, port, out):
+    """One process: :func:`measure`, then the teardown of tests/gloo_util.py (the models gone with its frame,
+    the ranks at a barrier, cycles collected, then the group destroyed: gloo's threads may otherwise abort the
+    process at exit)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
-    from elasticlab.gns import GNSMonitor
     try:
-        nets = {m: build(args) for m in METHODS}     # (plain: a model without the monitor's hooks)
-        opts = {m: torch.optim.SGD(nets[m].parameters(), lr=1e-4) for m in METHODS}
-        g = torch.Generator().manual_seed(rank)
-        parts = [torch.randn(args.batch, args.width, generator=g) for _ in range(args.micro_batches)]
-        monitor, count, real = GNSMonitor(nets["monitor"]), [0], dist.all_reduce
-
-        def counted(*a, **kw):
-            count[0] += 1
-            return real(*a, **kw)
-
-        def step(method):
-            net, opt = nets[method], opts[method]
-            opt.zero_grad()
-            with monitor.step() if method == "monitor" else contextlib.nullcontext():
-                for x in parts:
-                    (net(x).pow(2).mean() / len(parts)).backward()
-            opt.step()
-
-        reduces = {}
-        dist.all_reduce = counted
-        for m in METHODS:                     # warm-up (the monitor's first step runs eagerly) and the count
-            step(m)
-            before = count[0]
-            step(m)
-            reduces[m] = count[0] - before
-        dist.all_reduce = real
-        best = dict.fromkeys(METHODS, float("inf"))
-        for _ in range(args.rounds):
-            for m in METHODS:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    step(m)
-                dist.barrier()
-                best[m] = min(best[m], (time.perf_counter() - t0) / args.steps)
+        res = measure(rank, args)
         if rank == 0:
-            torch.save({"ms": {m: 1e3 * v for m, v in best.items()}, "all_reduces": reduces,
-                        "b_simple": monitor.b_simple}, f"{out}/result.pt")
+            torch.save(res, f"{out}/result.pt")
         dist.barrier()
     finally:
+        gc.collect()
         dist.destroy_process_group()
+
+
+def measure(rank, args) -> dict:
+    """Both methods' best step times (ms), the all-reduces of one step of each, the monitor's B_simple."""
+    from elasticlab.gns import GNSMonitor
+    nets = {m: build(args) for m in METHODS}     # (plain: a model without the monitor's hooks)
+    opts = {m: torch.optim.SGD(nets[m].parameters(), lr=1e-4) for m in METHODS}
+    g = torch.Generator().manual_seed(rank)
+    parts = [torch.randn(args.batch, args.width, generator=g) for _ in range(args.micro_batches)]
+    monitor, count, real = GNSMonitor(nets["monitor"]), [0], dist.all_reduce
+
+    def counted(*a, **kw):
+        count[0] += 1
+        return real(*a, **kw)
+
+    def step(method):
+        net, opt = nets[method], opts[method]
+        opt.zero_grad()
+        with monitor.step() if method == "monitor" else contextlib.nullcontext():
+            for x in parts:
+                (net(x).pow(2).mean() / len(parts)).backward()
+        opt.step()
+
+    reduces = {}
+    dist.all_reduce = counted
+    for m in METHODS:                     # warm-up (the monitor's first step runs eagerly) and the count
+        step(m)
+        before = count[0]
+        step(m)
+        reduces[m] = count[0] - before
+    dist.all_reduce = real
+    best = dict.fromkeys(METHODS, float("inf"))
+    for _ in range(args.rounds):
+        for m in METHODS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(m)
+            dist.barrier()
+            best[m] = min(best[m], (time.perf_counter() - t0) / args.steps)
+    return {"ms": {m: 1e3 * v for m, v in best.items()}, "all_reduces": reduces, "b_simple": monitor.b_simple}
 
 
 def main(argv=None) -> dict:
