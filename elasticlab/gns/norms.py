@@ -43,6 +43,7 @@ from elasticlab.gns.broadcast import Audit
 from elasticlab.gns.capture import batched_input, frozen, now_training
 from elasticlab.gns.eager_first import EagerFirst
 from elasticlab.gns.forwards import Forwards
+from elasticlab.gns.layers import bias_method
 from elasticlab.gns.layers.common import EagerUnderCompile
 from elasticlab.gns.sink import Sinks
 from elasticlab.gns.slot import (
@@ -269,6 +270,7 @@ class PerSampleGradNorms:
             else:
                 self._handles.append(hooks.install(self, s))
         self._unfuse.clear()                              # (the slots found repeated took hooks above)
+        self._handles += bias_method.install(self)        # (T5's compute_bias, under torch.compile)
         for t in self._ties:                              # the embeddings' indices, for the output layer
             self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook)) for e in t.embs]
         self._active = True

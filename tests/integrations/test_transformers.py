@@ -623,14 +623,15 @@ def test_conv1d_has_the_linear_rule_without_the_integration_imported():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
-def assert_compiled_steps(model, loss, ref, eager_first: bool = False) -> None:
+def assert_compiled_steps(model, loss, ref, eager_first: bool = False, stance: bool = True) -> None:
     """``loss(m)`` (the batch's loss through ``m``) backpropagated in two steps of ``torch.compile(model)``
     (aot_eager) inside PerSampleGradNorms, after one step of ``model`` itself with ``eager_first``: each
-    step's norms equal ``ref`` (HF's losses are float32 even for a float64 model: rtol 1e-6)."""
+    step's norms equal ``ref`` (HF's losses are float32 even for a float64 model: rtol 1e-6). ``stance``:
+    PerSampleGradNorms' own ``eager_first`` (off: compiled from the first step)."""
     import torch._dynamo
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
-    with PerSampleGradNorms(model) as norms:
+    with PerSampleGradNorms(model, eager_first=stance) as norms:
         for m in (model,) * eager_first + (compiled, compiled):
             model.zero_grad()
             loss(m).backward()
@@ -727,3 +728,19 @@ def test_compiled_swin_after_an_eager_step_matches_per_example_backward():
     ref = sum(example_param_sq_norms(model, (model(pixel_values=x[b:b + 1], labels=y[b:b + 1]).loss
                                              for b in range(3))).values())
     assert_compiled_steps(model, lambda m: m(pixel_values=x, labels=y).loss, ref, eager_first=True)
+
+
+@pytest.mark.parametrize("eager_first, stance", [(True, True), (False, False)])
+def test_compiled_t5_relative_position_bias_matches_per_example_backward(eager_first, stance):
+    """T5's relative position bias under torch.compile: its attention's ``compute_bias`` runs eagerly and
+    looks the buckets up over the batch, in the layout the method gives its lookup (layers.bias_method);
+    two compiled steps, after an eager one or compiled from the first (``eager_first=False``), equal one
+    backward per example (before: refused by name, "ran without the batch ... under torch.compile")."""
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0,
+        relative_attention_num_buckets=8, decoder_start_token_id=0)).double()
+    ids = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(3))
+    ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
+                                             for b in range(3))).values())
+    assert_compiled_steps(model, lambda m: m(input_ids=ids, labels=ids).loss, ref, eager_first, stance)

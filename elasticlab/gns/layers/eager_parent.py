@@ -73,3 +73,18 @@ class EagerParent:
     def _child_out(self, child, args, output):
         if self.callback is not None and ENABLED:
             set_eval_frame(None)
+
+
+class CallbackAside:
+    """Within a function TorchDynamo skipped with ``recursive=False`` (its frame callback still set): the
+    callback set aside, so that what the function calls runs eagerly too, and given back after."""
+
+    def __enter__(self):
+        self.callback = get_eval_frame_callback() if set_eval_frame is not None else None
+        if self.callback:
+            set_eval_frame(None)
+        return self
+
+    def __exit__(self, *exc):
+        if self.callback:
+            set_eval_frame(self.callback)

@@ -1,0 +1,121 @@
+"""T5's relative position bias under ``torch.compile``: the parent's ``compute_bias`` run over the batch.
+
+T5 (Raffel et al. 2020, §2.1) adds to each head's attention logits a scalar per (query, key) offset bucket:
+an nn.Embedding of H columns called on the (q, k) buckets inside its attention's ``compute_bias``, whose
+output is permuted to (1, H, q, k) there and added to every example's (B, H, q, k) logits, in this layer
+and in each later one, which reuse it. Eagerly, that call is followed to its broadcast
+(:mod:`.broadcast_params`). Compiled code cannot follow it, and expanding the embedding's own output over
+the batch (:mod:`.expand_plan`) would break the permute that comes after it: its use is refused by name.
+
+Under compile, a method of :data:`METHODS` on the direct parent of such an embedding runs eagerly (a graph
+break; what it calls too, :class:`~.eager_parent.CallbackAside`), in two passes:
+
+1. with the embedding replaced by a stand-in that keeps its index and returns a tensor on the meta device,
+   so that nothing is computed: the method's result must be a view of that tensor (permutes, unsqueezes),
+   whose leading dim has size 1 (where the batch broadcasts), and the view's strides give the layout;
+2. the embedding's lookup on the index expanded over the batch, ``idx.expand(B, …)``, through its rule,
+   returned in that layout with the batch on the leading dim.
+
+Every example's slice is the batch-less bias, so no value downstream changes; the gradient that reaches the
+lookup is each example's, summed over every layer that reuses the bias, and the embedding rule reads it.
+A result of any other form (not a view of the lookup) leaves the method as it was, and the call is refused
+by name as before. Eagerly, nothing changes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elasticlab.gns.layers.eager_parent import CallbackAside, disable, in_compiled_region
+
+# methods a parent calls its batch-less embedding child in: Hugging Face's T5, mT5, UMT5, LongT5, Switch
+# Transformers, Pix2Struct, UDOP and Pop2Piano (each attention with a relative_attention_bias)
+METHODS = ("compute_bias",)
+
+
+class _StandIn:
+    """In place of the embedding for the first pass: keeps the index, returns its lookup's shape on meta."""
+
+    def __init__(self, emb: nn.Embedding):
+        self._emb, self.index = emb, None
+
+    def __call__(self, index, *args, **kwargs):
+        self.index = index
+        self.out = torch.empty((*index.shape, self._emb.embedding_dim), dtype=self._emb.weight.dtype,
+                               device="meta")
+        return self.out
+
+    def __getattr__(self, name):          # (the method may read its weight's device, its sizes)
+        return getattr(self._emb, name)
+
+
+def layout(looked: torch.Tensor, out) -> list[int] | None:
+    """The non-unit dims of ``looked`` (contiguous), in the order ``out`` holds them, where ``out`` is a view
+    of all of it with a leading unit dim (only permuted, unit dims added or removed); else None."""
+    if not (isinstance(out, torch.Tensor) and out.device.type == "meta" and out._base is looked
+            and out.storage_offset() == 0 and out.numel() == looked.numel() and out.dim() >= 1
+            and out.shape[0] == 1):
+        return None
+    mine = {(looked.stride(i), looked.shape[i]): i for i in range(looked.dim()) if looked.shape[i] != 1}
+    order = [mine.pop((out.stride(j), out.shape[j]), None) for j in range(out.dim()) if out.shape[j] != 1]
+    return None if None in order or mine else order
+
+
+def over_batch(looked: torch.Tensor, order: list[int], shape: torch.Size) -> torch.Tensor:
+    """``looked`` (B, …), the lookup over the batch, in the layout :func:`layout` read (``shape``: the
+    batch-less result's), the batch on its leading dim."""
+    kept = [i for i in range(1, looked.dim()) if looked.shape[i] != 1]
+    lined = looked.reshape(looked.shape[0], *(looked.shape[i] for i in kept))
+    lined = lined.permute(0, *(1 + kept.index(1 + i) for i in order))
+    return lined.reshape(looked.shape[0], *shape[1:])
+
+
+class _Patch:
+    """The method of one parent replaced for the context; :meth:`remove` puts back what was there."""
+
+    def __init__(self, parent: nn.Module, name: str, child: str, slot):
+        self.parent, self.name, self.had = parent, name, parent.__dict__.get(name)
+        original = getattr(parent, name)
+
+        def method(*args, **kwargs):
+            B = slot.owner._batch
+            if B is None or not in_compiled_region():
+                return original(*args, **kwargs)
+            with CallbackAside():
+                emb = parent._modules[child]
+                stand = _StandIn(emb)
+                parent._modules[child] = stand
+                try:
+                    out = original(*args, **kwargs)
+                except (RuntimeError, NotImplementedError, TypeError):     # (not a computation meta runs)
+                    out = None
+                finally:
+                    parent._modules[child] = emb
+                order = None if stand.index is None else layout(stand.out, out)
+                if order is not None:
+                    index = stand.index
+                    return over_batch(emb(index.expand(B, *index.shape)), order, out.shape)
+            return original(*args, **kwargs)     # (compiled, as it was: the lookup refused by name)
+
+        setattr(parent, name, disable(method))
+
+    def remove(self) -> None:
+        if self.had is None:
+            delattr(self.parent, self.name)
+        else:
+            setattr(self.parent, self.name, self.had)
+
+
+def install(owner) -> list[_Patch]:
+    """For each nn.Embedding slot called without the batch (``Rule.unbatched``) whose direct parent has a
+    method of :data:`METHODS`, that method patched (:class:`_Patch`); the handles to remove at the exit."""
+    patches = []
+    for s in owner._slots:
+        if not (isinstance(s.module, nn.Embedding) and s.rule.unbatched and s.name):
+            continue
+        parent_name, _, child = s.name.rpartition(".")
+        parent = owner.model.get_submodule(parent_name)
+        if parent._modules.get(child) is not s.module:
+            continue
+        patches += [_Patch(parent, m, child, s) for m in METHODS if callable(getattr(parent, m, None))]
+    return patches
