@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd import Variable
 
-from elasticlab.gns import sharded
+from elasticlab.gns import host, sharded
 
 
 def batched_input(args: tuple, kwargs: dict | None = None, depth: int = 0) -> torch.Tensor | None:
@@ -166,12 +166,9 @@ class StepGradients:
     def _vector(self, pairs, square: bool) -> torch.Tensor:
         """(P,) float64 on the CPU from (parameter index, 0-dim tensor) pairs, one host read per device."""
         out = torch.zeros(len(self.params), dtype=torch.float64)
-        by_dev: dict = {}
-        for i, v in pairs:
-            by_dev.setdefault(v.device, []).append((i, v))
-        for rows in by_dev.values():
-            vals = torch.stack([v.double() for _, v in rows]).cpu()
-            out.index_add_(0, torch.tensor([i for i, _ in rows]), vals.pow(2) if square else vals)
+        if pairs:
+            vals = torch.tensor(host.read([v for _, v in pairs]), dtype=torch.float64)
+            out.index_add_(0, torch.tensor([i for i, _ in pairs]), vals.pow(2) if square else vals)
         return out
 
     def micro_sq(self) -> torch.Tensor:

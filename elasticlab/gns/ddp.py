@@ -13,18 +13,17 @@ import math
 import torch
 import torch.distributed as dist
 
-from elasticlab.gns import forms
+from elasticlab.gns import forms, host
 from elasticlab.gns.estimator import GNSEstimator
 
 
 def _grad_sq(params) -> float:
     """Σ ‖.grad‖² in float64: one ``_foreach_norm`` and one host read per device (no float64 copies)."""
-    by_dev: dict[torch.device, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dev.setdefault(p.grad.device, []).append(p.grad.detach())
-    return sum(float(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float64)).square().sum())
-               for gs in by_dev.values()) + 0.0
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return math.fsum(host.read(torch._foreach_mul(norms, norms)))
 
 
 class ReplicaGradNorms:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from elasticlab.gns import repeated, sharded
+from elasticlab.gns import host, repeated, sharded
 from elasticlab.gns.block import ROWS
 from elasticlab.gns.registry import covered_params, rule_for, uncovered
 
@@ -280,12 +280,8 @@ class GradSquares:
         if self.groups:
             whole = iter(sharded.reduce_sq([t for row in sums for t in row], self.groups))
             sums = [[next(whole) for _ in row] for row in sums]
-        by_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for row in sums:
-            for t in row:
-                by_dev.setdefault(t.device, []).append(t)
-        read = {dev: iter(torch.stack(ts).tolist()) for dev, ts in by_dev.items()}
-        out = [[next(read[t.device]) for t in row] for row in sums]
+        flat = iter(host.read([t for row in sums for t in row]))
+        out = [[next(flat) for _ in row] for row in sums]
         missed = []
         for i, j, pn in self.unseen:
             if out[i][j] != 0.0:
