@@ -211,12 +211,12 @@ class GNSMonitor:
         """End of one backward: the per-example norms of the first (more backwards: micro-batch form)."""
         if (self._grads.backwards == 1 or self._sharded) and self._use_psn() and self._psn.active:
             try:
-                if self._sharded:
-                    psn = self._psn
-                    self._psn_rows.append((psn.sq_norms(), self.per_layer and psn.layer_sq_norms()))
-                    self._psn_grad = psn.grad_squares()      # now, before any clipping: read at the end
-                else:
-                    self._psn_snap = self._read_psn()
+                with self._psn.reading() as psn:
+                    if self._sharded:
+                        self._psn_rows.append((psn.sq_norms(), self.per_layer and psn.layer_sq_norms()))
+                        self._psn_grad = psn.grad_squares()      # now, before any clipping: read at the end
+                    else:
+                        self._psn_snap = self._read_psn()
             except RuntimeError as e:
                 self._psn_snap = e
 

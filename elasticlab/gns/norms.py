@@ -30,6 +30,7 @@ refused by name until an eager step of ``model``.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -97,6 +98,7 @@ class PerSampleGradNorms:
         self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in tied]
         self._handles, self._probes = [], []   # (probes: one-shot hooks on the unrun modules of a step)
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
+        self._covered: set[tuple[int, str]] | None = None   # the coverage check, within reading()
         self._factors: dict[tuple, torch.Tensor] = {}     # B² as 0-dim CPU tensors, by (B², dtype)
         self._patched: list[tuple[nn.Module, object]] = []
         self._bufs: list[torch.Tensor] | None = None       # slots' own C++-backward buffers, reset each step
@@ -214,6 +216,8 @@ class PerSampleGradNorms:
         """Raises the broadcast audit's error or that of several forwards, if any; raises (strict) or warns
         once about :attr:`left_out`; returns {(slot id, param)} to leave out. First, the norms of the modules
         that ran several times (gns.repeated)."""
+        if self._covered is not None:
+            return self._covered
         self._eager_first.release(True)                    # (a step was read: compiled from the next)
         if self._repeated:
             repeated.settle(self._slots)
@@ -235,6 +239,15 @@ class PerSampleGradNorms:
                      "them, or pass strict=False to leave them out (listed in left_out)",
                      "the per-example norms and of grad_sq_norm (PerSampleGradNorms.left_out)")
         return odd | {(id(s), pn) for s, pn in lost}
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Several readers of one backward's norms (no backward in between): the coverage check once."""
+        self._covered = self._check_coverage()
+        try:
+            yield self
+        finally:
+            self._covered = None
 
     def _refuse(self, names: tuple[str, ...], why: str, fix: str, left: str) -> None:
         """Parameters the norms miss: a RuntimeError saying ``why`` and ``fix`` (``strict``), else one warning

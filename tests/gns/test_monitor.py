@@ -379,3 +379,42 @@ def test_settings_rules_are_the_callbacks_rules(kwargs, msg):
         with pytest.raises(ValueError, match=msg):
             check_settings(**settings)
     assert GNSMonitor(make_model(), every=2.0).every == 2
+
+
+def test_one_coverage_check_per_measured_step(monkeypatch):
+    """A step's readers (per-example, per-layer and gradient norms) run the coverage check once, within
+    PerSampleGradNorms.reading() (before: three times); a reader after it checks again, so a strict refusal
+    of parameters that got no norm is not lost."""
+    import elasticlab.gns.norms as norms_mod
+    calls = []
+    real = norms_mod.unmeasured
+    monkeypatch.setattr(norms_mod, "unmeasured", lambda *a: calls.append(1) or real(*a))
+    model = make_model()
+    mon = GNSMonitor(model)
+    for i, (x, y) in enumerate(batches(3, 8), 1):
+        model.zero_grad()
+        with mon.step():
+            F.cross_entropy(model(x), y).backward()
+        assert len(calls) == i
+    assert set(mon.history[-1]["layers"]) == {"0", "2", "3"}
+
+
+    class Direct(nn.Module):                # ``head`` used by F.linear: its module never runs
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return F.linear(torch.tanh(self.lin(x)), self.head.weight, self.head.bias)
+
+    direct = Direct()
+    with PerSampleGradNorms(direct) as psn:
+        direct(batches(1, 4)[0][0]).sum().backward()
+        for _ in range(2):
+            n = len(calls)
+            with pytest.raises(RuntimeError, match="never ran"):
+                with psn.reading():
+                    pass
+            with pytest.raises(RuntimeError, match="never ran"):
+                psn.sq_norms()
+            assert len(calls) == n + 2
