@@ -56,6 +56,7 @@ from elasticlab.gns.slot import (
     left_out_why,
     recomputing,
     slots_of,
+    stacked_total,
     unmeasured,
     unrecorded,
 )
@@ -344,33 +345,12 @@ class PerSampleGradNorms:
 
     def _sq_norms_at_once(self) -> torch.Tensor | None:
         """The common case of :meth:`sq_norms`: one launch from the shared block (:meth:`NormBlock.read`,
-        without a loss scale), or three (stack, sum, multiply by f/scale²) when every recorded norm (B,) has
-        one batch size, dtype and device, and every layer one factor; else None."""
+        without a loss scale), or three (:func:`~elasticlab.gns.slot.stacked_total`); else None."""
         self._check_coverage()
         fast = self._block.read() if self._scale is None else None
         if fast is None and self._scale is None:
             fast = self._sinks.read()
-        if fast is not None:
-            return fast
-        vals: list[torch.Tensor] = []
-        f = None
-        for s in self._slots:
-            if s.norms:
-                fs = s.factor()
-                if f is not None and fs != f:
-                    return None
-                f = fs
-                vals.extend(s.norms.values())
-        if not vals:
-            return None
-        v0 = vals[0]
-        shape, dtype, device = v0.shape, v0.dtype, v0.device
-        if len(shape) != 1 or any(v.shape != shape or v.dtype != dtype or v.device != device for v in vals):
-            return None
-        total = torch.stack(vals).sum(0)
-        if self._scale is not None:
-            return total * (f / self._scale.to(device=device, dtype=dtype) ** 2)
-        return total * f if f != 1.0 else total
+        return fast if fast is not None else stacked_total(self._slots, self._scale)
 
     def grad_squares(self) -> GradSquares:
         """The covered parameters' Σ g² of ``.grad`` as it is now (before a clipping or ``unscale_`` changes

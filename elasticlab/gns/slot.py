@@ -261,6 +261,30 @@ def layer_totals(slots: list[Slot]) -> list[torch.Tensor]:
         k += 1
 
 
+def stacked_total(slots: list[Slot], scale: torch.Tensor | None) -> torch.Tensor | None:
+    """(B,) Σ of every recorded norm times f/scale², in three launches (stack, sum, multiply), when all are
+    (B,) of one dtype and device and every layer has one factor f (:meth:`Slot.factor`); else None."""
+    vals: list[torch.Tensor] = []
+    f = None
+    for s in slots:
+        if s.norms:
+            fs = s.factor()
+            if f is not None and fs != f:
+                return None
+            f = fs
+            vals.extend(s.norms.values())
+    if not vals:
+        return None
+    v0 = vals[0]
+    shape, dtype, device = v0.shape, v0.dtype, v0.device
+    if len(shape) != 1 or any(v.shape != shape or v.dtype != dtype or v.device != device for v in vals):
+        return None
+    total = torch.stack(vals).sum(0)
+    if scale is not None:
+        return total * (f / scale.to(device=device, dtype=dtype) ** 2)
+    return total * f if f != 1.0 else total
+
+
 @dataclass
 class GradSquares:
     """Σ g² in float64 of each needed parameter's ``.grad`` per slot (:func:`grad_squares`), taken at one
