@@ -444,6 +444,9 @@ def cases(tr) -> dict:
             ),
             *s2s_lm,
         ),
+        "umt5": lambda: (tr.UMT5ForConditionalGeneration(tr.UMT5Config(**t5)), *s2s_lm),
+        "longt5": lambda: (tr.LongT5ForConditionalGeneration(tr.LongT5Config(**t5, local_radius=4)),
+                           *s2s_lm),
         "whisper": lambda: (
             tr.WhisperForConditionalGeneration(
                 tr.WhisperConfig(
