@@ -77,16 +77,31 @@ def _loss(m, x, s):
 
 
 @pytest.mark.parametrize("eager_first", [True, False])
-def test_compute_bias_under_compile_matches_per_example_backward(eager_first):
+def test_compute_bias_under_compile_matches_per_example_backward(eager_first, monkeypatch):
     """Compiled steps (after an eager one, or from the first) equal one backward per example, bias table
-    included; eagerly the call is followed as before."""
+    included; eagerly the call is followed as before. The layout and index learned once (in the eager
+    step, or at the first compiled call, a graph break), the method is traced from then on."""
     torch.manual_seed(0)
     model = BiasAttention().double()
     xs = [torch.randn(3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
           for i in (1, 2)]
-    eager_then_compiled(model, _loss, eager=xs[:1] if eager_first else (), compiled=xs,
-                        eager_first=eager_first, loss_reduction="sum")
-    assert "compute_bias" not in model.__dict__                    # (put back at the exit)
+    from torch._dynamo.utils import counters
+
+    from elasticlab.gns.layers import bias_method
+    calls = []           # of the patched method's eager part (it asks whether it runs under compile)
+    real = bias_method.in_compiled_region
+    monkeypatch.setattr(bias_method, "in_compiled_region", lambda: calls.append(1) or real())
+    breaks, counts = [], []
+    for steps in (xs, xs + xs):
+        counters.clear()
+        calls.clear()
+        eager_then_compiled(model, _loss, eager=xs[:1] if eager_first else (), compiled=steps,
+                            eager_first=eager_first, loss_reduction="sum")
+        assert "compute_bias" not in model.__dict__                    # (put back at the exit)
+        breaks.append(sum(n for why, n in counters["graph_break"].items() if "_Patch" in why))
+        counts.append(len(calls))
+    assert (breaks[0] == 0) == eager_first              # (compiled from the first: a break at that call)
+    assert counts[0] == counts[1]                       # (the later compiled steps do not run it eagerly)
 
 
 def test_compute_bias_not_a_view_is_refused_by_name_under_compile():

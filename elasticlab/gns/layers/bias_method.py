@@ -19,7 +19,10 @@ break; what it calls too, :class:`~.eager_parent.CallbackAside`), in two passes:
 Every example's slice is the batch-less bias, so no value downstream changes; the gradient that reaches the
 lookup is each example's, summed over every layer that reuses the bias, and the embedding rule reads it.
 A result of any other form (not a view of the lookup) leaves the method as it was, and the call is refused
-by name as before. Eagerly, nothing changes.
+by name as before. Eagerly, nothing changes (but the first pass runs once per call's arguments: learned).
+What the first pass found is kept by the call's arguments (T5's lengths and offset, plain ints): a traced
+call with known arguments does the second pass alone, in the graph, so that only the first call of a kind
+breaks it (none after an eager step).
 """
 from __future__ import annotations
 
@@ -70,34 +73,70 @@ def over_batch(looked: torch.Tensor, order: list[int], shape: torch.Size) -> tor
     return lined.reshape(looked.shape[0], *shape[1:])
 
 
+def _key(args: tuple, kwargs: dict) -> tuple | None:
+    """A call's arguments as a key (plain ints, flags, devices: T5's lengths and offset), or None."""
+    vals = (*args, *kwargs.values())
+    if not all(v is None or type(v) in (int, bool, str) or isinstance(v, torch.device) for v in vals):
+        return None
+    return tuple(str(v) if isinstance(v, torch.device) else v for v in args), tuple(
+        (k, str(v) if isinstance(v, torch.device) else v) for k, v in sorted(kwargs.items()))
+
+
+def _over_batch(emb: nn.Module, got: tuple, B: int) -> torch.Tensor:
+    index, order, shape = got
+    return over_batch(emb(index.expand(B, *index.shape)), order, shape)
+
+
 class _Patch:
     """The method of one parent replaced for the context; :meth:`remove` puts back what was there."""
 
     def __init__(self, parent: nn.Module, name: str, child: str, slot):
         self.parent, self.name, self.had = parent, name, parent.__dict__.get(name)
         original = getattr(parent, name)
+        known: dict = {}      # call key -> (index, layout, batch-less result's shape): traced from then on
 
-        def method(*args, **kwargs):
-            B = slot.owner._batch
-            if B is None or not in_compiled_region():
+        def learn(args, kwargs):
+            """The meta pass: (index, layout, shape), or None where the result is not a view of the lookup."""
+            emb = parent._modules[child]
+            stand = _StandIn(emb)
+            parent._modules[child] = stand
+            try:
+                out = original(*args, **kwargs)
+            except (RuntimeError, NotImplementedError, TypeError):     # (not a computation meta runs)
+                out = None
+            finally:
+                parent._modules[child] = emb
+            order = None if stand.index is None else layout(stand.out, out)
+            return None if order is None else (stand.index, order, out.shape)
+
+        def eager(*args, **kwargs):
+            B, key = slot.owner._batch, _key(args, kwargs)
+            if B is None:
+                return original(*args, **kwargs)
+            if key is not None and key not in known:          # (learned in an eager step too: not traced)
+                with CallbackAside():
+                    got = learn(args, kwargs)
+                if got is not None:
+                    known[key] = got
+            if not in_compiled_region():
                 return original(*args, **kwargs)
             with CallbackAside():
-                emb = parent._modules[child]
-                stand = _StandIn(emb)
-                parent._modules[child] = stand
-                try:
-                    out = original(*args, **kwargs)
-                except (RuntimeError, NotImplementedError, TypeError):     # (not a computation meta runs)
-                    out = None
-                finally:
-                    parent._modules[child] = emb
-                order = None if stand.index is None else layout(stand.out, out)
-                if order is not None:
-                    index = stand.index
-                    return over_batch(emb(index.expand(B, *index.shape)), order, out.shape)
+                got = known.get(key) if key is not None else learn(args, kwargs)
+                if got is not None:
+                    return _over_batch(parent._modules[child], got, B)
             return original(*args, **kwargs)     # (compiled, as it was: the lookup refused by name)
 
-        setattr(parent, name, disable(method))
+        eager = disable(eager)
+
+        def method(*args, **kwargs):
+            if torch.compiler.is_compiling():      # traced: the learned lookup over the batch, no graph break
+                key, B = _key(args, kwargs), slot.owner._batch
+                got = None if key is None or B is None else known.get(key)
+                if got is not None:
+                    return _over_batch(parent._modules[child], got, B)
+            return eager(*args, **kwargs)
+
+        setattr(parent, name, method)
 
     def remove(self) -> None:
         if self.had is None:
