@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layer_check import eager_then_compiled
 from torch import nn
+from torch._dynamo.utils import counters
 
+from elasticlab.gns.layers import bias_method
 from elasticlab.gns.layers.bias_method import layout, over_batch
 
 
@@ -85,9 +87,6 @@ def test_compute_bias_under_compile_matches_per_example_backward(eager_first, mo
     model = BiasAttention().double()
     xs = [torch.randn(3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
           for i in (1, 2)]
-    from torch._dynamo.utils import counters
-
-    from elasticlab.gns.layers import bias_method
     calls = []           # of the patched method's eager part (it asks whether it runs under compile)
     real = bias_method.in_compiled_region
     monkeypatch.setattr(bias_method, "in_compiled_region", lambda: calls.append(1) or real())
