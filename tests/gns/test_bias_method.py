@@ -81,15 +81,19 @@ def _loss(m, x, s):
 @pytest.mark.parametrize("eager_first", [True, False])
 def test_compute_bias_under_compile_matches_per_example_backward(eager_first, monkeypatch):
     """Compiled steps (after an eager one, or from the first) equal one backward per example, bias table
-    included; eagerly the call is followed as before. The layout and index learned once (in the eager
-    step, or at the first compiled call, a graph break), the method is traced from then on."""
+    included. The layout and index learned once (in the eager step, or at the first compiled call, a graph
+    break), the method is traced from then on."""
     torch.manual_seed(0)
     model = BiasAttention().double()
     xs = [torch.randn(3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
           for i in (1, 2)]
-    calls = []           # of the patched method's eager part (it asks whether it runs under compile)
-    real = bias_method.in_compiled_region
-    monkeypatch.setattr(bias_method, "in_compiled_region", lambda: calls.append(1) or real())
+    calls = []           # of the patched method's eager part (it sets Dynamo's callback aside)
+
+    class Counted(bias_method.CallbackAside):
+        def __enter__(self):
+            calls.append(1)
+            return super().__enter__()
+    monkeypatch.setattr(bias_method, "CallbackAside", Counted)
     breaks, counts = [], []
     for steps in (xs, xs + xs):
         counters.clear()

@@ -15,7 +15,7 @@
 - :mod:`.broadcast_params`: bare parameters of a module with children broadcast over the batch (a ViT's
   class token and position embedding), followed to their broadcast; its taps, which take the per-example
   gradients there, are :mod:`.broadcast_taps` (no rule of its own).
-- :mod:`.bias_method`: T5's relative position bias under torch.compile, looked up over the batch at its
+- :mod:`.bias_method`: T5's relative position bias, looked up over the batch at its
   attention's ``compute_bias`` (no rule of its own: the embedding rule reads the lookup).
 - :mod:`.parametrized`: the originals of a parametrized tensor (weight_norm: wav2vec 2.0's positional
   convolution), by torch.func on the calls of the layer that owns them.

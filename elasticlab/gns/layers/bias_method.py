@@ -1,35 +1,34 @@
-"""T5's relative position bias under ``torch.compile``: the parent's ``compute_bias`` run over the batch.
+"""T5's relative position bias, looked up over the batch at the parent's ``compute_bias``.
 
 T5 (Raffel et al. 2020, §2.1) adds to each head's attention logits a scalar per (query, key) offset bucket:
 an nn.Embedding of H columns called on the (q, k) buckets inside its attention's ``compute_bias``, whose
 output is permuted to (1, H, q, k) there and added to every example's (B, H, q, k) logits, in this layer
-and in each later one, which reuse it. Eagerly, that call is followed to its broadcast
-(:mod:`.broadcast_params`). Compiled code cannot follow it, and expanding the embedding's own output over
-the batch (:mod:`.expand_plan`) would break the permute that comes after it: its use is refused by name.
+and in each later one, which reuse it. Such a call could be followed to its broadcast eagerly
+(:mod:`.broadcast_params`), but not in compiled code, and expanding the embedding's own output over the
+batch (:mod:`.expand_plan`) would break the permute that comes after it.
 
-Under compile, a method of :data:`METHODS` on the direct parent of such an embedding runs eagerly (a graph
-break; what it calls too, :class:`~.eager_parent.CallbackAside`), in two passes:
-
-1. with the embedding replaced by a stand-in that keeps its index and returns a tensor on the meta device,
-   so that nothing is computed: the method's result must be a view of that tensor (permutes, unsqueezes),
-   whose leading dim has size 1 (where the batch broadcasts), and the view's strides give the layout;
-2. the embedding's lookup on the index expanded over the batch, ``idx.expand(B, …)``, through its rule,
-   returned in that layout with the batch on the leading dim.
+So a method of :data:`METHODS` on the direct parent of a plain nn.Embedding is patched for the context. At
+its first call with given arguments it runs eagerly (under compile: a graph break; what it calls too,
+:class:`~.eager_parent.CallbackAside`) with the embedding replaced by a stand-in that keeps its index and
+returns a tensor on the meta device, so that nothing is computed: the result must be a view of that tensor
+(permutes, unsqueezes) with a leading unit dim (where the batch broadcasts), and the view's strides give
+the layout. Kept by the call's arguments (T5's lengths and offset, plain ints), that layout and index then
+serve every call, eager or traced (in the graph: no graph break): the lookup once, expanded over the batch
+as a view, handed to the embedding's hook as a call on ``idx.expand(B, …)``, and returned in that layout
+with the batch on the leading dim.
 
 Every example's slice is the batch-less bias, so no value downstream changes; the gradient that reaches the
-lookup is each example's, summed over every layer that reuses the bias, and the embedding rule reads it.
-A result of any other form (not a view of the lookup) leaves the method as it was, and the call is refused
-by name as before. Eagerly, nothing changes (but the first pass runs once per call's arguments: learned).
-What the first pass found is kept by the call's arguments (T5's lengths and offset, plain ints): a traced
-call with known arguments does the second pass alone, in the graph, so that only the first call of a kind
-breaks it (none after an eager step).
+expansion is each example's, summed over every layer that reuses the bias, and the embedding rule reads it
+(so T = B, where the index looks batched, is no longer ambiguous). A result of any other form (not a view
+of the lookup) leaves the method as it was: followed eagerly, refused by name under compile.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from elasticlab.gns.layers.eager_parent import CallbackAside, disable, in_compiled_region
+from elasticlab.gns import hooks
+from elasticlab.gns.layers.eager_parent import CallbackAside, disable
 
 # methods a parent calls its batch-less embedding child in: Hugging Face's T5, mT5, UMT5, LongT5, Switch
 # Transformers, Pix2Struct, UDOP and Pop2Piano (each attention with a relative_attention_bias)
@@ -82,9 +81,14 @@ def _key(args: tuple, kwargs: dict) -> tuple | None:
         (k, str(v) if isinstance(v, torch.device) else v) for k, v in sorted(kwargs.items()))
 
 
-def _over_batch(emb: nn.Module, got: tuple, B: int) -> torch.Tensor:
+def _over_batch(hook, emb: nn.Embedding, got: tuple, B: int) -> torch.Tensor:
+    """The lookup once, expanded over the batch as a view (nothing copied B times), handed to the
+    embedding's hook as a call on the expanded index, then laid out as the method lays its result out."""
     index, order, shape = got
-    return over_batch(emb(index.expand(B, *index.shape)), order, shape)
+    out = nn.Embedding.forward(emb, index)                       # (its class's forward: no hook runs)
+    view = out.unsqueeze(0).expand(B, *out.shape)
+    new = hook(emb, (index.expand(B, *index.shape),), {}, view)
+    return over_batch(view if new is None else new, order, shape)
 
 
 class _Patch:
@@ -94,6 +98,8 @@ class _Patch:
         self.parent, self.name, self.had = parent, name, parent.__dict__.get(name)
         original = getattr(parent, name)
         known: dict = {}      # call key -> (index, layout, batch-less result's shape): traced from then on
+        hook = hooks.forward_hook(slot.owner, slot)      # (the embedding's, called on the expanded lookup)
+        hook.eager = torch.compiler.disable(hook)
 
         def learn(args, kwargs):
             """The meta pass: (index, layout, shape), or None where the result is not a view of the lookup."""
@@ -118,13 +124,11 @@ class _Patch:
                     got = learn(args, kwargs)
                 if got is not None:
                     known[key] = got
-            if not in_compiled_region():
-                return original(*args, **kwargs)
             with CallbackAside():
                 got = known.get(key) if key is not None else learn(args, kwargs)
                 if got is not None:
-                    return _over_batch(parent._modules[child], got, B)
-            return original(*args, **kwargs)     # (compiled, as it was: the lookup refused by name)
+                    return _over_batch(hook, parent._modules[child], got, B)
+            return original(*args, **kwargs)     # (as it was: followed eagerly, refused by name compiled)
 
         eager = disable(eager)
 
@@ -133,7 +137,7 @@ class _Patch:
                 key, B = _key(args, kwargs), slot.owner._batch
                 got = None if key is None or B is None else known.get(key)
                 if got is not None:
-                    return _over_batch(parent._modules[child], got, B)
+                    return _over_batch(hook, parent._modules[child], got, B)
             return eager(*args, **kwargs)
 
         setattr(parent, name, method)
@@ -150,7 +154,7 @@ def install(owner) -> list[_Patch]:
     method of :data:`METHODS`, that method patched (:class:`_Patch`); the handles to remove at the exit."""
     patches = []
     for s in owner._slots:
-        if not (isinstance(s.module, nn.Embedding) and s.rule.unbatched and s.name):
+        if not (type(s.module) is nn.Embedding and s.rule.unbatched and s.name):
             continue
         parent_name, _, child = s.name.rpartition(".")
         parent = owner.model.get_submodule(parent_name)
