@@ -119,13 +119,10 @@ class _Patch:
             B, key = slot.owner._batch, _key(args, kwargs)
             if B is None:
                 return original(*args, **kwargs)
-            if key is not None and key not in known:          # (learned in an eager step too: not traced)
-                with CallbackAside():
-                    got = learn(args, kwargs)
-                if got is not None:
-                    known[key] = got
             with CallbackAside():
-                got = known.get(key) if key is not None else learn(args, kwargs)
+                if key is not None and key not in known:      # (learned in an eager step too: not traced)
+                    known[key] = learn(args, kwargs)          # (None: not a view of the lookup)
+                got = known[key] if key is not None else learn(args, kwargs)
                 if got is not None:
                     return _over_batch(hook, parent._modules[child], got, B)
             return original(*args, **kwargs)     # (as it was: followed eagerly, refused by name compiled)
@@ -135,8 +132,10 @@ class _Patch:
         def method(*args, **kwargs):
             if torch.compiler.is_compiling():      # traced: the learned lookup over the batch, no graph break
                 key, B = _key(args, kwargs), slot.owner._batch
-                got = None if key is None or B is None else known.get(key)
-                if got is not None:
+                if key is not None and B is not None and key in known:
+                    got = known[key]
+                    if got is None:                # (learned not to be a view: the method traced as it is)
+                        return original(*args, **kwargs)
                     return _over_batch(hook, parent._modules[child], got, B)
             return eager(*args, **kwargs)
 
