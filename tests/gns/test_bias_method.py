@@ -115,3 +115,14 @@ def test_compute_bias_not_a_view_is_refused_by_name_under_compile():
     x = torch.randn(3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     eager_then_compiled(model, _loss, eager=[x], compiled=[x], eager_first=False, loss_reduction="sum",
                         refused={0: "'relative_attention_bias' .Embedding. ran without the batch"})
+
+
+def test_compute_bias_under_compile_at_several_lengths():
+    """Sequence lengths changing between compiled steps (Dynamo recompiles, then traces the lengths as
+    symbols, whose calls the learned lookups cannot key: the method breaks the graph there): each step still
+    equals one backward per example."""
+    torch.manual_seed(0)
+    model = BiasAttention().double()
+    xs = [torch.randn(3, T, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
+          for T in (6, 7, 8, 9, 7)]
+    eager_then_compiled(model, _loss, eager=xs[:1], compiled=xs, loss_reduction="sum")
