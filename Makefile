@@ -36,7 +36,7 @@ lab: build
 	    --ServerApp.root_dir=. --ServerApp.open_browser=False $(ROOTOPT)
 
 test: build
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf build elasticlab/_C*.so $(EXT)
