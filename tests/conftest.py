@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import sys
@@ -21,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "browser" in item.keywords and not have_browser and not require_browser:
             item.add_marker(no_browser)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """TorchDynamo's caches (compiled code, guards that hold tensors and closures) cleared while the
+    interpreter is whole, not left to its teardown (a clean-clone run once segfaulted at its exit, after
+    every test had passed)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
