@@ -28,7 +28,6 @@ def install(owner, slot):
     eagerly under ``torch.compile``: a graph break at the module, whose rules then record in the slot as in
     eager mode."""
     hook = forward_hook(owner, slot)
-    hook.eager = torch.compiler.disable(hook)
     # (a tensor-parallel layer's first: its output as the layer made it, before parallelize_module's hook
     # redistributes it, so that its gradient is the one the layer's weight gradient is made of)
     eager = slot.tied or slot.tp or slot.module in sharded.PARTIAL
@@ -37,6 +36,7 @@ def install(owner, slot):
 
 
 def forward_hook(owner, slot):
+    """The forward hook of ``slot``'s rule; its ``eager``: the same, skipped by TorchDynamo."""
     def hook(module, args, kwargs, output):
         if Quiet.depth:                   # a rule's own evaluation of the module (generic rule)
             return
@@ -91,6 +91,7 @@ def forward_hook(owner, slot):
 
         output.register_hook(on_grad(slot, module, inputs, output))
         return fresh
+    hook.eager = torch.compiler.disable(hook)
     return hook
 
 

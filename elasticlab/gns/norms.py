@@ -284,7 +284,7 @@ class PerSampleGradNorms:
             else:
                 self._handles.append(hooks.install(self, s))
         self._unfuse.clear()                              # (the slots found repeated took hooks above)
-        self._handles += bias_method.install(self)        # (T5's compute_bias, under torch.compile)
+        self._handles += bias_method.install(self)        # (T5's compute_bias: its bias over the batch)
         for t in self._ties:                              # the embeddings' indices, for the output layer
             self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook)) for e in t.embs]
         self._active = True

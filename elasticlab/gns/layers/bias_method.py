@@ -99,7 +99,6 @@ class _Patch:
         original = getattr(parent, name)
         known: dict = {}      # call key -> (index, layout, batch-less result's shape): traced from then on
         hook = hooks.forward_hook(slot.owner, slot)      # (the embedding's, called on the expanded lookup)
-        hook.eager = torch.compiler.disable(hook)
 
         def learn(args, kwargs):
             """The meta pass: (index, layout, shape), or None where the result is not a view of the lookup."""
