@@ -243,7 +243,11 @@ class PerSampleGradNorms:
 
     @contextlib.contextmanager
     def reading(self):
-        """Several readers of one backward's norms (no backward in between): the coverage check once."""
+        """Several readers of one backward's norms (no backward in between): the coverage check once (an
+        inner ``reading()`` uses the outer one's)."""
+        if self._covered is not None:
+            yield self
+            return
         self._covered = self._check_coverage()
         try:
             yield self

@@ -418,3 +418,24 @@ def test_one_coverage_check_per_measured_step(monkeypatch):
             with pytest.raises(RuntimeError, match="never ran"):
                 psn.sq_norms()
             assert len(calls) == n + 2
+
+
+def test_nested_reading_keeps_the_outer_check(monkeypatch):
+    """A ``reading()`` within another uses the outer one's coverage check and, at its exit, leaves it for
+    the rest of the outer block (before, the inner exit cleared it and later readers checked again)."""
+    import elasticlab.gns.norms as norms_mod
+    calls = []
+    real = norms_mod.unmeasured
+    monkeypatch.setattr(norms_mod, "unmeasured", lambda *a: calls.append(1) or real(*a))
+    model = make_model()
+    x, y = batches(1, 8)[0]
+    with PerSampleGradNorms(model) as psn:
+        F.cross_entropy(model(x), y).backward()
+        with psn.reading():
+            first = psn.sq_norms().clone()
+            with psn.reading():
+                psn.layer_sq_norms()
+            torch.testing.assert_close(psn.sq_norms(), first)
+        assert len(calls) == 1
+        psn.sq_norms()                          # outside: checked again
+        assert len(calls) == 2

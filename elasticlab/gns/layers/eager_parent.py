@@ -41,7 +41,7 @@ class EagerParent:
     """A context for one module's forward: eager but for its direct children's calls (see the module)."""
 
     def __init__(self, module: nn.Module, handles: list, stays_eager=None):
-        self.callback, self.inside, self.stays_eager = None, 0, stays_eager
+        self.callback, self.inside, self.stays_eager, self._aside = None, 0, stays_eager, None
         # (not traced, since the callback is set inside; wrapped here, not at import, which would load Dynamo)
         child_in, child_out = (torch.compiler.disable(f, recursive=False) for f in (self._child_in,
                                                                                       self._child_out))
@@ -50,18 +50,17 @@ class EagerParent:
                         c.register_forward_hook(child_out, always_call=True)]
 
     def __enter__(self):
-        cb = get_eval_frame_callback() if set_eval_frame is not None and not self.inside else None
-        if cb:                                          # under torch.compile: set aside for the forward
-            self.callback = cb
-            set_eval_frame(None)
+        if not self.inside:                             # under torch.compile: set aside for the forward
+            self._aside = CallbackAside().__enter__()
+            self.callback = self._aside.callback or None
         self.inside += 1
         return self
 
     def __exit__(self, *exc):
         self.inside -= 1
-        if not self.inside and self.callback is not None:
-            cb, self.callback = self.callback, None
-            set_eval_frame(cb)
+        if not self.inside:
+            self.callback, aside = None, self._aside
+            aside.__exit__(*exc)
 
     def _child_in(self, child, args, kwargs):
         """A child's call compiled, unless ``stays_eager(args, kwargs)``: handed a tensor the parent's eager
