@@ -59,6 +59,11 @@ def _chunks(B: int, per_example: int):
 _OPERATORS = frozenset(_ext.operators())
 _OP_CACHE: dict[tuple[str, str], object] = {}      # (operator, device type) -> torch.ops handle or None
 _MISSING = object()
+# Filled for the CPU and CUDA up front: a compiled frame guards on this dict's contents, so a key that an
+# eager call added after it would compile that frame again (once, but on every model).
+if _ext.HAS_C:
+    _OP_CACHE.update({(n, d): _ext.kernel(n, d) for n in sorted(_OPERATORS) if "." not in n
+                      for d in ("cpu", "cuda")})
 
 
 def _op(name: str, t: torch.Tensor, use_kernel: bool | None):

@@ -743,6 +743,34 @@ def test_compiled_t5_relative_position_bias_matches_per_example_backward(eager_f
     assert_compiled_steps(model, lambda m: m(input_ids=ids, labels=ids).loss, ref, eager_first, stance)
 
 
+def test_compiled_t5_over_changing_lengths_compiles_no_more_than_plain():
+    """T5 compiled (aot_eager) over batches of changing lengths, as with padding to each batch's longest:
+    after the second length Dynamo marks the length dynamic and, as for the plain model, compiles nothing
+    more; the relative position bias is traced on the symbolic lengths (layers.bias_method: its index taken
+    from the method itself, no guard on the lengths) and every step's norms equal one backward per example
+    (before: the bias method's lookup of the learned lengths guarded each length, a recompilation per
+    length until Dynamo's limit, after which the stack ran eagerly)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0,
+        relative_attention_num_buckets=8, decoder_start_token_id=0)).double()
+    compiled = torch.compile(model, backend="aot_eager")
+    gen, graphs = torch.Generator().manual_seed(3), []
+    with PerSampleGradNorms(model) as norms:
+        for t in (6, 8, 10, 12):
+            ids = torch.randint(0, V, (3, t), generator=gen)
+            ref = sum(example_param_sq_norms(model, (model(input_ids=ids[b:b + 1], labels=ids[b:b + 1]).loss
+                                                     for b in range(3))).values())
+            model.zero_grad()
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            torch.testing.assert_close(norms.sq_norms(), ref, rtol=1e-6, atol=0)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[3] == graphs[2] == graphs[1], graphs
+
+
 def test_compiled_t5_with_gradient_checkpointing():
     """T5 under torch.compile with (non-reentrant) gradient checkpointing of its blocks: the bias looked up
     over the batch at ``compute_bias`` (layers.bias_method), eager step and compiled steps alike, equals one

@@ -13,9 +13,12 @@ its first call with given arguments it runs eagerly (under compile: a graph brea
 returns a tensor on the meta device, so that nothing is computed: the result must be a view of that tensor
 (permutes, unsqueezes) with a leading unit dim (where the batch broadcasts), and the view's strides give
 the layout. Kept by the call's arguments (T5's lengths and offset, plain ints), that layout and index then
-serve every call, eager or traced (in the graph: no graph break): the lookup once, expanded over the batch
-as a view, handed to the embedding's hook as a call on ``idx.expand(B, …)``, and returned in that layout
-with the batch on the leading dim.
+serve every eager call: the lookup once, expanded over the batch as a view, handed to the embedding's hook
+as a call on ``idx.expand(B, …)``, and returned in that layout with the batch on the leading dim. A traced
+call does the same with no graph break, by the layout learned for its arguments' signature (ints as a
+marker, their values unread): the method is traced with the embedding swapped for a :class:`_Capture`,
+which keeps the index it is called on, so that symbolic lengths stay symbolic (after Dynamo marks a length
+dynamic, a new length compiles nothing more) and the lookup is expanded as above.
 
 Every example's slice is the batch-less bias, so no value downstream changes; the gradient that reaches the
 expansion is each example's, summed over every layer that reuses the bias, and the embedding rule reads it
@@ -72,6 +75,32 @@ def over_batch(looked: torch.Tensor, order: list[int], shape: torch.Size) -> tor
     return lined.reshape(looked.shape[0], *shape[1:])
 
 
+class _Capture:
+    """In place of the embedding while a compiled method is traced: keeps the index (on symbolic lengths
+    too) and its lookup, which is then expanded over the batch; the method's own result lends its shape."""
+
+    def __init__(self, emb: nn.Embedding):
+        self._emb, self.index = emb, None
+
+    def __call__(self, index, *args, **kwargs):
+        self.index, self.out = index, nn.Embedding.forward(self._emb, index)
+        return self.out
+
+    def __getattr__(self, name):
+        return getattr(self._emb, name)
+
+
+_UNKNOWN, _MIXED = object(), object()      # (a signature not learned yet; learned with two layouts)
+_INT = "\0int"                            # (an int in a signature, its value unread)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple | None:
+    """:func:`_key` with each int replaced by a marker, its value unread: a traced call on symbolic lengths
+    then adds no guard on them (no recompilation per length)."""
+    return _key(tuple(_INT if type(v) is int else v for v in args),
+                {k: _INT if type(v) is int else v for k, v in kwargs.items()})
+
+
 def _key(args: tuple, kwargs: dict) -> tuple | None:
     """A call's arguments as a key (plain ints, flags, devices: T5's lengths and offset), or None."""
     vals = (*args, *kwargs.values())
@@ -81,11 +110,13 @@ def _key(args: tuple, kwargs: dict) -> tuple | None:
         (k, str(v) if isinstance(v, torch.device) else v) for k, v in sorted(kwargs.items()))
 
 
-def _over_batch(hook, emb: nn.Embedding, got: tuple, B: int) -> torch.Tensor:
-    """The lookup once, expanded over the batch as a view (nothing copied B times), handed to the
-    embedding's hook as a call on the expanded index, then laid out as the method lays its result out."""
+def _over_batch(hook, emb: nn.Embedding, got: tuple, B: int, out=None) -> torch.Tensor:
+    """The lookup once (``out``, where done), expanded over the batch as a view (nothing copied B times),
+    handed to the embedding's hook as a call on the expanded index, then laid out as the method lays its
+    result out."""
     index, order, shape = got
-    out = nn.Embedding.forward(emb, index)                       # (its class's forward: no hook runs)
+    if out is None:
+        out = nn.Embedding.forward(emb, index)                   # (its class's forward: no hook runs)
     view = out.unsqueeze(0).expand(B, *out.shape)
     new = hook(emb, (index.expand(B, *index.shape),), {}, view)
     return over_batch(view if new is None else new, order, shape)
@@ -97,7 +128,8 @@ class _Patch:
     def __init__(self, parent: nn.Module, name: str, child: str, slot):
         self.parent, self.name, self.had = parent, name, parent.__dict__.get(name)
         original = getattr(parent, name)
-        known: dict = {}      # call key -> (index, layout, batch-less result's shape): traced from then on
+        known: dict = {}      # call key -> (index, layout, batch-less result's shape), or None: eager calls
+        layouts: dict = {}    # call signature (ints unread) -> layout, None, or _MIXED: traced calls
         hook = hooks.forward_hook(slot.owner, slot)      # (the embedding's, called on the expanded lookup)
 
         def learn(args, kwargs):
@@ -121,6 +153,8 @@ class _Patch:
             with CallbackAside():
                 if key is not None and key not in known:      # (learned in an eager step too: not traced)
                     known[key] = learn(args, kwargs)          # (None: not a view of the lookup)
+                    sig, order = _signature(args, kwargs), known[key] and known[key][1]
+                    layouts[sig] = order if layouts.get(sig, order) == order else _MIXED
                 got = known[key] if key is not None else learn(args, kwargs)
                 if got is not None:
                     return _over_batch(hook, parent._modules[child], got, B)
@@ -128,14 +162,26 @@ class _Patch:
 
         eager = disable(eager)
 
+        def traced(B, order, args, kwargs):
+            """The method traced with the embedding swapped for a :class:`_Capture`: its index (on symbolic
+            lengths too) looked up over the batch in the learned layout."""
+            emb = parent._modules[child]
+            capture = _Capture(emb)
+            parent._modules[child] = capture
+            out = original(*args, **kwargs)
+            parent._modules[child] = emb
+            if capture.index is None:              # (this call did not look the bias up)
+                return out
+            return _over_batch(hook, emb, (capture.index, order, out.shape), B, capture.out)
+
         def method(*args, **kwargs):
-            if torch.compiler.is_compiling():      # traced: the learned lookup over the batch, no graph break
-                key, B = _key(args, kwargs), slot.owner._batch
-                if key is not None and B is not None and key in known:
-                    got = known[key]
-                    if got is None:                # (learned not to be a view: the method traced as it is)
-                        return original(*args, **kwargs)
-                    return _over_batch(hook, parent._modules[child], got, B)
+            if torch.compiler.is_compiling():      # traced: the lookup over the batch, no graph break
+                sig, B = _signature(args, kwargs), slot.owner._batch
+                order = layouts.get(sig, _UNKNOWN) if sig is not None and B is not None else _UNKNOWN
+                if order is None:                  # (learned not to be a view: the method traced as it is)
+                    return original(*args, **kwargs)
+                if order is not _UNKNOWN and order is not _MIXED:
+                    return traced(B, order, args, kwargs)
             return eager(*args, **kwargs)
 
         setattr(parent, name, method)
