@@ -122,15 +122,26 @@ def test_kernels_take_half_inputs_and_return_float32(dtype):
 
 
 def test_use_kernels_off_turns_row_norms_off_too(monkeypatch):
+    """With ``USE_KERNELS = False`` no compiled operator is even looked up (kernels._op's cache, filled at
+    import, or _ext.kernel); with it on, the same step looks some up (so the check can fail)."""
     calls = []
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            calls.append(key[0])
+            return super().get(key, default)
+
     real = kernels._ext.kernel
     monkeypatch.setattr(kernels._ext, "kernel", lambda name, dev: calls.append(name) or real(name, dev))
-    monkeypatch.setattr(kernels, "USE_KERNELS", False)
+    monkeypatch.setattr(kernels, "_OP_CACHE", Recording(kernels._OP_CACHE))
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
-    with PerSampleGradNorms(model) as n:
-        model(torch.randn(4, 5)).sum().backward()
-    assert n.sq_norms().shape == (4,)
-    assert calls == []                                   # no compiled operator was even looked up
+    for on in (True, False):
+        calls.clear()
+        monkeypatch.setattr(kernels, "USE_KERNELS", on)
+        with PerSampleGradNorms(model, fused=False) as n:       # (the hook rules: through kernels._op)
+            model(torch.randn(4, 3, 5)).sum().backward()
+        assert n.sq_norms().shape == (4,)
+        assert bool(calls) == (on and kernels._ext.HAS_C), calls
 
 
 # ---------------------------------------------------------------------------------------------- GradScaler
