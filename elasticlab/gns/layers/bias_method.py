@@ -168,8 +168,10 @@ class _Patch:
             emb = parent._modules[child]
             capture = _Capture(emb)
             parent._modules[child] = capture
-            out = original(*args, **kwargs)
-            parent._modules[child] = emb
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                parent._modules[child] = emb
             if capture.index is None:              # (this call did not look the bias up)
                 return out
             return _over_batch(hook, emb, (capture.index, order, out.shape), B, capture.out)
