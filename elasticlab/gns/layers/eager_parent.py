@@ -59,8 +59,8 @@ class EagerParent:
     def __exit__(self, *exc):
         self.inside -= 1
         if not self.inside:
-            self.callback, aside = None, self._aside
-            aside.__exit__(*exc)
+            self.callback = None
+            self._aside.__exit__(*exc)
 
     def _child_in(self, child, args, kwargs):
         """A child's call compiled, unless ``stays_eager(args, kwargs)``: handed a tensor the parent's eager
