@@ -1,6 +1,7 @@
 """PerSampleGradNorms for nn.EmbeddingBag (each bag an example) against per-bag autograd gradients in float64:
-sum / mean / max modes, 2-D inputs and 1-D inputs cut by offsets (with include_last_offset, empty bags,
-padding_idx, per-sample weights), both loss reductions, offsets by keyword; the errors."""
+sum / mean / max modes, 2-D inputs and 1-D inputs cut by offsets (with include_last_offset, its last offset
+short of the input too; empty bags, padding_idx, per-sample weights), both loss reductions, offsets by
+keyword; the errors."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,7 +39,9 @@ def test_against_per_bag_autograd(mode, form, pad, weighted, reduction, fused, c
         n = 9
         idx = torch.tensor(data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)))
         starts = sorted([0] + cuts[1:])                       # repeated starts: empty bags
-        offsets = torch.tensor(starts + ([n] if form == "last" else []))
+        # include_last_offset: PyTorch (CPU and CUDA) runs the last bag to the input's end, whatever the
+        # last offset says (documented as equal to it, not checked)
+        offsets = torch.tensor(starts + ([data.draw(st.integers(starts[-1], n))] if form == "last" else []))
     if weighted and mode == "sum":
         psw = torch.randn(idx.shape, dtype=torch.float64)
     args = (idx, offsets, psw)
@@ -55,6 +58,19 @@ def test_against_per_bag_autograd(mode, form, pad, weighted, reduction, fused, c
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_last_offset_short_of_the_input_keeps_the_trailing_indices(fused):
+    """include_last_offset with offsets[-1] < len(input): the bag PyTorch makes (to the end), not the cut."""
+    torch.manual_seed(0)
+    model = Bags(mode="sum", include_last_offset=True).double()
+    idx, offsets = torch.tensor([1, 2, 1, 0, 3, 0, 0, 4, 2, 3, 5]), torch.tensor([0, 5, 8, 10])
+    assert torch.equal(model.bag(idx, offsets)[2], model.bag.weight[idx[8:]].sum(0))
+    want = example_param_sq_norms(model, (model(idx, offsets)[b].sum() for b in range(3)))["bag.weight"]
+    with PerSampleGradNorms(model, loss_reduction="sum", fused=fused) as n:
+        model(idx, offsets).sum().backward()
+    torch.testing.assert_close(n.param_sq_norms()["bag.weight"], want, rtol=1e-12, atol=0)
 
 
 def test_errors_and_a_frozen_table():

@@ -32,8 +32,6 @@ def bag_coefficient_sq(module: nn.EmbeddingBag, idx: torch.Tensor, offsets, per_
         bag = torch.searchsorted(starts, torch.arange(idx.numel(), device=dev), right=True) - 1
     pad = module.padding_idx
     keep = torch.ones_like(idx, dtype=dtype) if pad is None else (idx != pad).to(dtype)
-    if idx.dim() == 1 and module.include_last_offset:
-        keep = keep * (torch.arange(idx.numel(), device=dev) < offsets[-1]).to(dtype)
     count = keep.new_zeros(bags).index_add_(0, bag.clamp(0, bags - 1), keep)
     if module.mode == "max":
         return (count > 0).to(dtype)
