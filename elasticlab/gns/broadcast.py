@@ -22,6 +22,9 @@ import torch
 from elasticlab.gns import repeated
 from elasticlab.gns.capture import batched_input
 from elasticlab.gns.folds import grad_shapes
+from elasticlab.gns.layers.common import by_position
+
+_NONE = object()                 # (no argument given by position)
 
 ENABLED = True
 MAX_SIGNATURES = 32      # input signatures audited at most (then none: variable shapes cost a walk each)
@@ -144,24 +147,29 @@ class Audit:
         owner's first step (:func:`elasticlab.gns.repeated.watch`) (eager only; traced, it is ``fwd``, with
         no guard on ``notes``). One argument passed as it is where ``fwd`` takes one."""
         code, owner = getattr(fwd, "__code__", None), slot.owner
-        if code is not None and code.co_argcount == 1 and not code.co_flags & 0x0C:   # no *args, **kwargs
-            def forward(x):
-                out = fwd(x)
-                if not torch.compiler.is_compiling():
-                    if self.notes is not None:
-                        self.note(slot, (x,), out)
-                    if owner._watch:
-                        repeated.watch(slot, (x,), out)
-                return out
-            return forward
 
-        def forward(*args, **kwargs):
+        def called(*args, **kwargs):
+            if kwargs:                    # by position where the module's own forward could take them so
+                args, kwargs = by_position(slot.arg_names, args, kwargs)
             out = fwd(*args, **kwargs)
             if not torch.compiler.is_compiling():
                 if self.notes is not None:
                     self.note(slot, args, out)
                 if owner._watch:
                     repeated.watch(slot, args, out)
+            return out
+        if code is None or code.co_argcount != 1 or code.co_flags & 0x0C:   # (*args or **kwargs)
+            return called
+
+        def forward(x=_NONE, **kwargs):
+            if kwargs or x is _NONE:      # lin(input=x); lin() raises as the module's own forward would
+                return called(*(() if x is _NONE else (x,)), **kwargs)
+            out = fwd(x)
+            if not torch.compiler.is_compiling():
+                if self.notes is not None:
+                    self.note(slot, (x,), out)
+                if owner._watch:
+                    repeated.watch(slot, (x,), out)
             return out
         return forward
 

@@ -17,7 +17,7 @@ from elasticlab.gns import sharded
 from elasticlab.gns.capture import kept, pack_again
 from elasticlab.gns.folds import fold_for
 from elasticlab.gns.layers.broadcast_params import follow_call, unbatched
-from elasticlab.gns.layers.common import as_forward, forward_autocast
+from elasticlab.gns.layers.common import as_forward, by_position, forward_autocast
 from elasticlab.gns.sink import tap
 from elasticlab.gns.slot import Quiet, recomputing
 
@@ -43,6 +43,8 @@ def forward_hook(owner, slot):
         if torch.compiler.is_compiling() and (slot.shared or slot.rule.outputs and isinstance(output, (
                 tuple, list))):           # (a graph break) a router's tuple, joined eagerly; a module an
             return hook.eager(module, args, kwargs, output)   # eager step found repeated, its calls kept
+        if kwargs:                        # lin(input=x): by position, as the rules read a call's inputs
+            args, kwargs = by_position(slot.arg_names, args, kwargs)
         inputs = (*args, kwargs) if slot.rule.kwargs and kwargs else args
         unb = slot.rule.unbatched and unbatched(slot, inputs, output)   # (layers.broadcast_params)
         if unb is None:                   # refused under torch.compile: the readers raise, naming the call

@@ -290,7 +290,8 @@ class PerSampleGradNorms:
         self._unfuse.clear()                              # (the slots found repeated took hooks above)
         self._handles += bias_method.install(self)        # (T5's compute_bias: its bias over the batch)
         for t in self._ties:                              # the embeddings' indices, for the output layer
-            self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook)) for e in t.embs]
+            self._handles += [e.module.register_forward_pre_hook(eager(t.pre_hook), with_kwargs=True)
+                              for e in t.embs]
         self._active = True
         self._eager_first.hold()
         self._begin_step()

@@ -11,6 +11,7 @@ from torch import nn
 
 from elasticlab.gns import host, repeated, sharded
 from elasticlab.gns.block import ROWS
+from elasticlab.gns.layers.common import positional_names
 from elasticlab.gns.registry import covered_params, rule_for, uncovered
 
 
@@ -39,6 +40,7 @@ class Slot:
     def __init__(self, owner, name: str, module: nn.Module, rule, need: tuple[str, ...]):
         self.owner, self.name, self.module, self.rule, self.need = owner, name, module, rule, need
         self.host, self.call_need = module, need     # the module whose calls it reads, its names there
+        self.arg_names = positional_names(module)     # its forward's arguments a caller may pass by position
         self.calls, self.batch = 0, 0
         self.norms: dict[str, torch.Tensor] = {}
         self.touched: set[str] = set()                    # needed params whose .grad was written, not run
@@ -183,6 +185,7 @@ def slots_of(owner, model: nn.Module, strict: bool, skipped: list[str]) -> list[
             if rule.on_owner:                          # (a ParametrizationList: <owner>.parametrizations.<t>)
                 parts = name.split(".")
                 slot.host = model.get_submodule(".".join(parts[:-2]))
+                slot.arg_names = positional_names(slot.host)
                 slot.call_need = tuple(".".join([*parts[-2:], pn]) for pn in covered)
     return slots
 

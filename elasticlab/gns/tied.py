@@ -66,7 +66,7 @@ class Tie:
     def names(self) -> str:
         return " is ".join(repr(s.full("weight")) for s in self.members)
 
-    def pre_hook(self, module, args):
+    def pre_hook(self, module, args, kwargs):
         """At an embedding's forward (eagerly, under torch.compile too): its indices of this step (the first
         embedding call of a step drops the last step's leftovers). Not at a checkpoint's recomputation (the
         same indices)."""
@@ -77,7 +77,8 @@ class Tie:
         if all(e.calls == 0 for e in self.embs):
             self.idx = {}
             self._clear()
-        self.idx[id(module)] = local(args[0])        # (parallelize_module's input may be a DTensor)
+        idx = args[0] if args else kwargs.get("input")     # (emb(input=idx))
+        self.idx[id(module)] = local(idx)             # (parallelize_module's input may be a DTensor)
 
     def _block(self) -> tuple | None:
         """The block of the table each process holds under tensor parallelism (its members' layouts,

@@ -1,4 +1,5 @@
-"""Helpers shared by the layer rules: batch-dimension checks and mixed-precision casts.
+"""Helpers shared by the layer rules: batch-dimension checks, mixed-precision casts, and a call's keyword
+arguments moved to their positions.
 
 Under ``torch.autocast`` a layer's forward hook sees the input as the caller passed it (often float32) while
 the gradient of its output arrives in the autocast dtype (bfloat16 or float16). Rules compute in one dtype:
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -23,6 +26,32 @@ def batched(module: nn.Module, x: torch.Tensor, min_dim: int) -> None:
     if x.dim() < min_dim:
         raise ValueError(f"per-example norms need a batch dimension first: {type(module).__name__} got an "
                          f"input of shape {tuple(x.shape)}")
+
+
+def positional_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of the parameters of ``module``'s own forward (its class's) that a caller may pass by
+    position, in order (``('input',)`` for nn.Linear, ``('input', 'hx')`` for nn.LSTMCell)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params))
+
+
+def by_position(names: tuple[str, ...], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's ``args`` and ``kwargs`` with the arguments passed by keyword that could have been passed by
+    position (``lin(input=x)``; ``names``: :func:`positional_names`) moved into ``args``, up to the first
+    not given: the rules and the fused forwards read a layer's inputs by position."""
+    names = names[len(args):]
+    if not names or names[0] not in kwargs:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    for n in names:
+        if n not in kwargs:
+            break
+        args = (*args, kwargs.pop(n))
+    return args, kwargs
 
 
 def autocast_on(t: torch.Tensor) -> bool:
