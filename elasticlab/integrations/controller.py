@@ -60,6 +60,9 @@ class BatchSizeController:
         number("ramp_per_k", ramp_per_k, lambda k: k >= 0, "a finite number of steps >= 0")
         if max_per_gpu_batch is not None:
             whole("max_per_gpu_batch", max_per_gpu_batch, 1, "an integer >= 1 or None")
+        if -(-min_batch // multiple_of) * multiple_of > max_batch:
+            raise ValueError(f"no multiple of multiple_of={multiple_of} lies in [min_batch, max_batch] = "
+                             f"[{min_batch}, {max_batch}]: widen the range or lower multiple_of")
         if throughput_model is not None and not isinstance(throughput_model, ThroughputModel):
             raise ValueError("throughput_model must be a ThroughputModel, got "
                              f"{type(throughput_model).__name__}")
@@ -76,6 +79,7 @@ class BatchSizeController:
         self.batch = init_batch
         self._accum = (0, 0)                                  # (per-GPU batch, accumulation steps) of Pollux
         self.lr: ElasticLR | None = None
+        self._lr_gns = False                                  # self.lr's AdaScale reads what propose gets
         self.proposals: list[Proposal] = []
 
     # ------------------------------------------------------------------------------------------ LR
@@ -89,7 +93,9 @@ class BatchSizeController:
     def elastic_lr(self, optimizer, gns=None) -> ElasticLR:
         """An :class:`~elasticlab.lr.ElasticLR` on ``optimizer`` with this rule (Dynamic SGD: its ramp),
         kept in ``self.lr`` and told of every batch change by :meth:`apply`; step inside
-        ``with ctl.lr.applied():``."""
+        ``with ctl.lr.applied():``. AdaScale reads ``gns``, or, where none is given, what :meth:`propose`
+        and :meth:`step` are given (the monitor)."""
+        self._lr_gns = gns is None and self.rule.needs_gns     # (fed by propose)
         if self.rule.is_ramp:
             ramp = self.rule.cls(steps_per_k=self.ramp_per_k)
             self.lr = ElasticLR(optimizer, self.init_batch, rule=self.rule.ramp_to, ramp=ramp, gns=gns,
@@ -100,13 +106,20 @@ class BatchSizeController:
         return self.lr
 
     # ------------------------------------------------------------------------------------------ batch
-    def _round(self, b: float) -> int:
+    def _round(self, b: float, lo: int) -> int:
+        """``b`` rounded down to a multiple of ``multiple_of`` within [lo, max_batch]: up to the first one at
+        or above ``lo`` where it falls below; the current batch where no multiple lies in the range."""
         m = self.multiple_of
-        return max(int(b // m) * m, m)
+        new = int(b // m) * m
+        if new < lo:
+            new = -(-lo // m) * m
+        return new if new <= self.max_batch else self.batch
 
     def propose(self, gns) -> Proposal:
         """The next global batch from ``gns`` (a :class:`~elasticlab.gns.GNSMonitor`, an estimator, or
         B_simple itself); the current batch while the GNS is not yet measured."""
+        if self.lr is not None and self._lr_gns and gns is not None:
+            self.lr.gns = self.lr.rule.stats = gns            # AdaScale's statistics: the live GNS
         phi = _phi(gns)
         cur = self.batch
         if phi is None:
@@ -127,7 +140,7 @@ class BatchSizeController:
             target, why = cur, why + ", never shrinking"
         if target > cur * self.max_growth:
             target, why = cur * self.max_growth, why + f", at most x{self.max_growth:g} per decision"
-        new = min(self._round(target), self._round(self.max_batch))
+        new = self._round(target, max(self.min_batch, cur) if self.monotone else self.min_batch)
         if cur and abs(new - cur) < self.hysteresis * cur:
             new, why = cur, why + f", within {self.hysteresis:.0%} of the current batch"
         return Proposal(new, self.lr_multiplier(new, gns), phi, new != cur, why, *self._accum)

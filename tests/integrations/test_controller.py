@@ -1,5 +1,6 @@
-"""BatchSizeController: batch from B_simple (growth, rounding, hysteresis, never shrinking), from goodput,
-LR multipliers of the elasticlab.lr rules, and the plain-loop use with GNSMonitor."""
+"""BatchSizeController: batch from B_simple (growth, rounding within the range, hysteresis, never shrinking),
+from goodput, LR multipliers of the elasticlab.lr rules, and the plain-loop use with GNSMonitor (AdaScale fed
+the monitor given to step)."""
 import math
 
 import pytest
@@ -71,3 +72,38 @@ def test_plain_loop_with_monitor_and_elastic_lr():
     assert batches[-1][0] > 8 and batches[-1][1] == pytest.approx(0.05 * batches[-1][0] / 8)
     assert all(b % 8 == 0 for b, _ in batches) and [b for b, _ in batches] == sorted(b for b, _ in batches)
     assert len(mon.history) == 12 and mon.history[-1]["batch_size"] == batches[-1][0]
+
+
+def test_rounding_stays_in_range_and_never_below_the_current_batch():
+    # an initial batch (the minimum) that is not a multiple: 31 rounds down to 24, below both; it goes up to
+    # the first multiple at or above the minimum (32), which the hysteresis keeps at 30
+    ctl = BatchSizeController(init_batch=30, max_batch=1000, multiple_of=8)
+    assert [ctl.step(31.0).batch, ctl.step(33.0).batch, ctl.step(31.0).batch] == [30, 30, 30]
+    assert ctl.step(45.0).batch == 40                  # then rounded down as before
+    free = BatchSizeController(init_batch=30, max_batch=1000, min_batch=10, multiple_of=8, monotone=False)
+    assert free.step(12.0).batch == 16                 # below the current batch, not below min_batch
+    with pytest.raises(ValueError, match=r"no multiple of multiple_of=8 lies in \[min_batch, max_batch\]"):
+        BatchSizeController(init_batch=4, max_batch=6, multiple_of=8)
+
+
+def test_adascale_elastic_lr_reads_the_monitor_given_to_step():
+    torch.manual_seed(0)
+    model = nn.Linear(10, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = GNSMonitor(model, beta=0.9)
+    ctl = BatchSizeController(init_batch=8, max_batch=1024, lr_rule="adascale", multiple_of=8)
+    elr = ctl.elastic_lr(opt)                          # no gns given: the controller feeds it what step gets
+    w, used, proposed = torch.randn(10, 1), [], []
+    for _ in range(6):
+        x = torch.randn(ctl.batch, 10)
+        opt.zero_grad()
+        with mon.step():
+            F.mse_loss(model(x), x @ w + 3.0 * torch.randn(ctl.batch, 1)).backward()
+        with elr.applied() as lrs:
+            opt.step()
+        used.append((x.shape[0], lrs[0] / 0.1))
+        proposed.append(ctl.step(mon))
+    assert used[-1][0] > 8                             # the batch grew, and the LR with AdaScale's gain
+    for (b, m), p in zip(used[1:], proposed[:-1]):
+        assert p.batch == b and m == pytest.approx(p.lr_multiplier, rel=0.2)   # (the EMA moves a little)
+    assert used[-1][1] > 1.2
