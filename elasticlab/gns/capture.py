@@ -108,7 +108,8 @@ class StepGradients:
 
     def start(self) -> None:
         self.reset()
-        self._hooks = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):  # (one at a time: those made before an error are removed by stop)
+            self._hooks.append(p.register_hook(self._hook(i)))
 
     def stop(self) -> None:
         for h in self._hooks:

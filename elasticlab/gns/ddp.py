@@ -16,6 +16,11 @@ import torch.distributed as dist
 from elasticlab.gns import forms, host
 from elasticlab.gns.estimator import GNSEstimator
 
+#: GNSMonitor's warning where a step's backwards were all-reduced more than once (accumulation, no no_sync)
+SYNCED = ("GNSMonitor: DDP all-reduced the gradient in {} of this step's {} backwards, so each replica's "
+          "own accumulated gradient, which the replica form needs, is gone: such steps are not measured. Run "
+          "every micro-batch but the last under `with model.no_sync():` (Lightning and the HF Trainer do)")
+
 
 def _grad_sq(params) -> float:
     """Σ ‖.grad‖² in float64: one ``_foreach_norm`` and one host read per device (no float64 copies)."""
@@ -42,11 +47,13 @@ class ReplicaGradNorms:
         self._index = {id(p): i for i, (_, p) in enumerate(named)}
         self.layer_of = forms.layer_of(named)                       # each parameter's module
         self._per = torch.zeros(len(named), dtype=torch.float64)    # each local gradient's Σ g² (its device)
+        self.syncs = 0                                              # synchronised backwards since reset
         ddp_model.register_comm_hook(self, ReplicaGradNorms._hook)
 
     @staticmethod
     def _hook(state: ReplicaGradNorms, bucket):
         buf = bucket.buffer()
+        state.syncs += bucket.index() == 0          # (every bucket is reduced in each synchronised backward)
         state._record(bucket)
         world = dist.get_world_size(state.group)
         fut = dist.all_reduce(buf.div_(world), group=state.group, async_op=True).get_future()
@@ -73,6 +80,7 @@ class ReplicaGradNorms:
     def reset(self) -> None:
         """Forget the recorded ‖g_local‖² (callers that fold it themselves do this after each step)."""
         self._per.zero_()
+        self.syncs = 0
 
     def fold(self, estimator: GNSEstimator, div: float, batch: int, big: float, layers: dict | None = None):
         """GNSMonitor's replica form, unequal batches by their harmonic mean H (Eq. A.1): this replica's

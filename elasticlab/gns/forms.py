@@ -16,10 +16,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from elasticlab.gns.estimator import GNSEstimator
+from elasticlab.checks import whole
+from elasticlab.gns.estimator import GNSEstimator, check_beta
 
 #: The forms, and ``"auto"``: the monitor's choice (module docstring of :mod:`~elasticlab.gns.monitor`).
 METHODS = ("auto", "per_example", "micro_batch", "replica")
+
+
+def check_settings(every, beta, method) -> int:
+    """``every`` (returned as an int), ``beta`` and ``method``, one rule each: checked by the monitor, and by
+    the Lightning and HF Trainer callbacks when they are made (their monitor is made at the start of the
+    fit, too late for a clear error)."""
+    every = whole("every", every, 1, "an integer >= 1")
+    check_beta(beta)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return every
 
 
 def layer_of(named) -> list[str]:

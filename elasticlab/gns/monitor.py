@@ -17,7 +17,8 @@ uses (``method="auto"``):
   (tensor hooks see the gradient before it is added to ``.grad``) against the accumulated one.
 - ``"per_example"``: one backward on one process: per-example norms (:class:`PerSampleGradNorms`); on an
   initialised group with a plain (not DDP) model, the per-example sums are all-reduced; under FSDP2, every
-  micro-batch's (:mod:`~elasticlab.gns.sharded`).
+  micro-batch's (:mod:`~elasticlab.gns.sharded`). After a step of several backwards they are off (their cost
+  saved) until a step of one, which goes unmeasured, turns them on again from the next.
 
 Gradients are read at the end of each backward (:class:`~elasticlab.gns.capture.StepGradients`): clipping
 after it changes nothing. A ``grad_scaler``'s loss scale is divided out; an overflowed step's non-finite
@@ -37,22 +38,10 @@ from elasticlab.checks import whole
 from elasticlab.gns import ddp as _ddp
 from elasticlab.gns import forms, loss_scale, sharded
 from elasticlab.gns.capture import StepGradients, batch_of, frozen, now_training
-from elasticlab.gns.estimator import GNSEstimator, check_beta
-from elasticlab.gns.forms import METHODS
+from elasticlab.gns.estimator import GNSEstimator
+from elasticlab.gns.forms import check_settings
 from elasticlab.gns.norms import PerSampleGradNorms
 from elasticlab.gns.slot import recomputing
-
-
-def check_settings(every, beta, method) -> int:
-    """``every`` (returned as an int), ``beta`` and ``method``, one rule each: checked by the monitor, and by
-    the Lightning and HF Trainer callbacks when they are made (their monitor is made at the start of the
-    fit, too late for a clear error)."""
-    every = whole("every", every, 1, "an integer >= 1")
-    check_beta(beta)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return every
-
 
 _check_size = functools.partial(whole, "batch_size", least=1, need="an integer >= 1")
 
@@ -113,7 +102,7 @@ class GNSMonitor:
         self._root = self.module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         self._out = [m.register_forward_hook(torch.compiler.disable(self._on_output))  # FSDP2: backwards
                      for m in (sharded.watched(self.module) if self._sharded else ())]    # seen at outputs
-        self._open = self._measuring = self._fixed_size = False
+        self._open = self._measuring = self._fixed_size = self._warned_syncs = False
         self._reset_step()
 
     # ------------------------------------------------------------------------------------------ steps
@@ -132,7 +121,7 @@ class GNSMonitor:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GNSMonitor: the model has no trainable parameters")
-        self._params = [p for _, p in named]
+        self._params, self._named = [p for _, p in named], named
         self._sharded = sharded.is_sharded(self._params)
         if self._sharded and (self.method == "micro_batch" or self._psn is None):
             raise ValueError(sharded.PER_EXAMPLE_ONLY.format(self._psn_error or "method='micro_batch' asked"))
@@ -162,10 +151,12 @@ class GNSMonitor:
         if self._open:
             raise RuntimeError("GNSMonitor.begin() called twice without end(): one step at a time")
         late = now_training(self._frozen)
-        if late:                              # gradual unfreezing: a new parameter set, a new estimate
-            warnings.warn(f"GNSMonitor: {list(late)} train now; measured from this step on, with the "
-                          "estimate restarted (the GNS of another parameter set)", RuntimeWarning,
-                          stacklevel=2)
+        gone = [n for n, p in self._named if not p.requires_grad]
+        if late or gone:                      # gradual (un)freezing: a new parameter set, a new estimate
+            what = "; ".join(f"{n} {v}" for n, v in ((list(late), "train now"), (gone, "are frozen now"))
+                             if n)
+            warnings.warn(f"GNSMonitor: {what}; measured from this step on, with the estimate restarted "
+                          "(the GNS of another parameter set)", RuntimeWarning, stacklevel=2)
             self._track()
             self.estimator = GNSEstimator(beta=self.estimator.beta,
                                           init_batch_size=self.estimator.init_batch_size)
@@ -173,16 +164,20 @@ class GNSMonitor:
         self._open, self._measuring = True, self.is_measured(self.steps)
         if not self._measuring:
             return
-        self._reset_step()
-        if self._replicas is not None:
-            self._replicas.reset()            # its hook adds up every synchronised backward, measured or not
-        self._fixed_size = batch_size is not None
-        self._given_sizes = [_check_size(batch_size)] if self._fixed_size else []
-        self._scale = loss_scale.current(self.grad_scaler)
-        self._grads.read_first = not self._use_psn()          # per-example: the norms read .grad then
-        self._grads.start()
-        if self._use_psn():
-            self._psn.__enter__()
+        try:
+            self._reset_step()
+            if self._replicas is not None:
+                self._replicas.reset()        # its hook adds up every synchronised backward, measured or not
+            self._fixed_size = batch_size is not None
+            self._given_sizes = [_check_size(batch_size)] if self._fixed_size else []
+            self._scale = loss_scale.current(self.grad_scaler)
+            self._grads.read_first = not self._use_psn()      # per-example: the norms read .grad then
+            self._grads.start()
+            if self._use_psn():
+                self._psn.__enter__()
+        except BaseException:                 # (a bad batch_size): the step is not left open
+            self.abort()
+            raise
 
     def micro_batch(self, batch_size: int | None = None) -> None:
         """A micro-batch of this step starts (for loops whose forward of ``model`` is not called directly,
@@ -336,7 +331,8 @@ class GNSMonitor:
                     "GNSMonitor: one backward per step on one process needs per-example gradient norms, but "
                     f"they are not available for this model ({self._psn_error}). Accumulate >= 2 "
                     "micro-batches per step (micro-batch form) or train under DDP (replica form)")
-            return None                                        # per-example norms off after accumulation
+            self._accumulating = False        # (off after accumulation; one backward: on from the next step)
+            return None
         sq, grad_sq, layers = snap
         layers = layers and {name: ([ln], lg) for name, (ln, lg) in layers.items()}
         folded, n = forms.per_example(self.estimator, [sq], grad_sq, means, layers, self.world, self.group)
@@ -344,6 +340,12 @@ class GNSMonitor:
 
     def _fold_replicas(self, k: int):
         """Replica two-batch form (:meth:`~elasticlab.gns.ddp.ReplicaGradNorms.fold`)."""
+        if self._replicas.syncs > 1:          # (every replica alike: DDP's all-reduces are collective)
+            if not self._warned_syncs:
+                warnings.warn(_ddp.SYNCED.format(self._replicas.syncs, k), RuntimeWarning, stacklevel=3)
+            self._replicas.reset()
+            self._warned_syncs = True
+            return None
         div = self._weight(k) ** 2 * self._scale_sq() * k * k      # this replica's mean gradient: local/(w·k)
         big = self._grads.grad_sq() / div                          # .grad: DDP averaged the replicas
         layers = {n: float(big[c].sum()) for n, c in (self._groups if self.per_layer else {}).items()}

@@ -97,6 +97,7 @@ class PerSampleGradNorms:
         self._frozen = frozen(model)                       # checked at each read (now_training)
         tied = {id(m) for t in self._ties for m in t.members}             # (they may need nothing)
         self._slots = [s for s in self._slots if s.need or s.rule.calls_children or id(s) in tied]
+        self._trained = [(s, pn, s.module._parameters[pn]) for s in self._slots for pn in s.need]  # frozen?
         self._handles, self._probes = [], []   # (probes: one-shot hooks on the unrun modules of a step)
         self._layer_cache: dict[str, torch.Tensor] | None = None   # layer_sq_norms of this step, once read
         self._covered: set[tuple[int, str]] | None = None   # the coverage check, within reading()
@@ -232,6 +233,11 @@ class PerSampleGradNorms:
                          "no rule records their per-example norms", "Make PerSampleGradNorms (or GNSMonitor) "
                          "again after changing which parameters train", "the per-example norms and of "
                          "grad_sq_norm (they were never covered)")
+        gone = [s.full(pn) for s, pn, p in self._trained if not p.requires_grad]
+        if gone:                                           # (strict or not: the fused rows would be NaN)
+            raise RuntimeError(f"{gone} trained when PerSampleGradNorms was made and are frozen now, so "
+                               "their per-example norms are not formed. Make PerSampleGradNorms again after "
+                               "changing which parameters train (GNSMonitor follows such a change by itself)")
         odd, lost = unmeasured(self._slots, self._refuse), self._left_out()
         if not lost:
             return odd

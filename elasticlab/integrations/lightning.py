@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import nn
 
 from elasticlab.gns import GNSMonitor
-from elasticlab.gns.monitor import check_settings
+from elasticlab.gns.forms import check_settings
 from elasticlab.integrations.common import metrics
 
 

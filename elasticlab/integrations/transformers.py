@@ -14,7 +14,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from elasticlab.gns import GNSMonitor
-from elasticlab.gns.monitor import check_settings
+from elasticlab.gns.forms import check_settings
 from elasticlab.integrations.common import metrics
 
 

@@ -509,6 +509,55 @@ def test_monitor_follows_gradual_unfreezing_with_a_new_estimate():
         assert abs(a - b) < 1e-8 * abs(b), (a, b)
 
 
+def test_parameter_frozen_after_construction_is_refused():
+    """The other way (progressive freezing): parameters that trained when PerSampleGradNorms was made and are
+    frozen later. Their fused rows were silently NaN; now the readers raise naming them, strict or not."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    for strict in (True, False):
+        model[0].requires_grad_(True)
+        with PerSampleGradNorms(model, loss_reduction="sum", strict=strict) as psn:
+            model[0].requires_grad_(False)
+            model.zero_grad()
+            sq_loss(model(x), y).backward()
+            with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias'\] trained when "
+                               "PerSampleGradNorms was made and are frozen now"):
+                psn.sq_norms()
+
+
+def test_monitor_follows_freezing_with_a_new_estimate():
+    """GNSMonitor made with every layer training, then the first frozen: the next step warns, follows the
+    new parameter set and restarts the estimate (before: a RuntimeError from a tensor hook, and every later
+    step 'begin() called twice'); its estimate is that of the remaining layers."""
+    from elasticlab.gns import GNSEstimator, GNSMonitor
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    mon = GNSMonitor(model, beta=0.5)
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64))
+            for _ in range(2)]
+    with mon.step():
+        F.mse_loss(model(data[0][0]), data[0][1]).backward()
+    model.zero_grad()
+    model[0].requires_grad_(False)
+    x, y = data[1]
+    with pytest.warns(RuntimeWarning, match=r"\['0.weight', '0.bias'\] are frozen now.*estimate restarted"):
+        with mon.step():
+            F.mse_loss(model(x), y).backward()
+    assert mon.estimator.num_updates == 1 and set(mon.layer_b_simple()) == {"2"}
+    ref = GNSEstimator(beta=0.5)
+    sq = func_sq_norms(model, lambda o, t: F.mse_loss(o, t, reduction="sum") / 3, x, y)
+    ref.update(sq, sum(float(p.grad.double().pow(2).sum()) for p in model[2].parameters()))
+    for a, b in ((mon.grad_sq, ref.grad_sq), (mon.trace_cov, ref.trace_cov)):
+        assert abs(a - b) < 1e-8 * abs(b), (a, b)
+    with pytest.raises(ValueError, match="batch_size"):     # a failed begin leaves no step open
+        with mon.step(batch_size=0):
+            pass
+    with mon.step():
+        F.mse_loss(model(x), y).backward()
+    assert mon.estimator.num_updates == 2
+
+
 def test_a_parents_alias_of_a_covered_parameter_is_not_uncovered(monkeypatch):
     """``self.bias = self.decoder.bias`` (Hugging Face's masked-LM heads): the parent's direct parameter is
     the Linear's, covered there and counted once; a parameter of the parent's own is not an alias (refused

@@ -1,8 +1,10 @@
 """GNSMonitor against GNSEstimator fed the same batches by hand: per-example, micro-batch (accumulation),
 bf16 autocast, a GradScaler (scale divided out, overflow skipped and counted), DDP replicas (2 gloo)."""
+import contextlib
 import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -361,6 +363,54 @@ def test_per_example_form_over_unequal_process_batches_uses_their_harmonic_mean(
         assert close(h[-1]["b_simple"], ref.b_simple, 1e-5), (r, h[-1]["b_simple"], ref.b_simple)
 
 
+def _synced_worker(rank):
+    """Accumulation under DDP with every backward synchronised (no ``no_sync``), then with it."""
+    model = nn.parallel.DistributedDataParallel(make_model())
+    mon = GNSMonitor(model, beta=0.5)
+    seen = []
+    for synced in (True, True, False):
+        x, y = batches(1, WORLD * B_LOCAL)[0]
+        xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+        model.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mon.step():
+                for j, (xb, yb) in enumerate(zip(xs.split(3), ys.split(3))):
+                    with model.no_sync() if j == 0 and not synced else contextlib.nullcontext():
+                        (F.cross_entropy(model(xb), yb) / 2).backward()
+        seen.append((len(mon.history), mon.unmeasured, [str(w.message) for w in caught]))
+    return seen
+
+
+def test_ddp_accumulation_without_no_sync_is_not_measured(tmp_path):
+    """Each backward all-reduced: the second's bucket holds the first's averaged gradient plus its own, and
+    the replica form had summed the buckets' norms (B_simple 2.7x too large, silently). Now such a step goes
+    unmeasured, with one warning naming no_sync; a step under no_sync is measured again."""
+    for seen in run_gloo(_synced_worker, WORLD, tmp_path):
+        (h1, u1, w1), (h2, u2, w2), (h3, u3, w3) = seen
+        assert (h1, u1, h2, u2, h3, u3) == (0, 1, 0, 2, 1, 2)
+        assert len(w1) == 1 and "all-reduced the gradient in 2 of this step's 2 backwards" in w1[0]
+        assert "no_sync" in w1[0] and w2 == [] and w3 == []
+
+
+def test_one_backward_after_accumulation_measures_per_example_from_the_next_step():
+    """auto: per-example norms are off after a step of several backwards (their cost saved); a step of one
+    backward then goes unmeasured, and turns them on again from the next (before: off for good)."""
+    model = make_model()
+    mon = GNSMonitor(model, beta=0.5)
+    (x, y), = batches(1, 8)
+    with mon.step():
+        for xb, yb in zip(x.split(4), y.split(4)):
+            (F.cross_entropy(model(xb), yb) / 2).backward()
+    for _ in range(3):
+        model.zero_grad()
+        with mon.step():
+            F.cross_entropy(model(x), y).backward()
+    assert [(h["step"], h["method"]) for h in mon.history] == [
+        (1, "micro_batch"), (3, "per_example"), (4, "per_example")]
+    assert mon.unmeasured == 1
+
+
 @pytest.mark.parametrize("kwargs, msg", [
     ({"every": True}, "every must be an integer >= 1, got True"),
     ({"every": "2"}, "every must be an integer >= 1, got '2'"),
@@ -368,9 +418,9 @@ def test_per_example_form_over_unequal_process_batches_uses_their_harmonic_mean(
     ({"init_batch_size": 0}, "init_batch_size must be >= 1, got 0"),
 ])
 def test_settings_rules_are_the_callbacks_rules(kwargs, msg):
-    """One rule each (gns.monitor.check_settings), so the monitor and the callbacks cannot drift apart: the
+    """One rule each (gns.forms.check_settings), so the monitor and the callbacks cannot drift apart: the
     monitor took every=True as 1, and a string beta gave a TypeError from the comparison."""
-    from elasticlab.gns.monitor import check_settings
+    from elasticlab.gns.forms import check_settings
 
     with pytest.raises(ValueError, match=msg):
         GNSMonitor(make_model(), **kwargs)
