@@ -310,13 +310,14 @@ def _out_of_compiled(x: torch.Tensor, limit: int = 64) -> bool:
 
 
 def _at_batch(found: dict, batch: int, shape: tuple) -> Fold | None:
-    """A layout read at another batch for as many rows per example (R = batch·per) and the same shape past
-    dim 0: the same code folds the examples the same way whatever their number."""
+    """A layout read with the same shape past dim 0 at another batch or number of rows per example (R =
+    batch·per): the same code folds examples alike whatever their number and length (OPT's (B·T, D)); one of
+    as many rows per example first, else the order all such layouts share."""
     if shape[0] == batch or shape[0] % batch:
         return None
-    per = shape[0] // batch
-    return next((Fold(batch, per, f.major) for (_, seen), f in found.items()
-                 if f is not None and f.per == per and seen[1:] == shape[1:]), None)
+    alike = [f for (_, seen), f in found.items() if f is not None and seen[1:] == shape[1:]]
+    major = {f.major for f in alike if f.per == shape[0] // batch} or {f.major for f in alike}
+    return Fold(batch, shape[0] // batch, major.pop()) if len(major) == 1 else None
 
 
 def unfolding(slot, forward):
@@ -324,9 +325,9 @@ def unfolding(slot, forward):
     owner = slot.owner
 
     def run(x, *args, **kwargs):
-        # the common call (dim 0 is the batch) pays one comparison, not a call of fold_for
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == owner._batch \
-                or torch.compiler.is_compiling() and not slot.folds:
+        # one comparison, not a call of fold_for; traced, none without a fold (it would specialise the batch)
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or torch.compiler.is_compiling() and not slot.folds or x.shape[0] == owner._batch:
             return forward(x, *args, **kwargs)
         fold = fold_for(slot, x)
         if fold is None:

@@ -119,11 +119,12 @@ class PerSampleGradNorms:
     # ------------------------------------------------------------------------------------------ hooks
     def _begin_step(self, module=None, args=(), kwargs=None):
         """At each forward of the model, run eagerly (``__enter__``); not at its recomputation in a backward
-        (activation checkpointing of the whole model)."""
-        if module is not None and recomputing():
-            return
+        (activation checkpointing of the whole model), nor at a forward without gradients (an evaluation
+        between a backward and the read of its norms)."""
+        if module is not None and (recomputing() or not torch.is_grad_enabled()):
+            return                                         # (an evaluation leaves the last step's norms)
         self._layer_cache = None
-        self._steps += module is not None and torch.is_grad_enabled()   # (the model's forwards that train)
+        self._steps += module is not None                  # (the model's forwards that train)
         if self._steps > 1:
             self._eager_first.release(True)                # (this one began eagerly: compiled from the next)
         self._watch = self._steps <= 1                     # the first keeps fused calls: gns.repeated.watch
@@ -181,8 +182,8 @@ class PerSampleGradNorms:
         """After the model's forward: the broadcast audit (gns.broadcast); a one-shot probe on each needed
         parameter of a module that did not run (or whose norms come from taps on followed tensors), noting
         (no host sync) whether the backward writes its grad.
-        Not after a recomputation in a backward."""
-        if recomputing():
+        Not after a recomputation in a backward, nor after a forward without gradients."""
+        if recomputing() or not torch.is_grad_enabled():
             return
         self._audit.end(output)
         self._forwards.end(output)
@@ -233,12 +234,18 @@ class PerSampleGradNorms:
                          "no rule records their per-example norms", "Make PerSampleGradNorms (or GNSMonitor) "
                          "again after changing which parameters train", "the per-example norms and of "
                          "grad_sq_norm (they were never covered)")
-        gone = [s.full(pn) for s, pn, p in self._trained if not p.requires_grad]
-        if gone:                                           # (strict or not: the fused rows would be NaN)
-            raise RuntimeError(f"{gone} trained when PerSampleGradNorms was made and are frozen now, so "
-                               "their per-example norms are not formed. Make PerSampleGradNorms again after "
-                               "changing which parameters train (GNSMonitor follows such a change by itself)")
+        gone = [(s, pn) for s, pn, p in self._trained if not p.requires_grad]
+        if gone:                                           # (progressive freezing) never with stale rows
+            names = tuple(s.full(pn) for s, pn in gone)
+            self._refuse(names, f"{list(names)} trained when PerSampleGradNorms was made and are frozen now",
+                         "Make PerSampleGradNorms again after changing which parameters train (GNSMonitor "
+                         "follows such a change by itself), or pass strict=False to leave them out",
+                         "the per-example norms and of grad_sq_norm")
+            for s, pn in gone:
+                s.norms.pop(pn, None)
+                s.on_block = False                         # (the block's sum would hold its row)
         odd, lost = unmeasured(self._slots, self._refuse), self._left_out()
+        odd |= {(id(s), pn) for s, pn in gone}
         if not lost:
             return odd
         names, why = tuple(s.full(pn) for s, pn in lost), left_out_why(lost)
@@ -344,6 +351,8 @@ class PerSampleGradNorms:
         if fast is not None:
             return fast
         layers = self.layer_sq_norms()
+        if not layers and self._batch and any(s.calls for s in self._slots):   # (compiled: no rows to be NaN)
+            return torch.full((self._batch,), float("nan"), device=self._sinks.device)   # (the input's)
         if not layers:
             raise RuntimeError("no per-example norms recorded: run forward and loss.backward() inside the "
                                "context")

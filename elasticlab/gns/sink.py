@@ -85,8 +85,8 @@ class Sinks:
     """The sink of one :class:`~elasticlab.gns.PerSampleGradNorms`: one (rows, capacity) leaf, a row per
     needed parameter of each slot (``slot.rows``), made before each forward of the model for its batch (dim 0
     of the call's first tensor argument with a dimension) and device: one comparison a step, the leaf remade
-    only for a larger batch or another input device. One post-accumulate-grad hook a step (:meth:`_take`)
-    records each slot's rows that a traced forward used."""
+    only for a batch at least as wide (then twice the batch) or another input device. One
+    post-accumulate-grad hook a step (:meth:`_take`) records each slot's rows that a traced forward used."""
 
     def __init__(self, slots: list):
         self.slots, self.capacity, self.device = slots, 0, None
@@ -100,9 +100,12 @@ class Sinks:
     def ready(self, args: tuple, kwargs: dict | None) -> None:
         self.last = None
         x = batched_input(args, kwargs)
-        if x is not None and (x.shape[0] > self.capacity or x.device != self.device):
-            self._make(x.shape[0])
-            self.capacity, self.device = x.shape[0], x.device
+        # wider than the batch, twice it when made: a traced slice of the batch's columns is never the whole
+        # leaf (a comparison that would specialise a dynamic batch size), and a growing batch remakes it
+        # (whose static shape a compiled graph guards on) only at each doubling
+        if x is not None and (x.shape[0] >= self.capacity or x.device != self.device):
+            self._make(2 * x.shape[0])
+            self.capacity, self.device = 2 * x.shape[0], x.device
 
     def _make(self, batch: int) -> None:
         """The leaf, on the device of the slots' first trainable parameter, in the widest float type their

@@ -65,6 +65,7 @@ class Slot:
         self.mixed = False          # also called in a reentrant checkpoint's recomputation (an error)
         self.unmeasured: dict[str, str] = {}   # needed params used this step in a way no rule takes: why
         self.follow = None          # its layers.broadcast_params.Step: bare parameters, or unbatched calls
+        self.seen_batched = False   # an eager call of an unbatched-capable rule had the batch on dim 0
         self.folds: dict = {}       # (batch, input shape) -> its rows' layout, or None (elasticlab.gns.folds)
         self.tp: dict = {}          # a tensor-parallel Linear's layout (gns.sharded.tensor_parallel): hooks
         self.tp_pending = False     # its norms are its shards' still (gns.sharded.reduce_norms)

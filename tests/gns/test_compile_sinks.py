@@ -1,6 +1,8 @@
 """Under torch.compile the layers hand their per-example norms out of the compiled backward as the gradient
 of a sink (elasticlab.gns.sink), so that a model compiles to one graph, with the norms and gradients of
 eager."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,7 +126,7 @@ def test_compiled_steps_match_eager_in_one_graph(case):
 
 
 class SeqFirst(nn.Module):
-    """Takes (T, B, D): the sinks, sized from the input's dim 0, hold T examples, not B."""
+    """Takes (T, B, D): the sinks, sized from the input's dim 0, hold 2·T examples, not B."""
 
     def __init__(self):
         super().__init__()
@@ -140,7 +142,7 @@ def test_batch_beyond_the_sinks_falls_back_to_recording():
     torch.manual_seed(0)
     model = SeqFirst().double()
     g = torch.Generator().manual_seed(2)
-    batches = [torch.randn(3, 5, 4, generator=g, dtype=torch.float64) for _ in range(2)]     # T=3 < B=5
+    batches = [torch.randn(2, 5, 4, generator=g, dtype=torch.float64) for _ in range(2)]     # 2·T=4 < B=5
     ref = _steps(model, batches, _mean_sq)
     torch._dynamo.reset()
     got = _steps(model, batches, _mean_sq, backend="aot_eager", sunk=False)
@@ -152,20 +154,23 @@ def test_batch_beyond_the_sinks_falls_back_to_recording():
 
 
 def test_sinks_follow_the_batch_and_stay_unused_in_eager():
-    """The sink is made before the forward for the input's batch, a row per needed parameter, remade only
-    for a larger batch; an eager step records the norms directly, leaving it without a gradient."""
+    """The sink is made before the forward for the input's batch, a row per needed parameter, twice as wide
+    as the batch (a traced slice never the whole leaf), remade only for a batch as large as it; an eager step
+    records the norms directly, leaving it without a gradient."""
     model = mlp_seq()
     with PerSampleGradNorms(model) as n:
         rows = sum(len(s.need) for s in n._slots)
         assert rows == 8                                   # 3 Linears and a LayerNorm, weight and bias each
         model(torch.randn(4, 3, 16)).sum().backward()
         first = n._sinks.leaf
-        assert first.shape == (rows, 4) and first.grad is None and first.requires_grad
+        assert first.shape == (rows, 8) and first.grad is None and first.requires_grad
         model(torch.randn(2, 3, 16)).sum().backward()                       # smaller: kept
         assert n._sinks.leaf is first and n.sq_norms().shape == (2,)
-        model(torch.randn(7, 3, 16)).sum().backward()                       # larger: remade
-        assert n._sinks.leaf.shape == (rows, 7) and n._sinks.leaf.grad is None
-        assert n.sq_norms().shape == (7,)
+        model(torch.randn(7, 3, 16)).sum().backward()                       # larger, narrower: kept
+        assert n._sinks.leaf is first and n.sq_norms().shape == (7,)
+        model(torch.randn(8, 3, 16)).sum().backward()                       # as wide: remade
+        assert n._sinks.leaf.shape == (rows, 16) and n._sinks.leaf.grad is None
+        assert n.sq_norms().shape == (8,)
 
 
 def test_triton_form_is_one_opaque_operator_when_traced(monkeypatch):
@@ -200,20 +205,35 @@ def test_triton_form_is_one_opaque_operator_when_traced(monkeypatch):
 
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_compiled_batches_of_several_sizes(dynamic):
-    """Batches of 8, 5 (the sinks sliced), 11 (remade) and 3 examples, static or dynamic shapes, with
-    ``fullgraph=True``: eager's norms at each."""
+    """Batches of 8, 5, 11, 6, 7, 3 and 15 examples (the sink, made 16 wide, sliced), then 17 (remade, 34
+    wide), static or dynamic shapes, with ``fullgraph=True``: eager's norms at each, and as many graphs as
+    the model compiles to without the norms (or fewer) up to 15, one more at 17 (the remade sink's static
+    shape).
+    Before: a graph at each new batch size, ``dynamic=True`` too (the batch was compared with the sink's
+    width and with the model's input batch, and so specialised)."""
+    from torch._dynamo.utils import counters
     torch.manual_seed(0)
     model = TinyGPT().double()
     g = torch.Generator().manual_seed(4)
-    batches = [torch.randint(0, 40, (b, 12), generator=g) for b in (8, 5, 11, 3)]
+    batches = [torch.randint(0, 40, (b, 12), generator=g) for b in (8, 5, 11, 6, 7, 3, 15, 17)]
     ref = _steps(model, batches, _gpt_loss)
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="aot_eager", dynamic=dynamic, fullgraph=True)   # a break would raise
-    with PerSampleGradNorms(model) as n:
-        for x, (n0, _, _) in zip(batches, ref):
-            model.zero_grad()
-            _gpt_loss(run(x)).backward()
-            torch.testing.assert_close(n.sq_norms(), n0, rtol=1e-10, atol=0)
+    graphs = []
+    for norms in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        run = torch.compile(model, backend="aot_eager", dynamic=dynamic, fullgraph=True)   # a break raises
+        with PerSampleGradNorms(model) if norms else contextlib.nullcontext() as n:
+            for x, (n0, _, _) in zip(batches, ref):
+                model.zero_grad()
+                _gpt_loss(run(x)).backward()
+                if norms:
+                    torch.testing.assert_close(n.sq_norms(), n0, rtol=1e-10, atol=0)
+                if x.shape[0] == 15:
+                    graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    plain, plain_all, normed, normed_all = graphs
+    # (normed < plain without dynamic=True: the eager first step's batch already counts as a change of size)
+    assert normed <= plain <= 2 and plain_all == plain and normed_all == normed + 1, graphs
 
 
 def test_importing_elasticlab_leaves_dynamo_unloaded():
@@ -286,3 +306,25 @@ def test_cuda_compiled_bf16_block_one_graph(backend):
         assert a.dtype == torch.float32
         assert float(((a - b).abs() / b).median()) < 2e-2
     assert triton_tune.tunings()                 # the compiled run's operator tuned the forms afresh
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_evaluation_between_backward_and_read_keeps_the_norms(compiled):
+    """A forward under no_grad (an evaluation) between a backward and the read of its norms leaves them
+    (before: it began a new step, and the readers raised that nothing was recorded); a forward with gradients
+    and no backward gives NaN norms, compiled as eagerly (before, compiled: that error)."""
+    torch.manual_seed(0)
+    model = mlp_seq().double()
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    g = torch.Generator().manual_seed(5)
+    x, other = (torch.randn(6, 3, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    with PerSampleGradNorms(model) as n:
+        for _ in range(2):                         # (the first step eager: eager_first)
+            model.zero_grad()
+            _mean_sq(run(x)).backward()
+            want = n.sq_norms()
+            with torch.no_grad():
+                run(other)
+            torch.testing.assert_close(n.sq_norms(), want, rtol=0, atol=0)
+        run(other)
+        assert n.sq_norms().isnan().all() and n.sq_norms().shape == (6,)

@@ -509,21 +509,32 @@ def test_monitor_follows_gradual_unfreezing_with_a_new_estimate():
         assert abs(a - b) < 1e-8 * abs(b), (a, b)
 
 
-def test_parameter_frozen_after_construction_is_refused():
+@pytest.mark.parametrize("frozen", [0, 2])
+def test_parameter_frozen_after_construction_is_refused_or_left_out(frozen):
     """The other way (progressive freezing): parameters that trained when PerSampleGradNorms was made and are
-    frozen later. Their fused rows were silently NaN; now the readers raise naming them, strict or not."""
+    frozen later. The first layer's rows were silently NaN (its backward no longer runs), a middle one's
+    counted; now the readers raise naming them (strict), or warn and leave them out."""
     torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
-    for strict in (True, False):
-        model[0].requires_grad_(True)
-        with PerSampleGradNorms(model, loss_reduction="sum", strict=strict) as psn:
-            model[0].requires_grad_(False)
-            model.zero_grad()
-            sq_loss(model(x), y).backward()
-            with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias'\] trained when "
-                               "PerSampleGradNorms was made and are frozen now"):
-                psn.sq_norms()
+    names = f"\\['{frozen}.weight', '{frozen}.bias'\\]"
+    with PerSampleGradNorms(model, loss_reduction="sum") as psn:
+        model[frozen].requires_grad_(False)
+        sq_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=names + " trained when PerSampleGradNorms was made and are "
+                           "frozen now"):
+            psn.sq_norms()
+    model[frozen].requires_grad_(True)
+    with PerSampleGradNorms(model, loss_reduction="sum", strict=False) as psn:
+        model[frozen].requires_grad_(False)
+        model.zero_grad()
+        sq_loss(model(x), y).backward()
+        with pytest.warns(RuntimeWarning, match=names + " trained when PerSampleGradNorms was made"):
+            got = psn.sq_norms()
+        per = psn.param_sq_norms()
+    ref = func_param_sq_norms(model, sq_loss, x, y)
+    assert set(per) == set(ref) and not any(k.startswith(f"{frozen}.") for k in per)
+    torch.testing.assert_close(got, sum(ref.values()), rtol=1e-10, atol=0)
 
 
 def test_monitor_follows_freezing_with_a_new_estimate():
