@@ -390,7 +390,7 @@ class PerSampleGradNorms:
         (:meth:`grad_squares`, taken earlier) or of ``.grad`` now. A nonzero gradient of a parameter whose
         module ran but recorded no norm of it raises (``strict``) or is left out, with one warning."""
         sums, missed, div = (squares or self.grad_squares()).read()
-        if missed:
+        if missed and any(s.norms or s.on_block for s in self._slots):   # (none: a forward, no backward yet)
             self._refuse(tuple(s.full(pn) for s, pn in missed), unrecorded(missed), "Freeze them, give the "
                          "module a rule that covers them, or pass strict=False to leave them out",
                          "grad_sq_norm as well")

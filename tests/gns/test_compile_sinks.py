@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticlab.gns import PerSampleGradNorms
+from elasticlab.gns import GNSEstimator, PerSampleGradNorms
 from tests.gns.test_mixed_precision import ConvNet, TinyGPT, mlp_seq, unet3d
 
 
@@ -312,7 +312,8 @@ def test_cuda_compiled_bf16_block_one_graph(backend):
 def test_an_evaluation_between_backward_and_read_keeps_the_norms(compiled):
     """A forward under no_grad (an evaluation) between a backward and the read of its norms leaves them
     (before: it began a new step, and the readers raised that nothing was recorded); a forward with gradients
-    and no backward gives NaN norms, compiled as eagerly (before, compiled: that error)."""
+    and no backward gives NaN norms, compiled as eagerly, which the estimator skips (before, compiled: that
+    error, and the gradient readers raised that no norm was recorded)."""
     torch.manual_seed(0)
     model = mlp_seq().double()
     run = torch.compile(model, backend="aot_eager") if compiled else model
@@ -328,3 +329,5 @@ def test_an_evaluation_between_backward_and_read_keeps_the_norms(compiled):
             torch.testing.assert_close(n.sq_norms(), want, rtol=0, atol=0)
         run(other)
         assert n.sq_norms().isnan().all() and n.sq_norms().shape == (6,)
+        est = GNSEstimator()                       # skipped and counted (before, compiled: the grad readers
+        assert not est.update_from(n) and est.skipped == 1      # raised that no norm was recorded)
