@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from elasticlab.gns import kernels
+from elasticlab.gns.layers.common import by_position
 from elasticlab.gns.layers.embedding import embedding_norms, scale_of, scaled_embedding_norms
 from elasticlab.gns.layers.linear import linear_norms
 from elasticlab.gns.sharded import local
@@ -77,8 +78,9 @@ class Tie:
         if all(e.calls == 0 for e in self.embs):
             self.idx = {}
             self._clear()
-        idx = args[0] if args else kwargs.get("input")     # (emb(input=idx))
-        self.idx[id(module)] = local(idx)             # (parallelize_module's input may be a DTensor)
+        if not args:                                  # (emb(input=idx), Gemma's emb(input_ids=idx))
+            args, _ = by_position(self.by_module[id(module)].arg_names, args, kwargs)
+        self.idx[id(module)] = local(args[0])        # (parallelize_module's input may be a DTensor)
 
     def _block(self) -> tuple | None:
         """The block of the table each process holds under tensor parallelism (its members' layouts,

@@ -55,21 +55,31 @@ def test_keyword_call_matches_per_example_autograd(case, fused):
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
-class TiedByKeyword(nn.Module):
-    """GPT-2's tie (the token table is the output layer's weight), the embedding called ``emb(input=idx)``."""
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's word embedding: the lookup scaled, its index named ``input_ids``."""
 
-    def __init__(self):
+    def forward(self, input_ids):
+        return super().forward(input_ids) * 2.0
+
+
+class TiedByKeyword(nn.Module):
+    """GPT-2's tie (the token table is the output layer's weight), the embedding called by keyword."""
+
+    def __init__(self, scaled=False):
         super().__init__()
-        self.emb, self.out = nn.Embedding(9, 4), nn.Linear(4, 9, bias=False)
+        self.emb = (ScaledEmbedding if scaled else nn.Embedding)(9, 4)
+        self.out, self.scaled = nn.Linear(4, 9, bias=False), scaled
         self.out.weight = self.emb.weight
 
     def forward(self, idx):
-        return self.out(self.emb(input=idx).tanh()).logsumexp(-1).sum(1)
+        h = self.emb(input_ids=idx) if self.scaled else self.emb(input=idx)
+        return self.out(h.tanh()).logsumexp(-1).sum(1)
 
 
-def test_tied_table_called_by_keyword():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_tied_table_called_by_keyword(scaled):
     torch.manual_seed(0)
-    model = TiedByKeyword().double()
+    model = TiedByKeyword(scaled).double()
     idx = torch.randint(0, 9, (B, 5))
     want = example_param_sq_norms(model, (model(idx[i:i + 1]).sum() for i in range(B)))
     with PerSampleGradNorms(model, loss_reduction="sum") as n:
