@@ -362,13 +362,14 @@ def unbatched(slot, inputs: tuple, output) -> bool | tuple | None:
     broadcast audit (:mod:`elasticlab.gns.broadcast`) still makes the readers raise. Followed eagerly only:
     under ``torch.compile`` (also in its eager parts, after a graph break) it is expanded as an eager step
     learned, or refused by name (None): :func:`.expand_plan.compiled`."""
-    if torch.compiler.is_compiling() and slot.seen_batched and not (slot.follow and slot.follow.expand):
+    compiling = torch.compiler.is_compiling()
+    if compiling and slot.seen_batched and not (slot.follow and slot.follow.expand):
         return False      # traced: batched, as an eager step saw it (reading the int B would specialise a
     B = slot.owner._batch                         # dynamic batch size: Dynamo guards on its value)
     if not ENABLED or B is None or not isinstance(output, torch.Tensor):
         return False
     if output.dim() and output.shape[0] == B:
-        slot.seen_batched = slot.seen_batched or not torch.compiler.is_compiling()
+        slot.seen_batched = slot.seen_batched or not compiling
         return False
     if slot.rule.rows and any(
             folds.fold_for(slot, t) is not None for t in (*inputs[:1], output)
